@@ -1,0 +1,45 @@
+# Benchmark and demo targets (owned by the bench crate). Included from the top-level Makefile.
+#   make run    the demo: kvroute vs round robin on an embedded small fleet (1-2 minutes)
+#   make bench  the llm-d-shaped comparison across every router, prints the table
+#   make peers  installs the peer routers (smg, vllm-router), each in its own venv
+.PHONY: run bench peers bench-all
+
+BENCH := target/release/kvroute-bench
+PEERS := .work/peers
+BENCH_OUT ?= .work/bench
+BENCH_FLEET ?= bench/fleets/default.json
+BENCH_WORKLOAD ?= bench/workloads/llm-d.json
+BENCH_ROUTERS ?= round_robin,least_request,ring_hash,kvroute,kvroute:prefix_hash,smg,vllm-router:cache_aware,vllm-router:consistent_hash,vllm-router:kv_aware,oracle
+# Each peer: venv name and the PyPI requirement installed into it.
+PEER_PKGS := smg=smg vllm-router=vllm-router
+
+# Where kvroute-bench finds the peers' venvs.
+export KVROUTE_PEERS := $(abspath $(PEERS))
+
+run: deps build
+	$(BENCH) demo
+
+bench: deps build peers
+	$(BENCH) compare --fleet $(BENCH_FLEET) --workload $(BENCH_WORKLOAD) --routers $(BENCH_ROUTERS) --out $(BENCH_OUT)
+	@cat $(BENCH_OUT)/results.md
+
+# Every default workload in turn (takes much longer than `make bench`).
+bench-all: deps build peers
+	@for w in bench/workloads/*.json; do \
+	  n=$$(basename $$w .json); \
+	  $(BENCH) compare --fleet $(BENCH_FLEET) --workload $$w --routers $(BENCH_ROUTERS) --out $(BENCH_OUT)/$$n || exit 1; \
+	  cat $(BENCH_OUT)/$$n/results.md; \
+	done
+
+# A peer that fails to install is left without its marker; `compare` then reports it as skipped.
+peers:
+	@mkdir -p $(PEERS)
+	@for p in $(PEER_PKGS); do \
+	  name=$${p%%=*}; req=$${p#*=}; dir=$(PEERS)/$$name; \
+	  if [ -f $$dir/.installed ]; then continue; fi; \
+	  echo "peers: installing $$req into $$dir"; \
+	  ( $(PYTHON) -m venv $$dir && \
+	    $$dir/bin/pip install --quiet --disable-pip-version-check $$req && \
+	    touch $$dir/.installed ) > $(PEERS)/$$name.log 2>&1 \
+	    || echo "peers: $$name failed to install (see $(PEERS)/$$name.log); it will be reported as skipped"; \
+	done

@@ -1,0 +1,133 @@
+//! `compare`: runs one workload through each router, each against a fresh (cold) sim fleet.
+
+use crate::driver;
+use crate::report::{measure, Measured, Results, RouterResult};
+use crate::routers::{Router, Running};
+use crate::sim_process::{FleetState, SimFleet};
+use crate::workload::{Api, Workload};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+/// How long a started router may take to serve its first request before it is skipped.
+const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One router's run, with what the demo wants beyond the results line.
+pub struct RouterRun {
+    pub result: RouterResult,
+    /// Requests each replica served during the run (by replica id order).
+    pub per_replica: Vec<u64>,
+    /// kvroute's `routed.<decision>` counters (empty for other routers).
+    pub decisions: Vec<(String, u64)>,
+}
+
+/// Runs every router in turn and collects the results (skipped routers included).
+pub async fn compare(
+    fleet_spec: &Value,
+    workload: &Workload,
+    routers: &[Router],
+) -> Result<Results, String> {
+    let mut results = Vec::new();
+    for (i, router) in routers.iter().enumerate() {
+        eprintln!("== [{}/{}] {}", i + 1, routers.len(), router.name());
+        results.push(run_one(fleet_spec, workload, router).await?.result);
+    }
+    Ok(Results {
+        workload: serde_json::to_value(workload).map_err(|e| e.to_string())?,
+        fleet: fleet_spec.clone(),
+        results,
+    })
+}
+
+/// Starts a fresh fleet and `router`, drives the workload, and measures. A router that cannot be
+/// started is reported as skipped; a fleet that cannot be started is an error.
+pub async fn run_one(
+    fleet_spec: &Value,
+    workload: &Workload,
+    router: &Router,
+) -> Result<RouterRun, String> {
+    let name = router.name();
+    let fleet = SimFleet::start(fleet_spec).await?;
+    let skipped = |reason: String| {
+        eprintln!("   {name}: skipped: {reason}");
+        Ok(RouterRun {
+            result: RouterResult::Skipped {
+                router: name.clone(),
+                skipped: reason,
+            },
+            per_replica: Vec::new(),
+            decisions: Vec::new(),
+        })
+    };
+    let running = match router.start(&fleet, fleet_spec).await {
+        Ok(r) => r,
+        Err(reason) => return skipped(reason),
+    };
+    if let Err(reason) = first_request(&running, workload).await {
+        return skipped(reason);
+    }
+    let before = fleet.state().await?;
+    let outcome = driver::run(&running.url, workload, &name).await;
+    let after = fleet.state().await?;
+    let decisions = running.kvroute_decisions().await;
+    let measured: Measured = measure(&name, &outcome, &before, &after);
+    Ok(RouterRun {
+        result: RouterResult::Measured(measured),
+        per_replica: served(&before, &after),
+        decisions,
+    })
+}
+
+fn served(before: &FleetState, after: &FleetState) -> Vec<u64> {
+    after
+        .replicas
+        .iter()
+        .map(|a| {
+            let b = before
+                .replicas
+                .iter()
+                .find(|b| b.id == a.id)
+                .map_or(0, |b| b.requests);
+            a.requests.saturating_sub(b)
+        })
+        .collect()
+}
+
+/// Sends one tiny request until the router answers 200, so a peer that is up but has not yet
+/// registered its workers is not charged for it (and one that never works is skipped).
+async fn first_request(running: &Running, w: &Workload) -> Result<(), String> {
+    let body = match w.api {
+        Api::Chat => {
+            json!({"model": "sim", "max_tokens": 1, "messages": [{"role": "user", "content": "ping"}]})
+        }
+        Api::Completions => json!({"model": "sim", "max_tokens": 1, "prompt": "ping"}),
+    };
+    let url = format!("{}{}", running.url, w.path());
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + FIRST_REQUEST_TIMEOUT;
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        match http.post(&url).json(&body).send().await {
+            Ok(r) if r.status().is_success() => return Ok(()),
+            Ok(r) => {
+                let status = r.status();
+                last = format!(
+                    "HTTP {status}: {}",
+                    r.text()
+                        .await
+                        .unwrap_or_default()
+                        .chars()
+                        .take(200)
+                        .collect::<String>()
+                );
+            }
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Err(format!(
+        "no successful request within {FIRST_REQUEST_TIMEOUT:?} (last: {last})"
+    ))
+}

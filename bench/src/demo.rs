@@ -1,0 +1,79 @@
+//! `demo` (what `make run` does): kvroute vs round robin on a small embedded fleet and workload,
+//! printing where requests went, how many followed cache affinity, and the hit rates.
+
+use crate::compare::{run_one, RouterRun};
+use crate::report::RouterResult;
+use crate::routers::Router;
+use crate::workload::Workload;
+use serde_json::Value;
+
+/// The demo's fleet and workload, compiled in so `make run` needs no files.
+pub const DEMO_FLEET: &str = include_str!("../fleets/demo.json");
+pub const DEMO_WORKLOAD: &str = include_str!("../workloads/demo.json");
+
+pub async fn demo() -> Result<(), String> {
+    let fleet: Value = serde_json::from_str(DEMO_FLEET).map_err(|e| format!("demo fleet: {e}"))?;
+    let workload = Workload::from_json(DEMO_WORKLOAD)?;
+    println!(
+        "kvroute demo: {} groups x {} users sharing {}-token system prompts, {} s of traffic per router\n",
+        workload.groups,
+        workload.users_per_group,
+        workload.system_prompt_tokens,
+        workload.stage_duration_s * workload.arrival.stages() as f64
+    );
+    let rr = run_one(&fleet, &workload, &Router::RoundRobin).await?;
+    let kv = run_one(&fleet, &workload, &Router::Kvroute(None)).await?;
+    println!();
+    for (name, run) in [("round_robin", &rr), ("kvroute", &kv)] {
+        let shares: Vec<String> = run
+            .per_replica
+            .iter()
+            .enumerate()
+            .map(|(i, n)| format!("r{i}={n}"))
+            .collect();
+        println!("{name:>12}: requests per replica  {}", shares.join("  "));
+    }
+    let total: u64 = kv.decisions.iter().map(|(_, n)| n).sum();
+    if total > 0 {
+        let affinity = kv
+            .decisions
+            .iter()
+            .filter(|(d, _)| d == "affinity")
+            .map(|(_, n)| n)
+            .sum::<u64>();
+        let all: Vec<String> = kv
+            .decisions
+            .iter()
+            .map(|(d, n)| format!("{d}={n}"))
+            .collect();
+        println!(
+            "\nkvroute decisions: {}  ->  {:.0}% of requests followed cache affinity",
+            all.join("  "),
+            100.0 * affinity as f64 / total as f64
+        );
+    } else {
+        println!("\nkvroute decisions: no kvroute.routed.* counters found in Envoy's stats");
+    }
+    let (hr_rr, hr_kv) = (hit_rate(&rr), hit_rate(&kv));
+    println!(
+        "\nprefix-cache hit rate: kvroute {:.1}%  vs  round_robin {:.1}%",
+        hr_kv * 100.0,
+        hr_rr * 100.0
+    );
+    if let (RouterResult::Measured(a), RouterResult::Measured(b)) = (&rr.result, &kv.result) {
+        if let (Some(x), Some(y)) = (a.ttft_ms.p90, b.ttft_ms.p90) {
+            println!("TTFT p90:              kvroute {y:.0} ms  vs  round_robin {x:.0} ms");
+        }
+    }
+    println!(
+        "\nNext: `make bench` compares every router (peers included) on the llm-d-shaped workload."
+    );
+    Ok(())
+}
+
+fn hit_rate(run: &RouterRun) -> f64 {
+    match &run.result {
+        RouterResult::Measured(m) => m.prefix_hit_rate,
+        RouterResult::Skipped { .. } => 0.0,
+    }
+}

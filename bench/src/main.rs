@@ -1,0 +1,95 @@
+//! kvroute-bench: drives one workload through several routers, each against a fresh simulated
+//! fleet, and writes results.json / results.md / ttft.svg. `demo` is the short `make run` tour.
+
+mod compare;
+mod demo;
+mod driver;
+mod oracle;
+mod paths;
+mod peers;
+mod report;
+mod routers;
+mod sim_process;
+mod stats;
+mod workload;
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Compare routers on one workload and fleet; writes DIR/results.{json,md} and DIR/ttft.svg.
+    Compare {
+        /// Fleet spec (JSON), passed to kvroute-sim as --fleet and echoed in the results.
+        #[arg(long)]
+        fleet: PathBuf,
+        /// Workload spec (JSON); see bench/README.md.
+        #[arg(long)]
+        workload: PathBuf,
+        /// Comma-separated: round_robin, least_request, ring_hash, kvroute, kvroute:<policy>,
+        /// smg, vllm-router:<policy>, oracle.
+        #[arg(long, default_value = "round_robin,kvroute,oracle")]
+        routers: String,
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// kvroute vs round robin on a small embedded fleet and workload (about a minute).
+    Demo,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => fail(format!("tokio runtime: {e}")),
+    };
+    let outcome = rt.block_on(async {
+        match cli.command {
+            Cmd::Compare {
+                fleet,
+                workload,
+                routers,
+                out,
+            } => run_compare(fleet, workload, routers, out).await,
+            Cmd::Demo => demo::demo().await,
+        }
+    });
+    if let Err(e) = outcome {
+        fail(e);
+    }
+}
+
+async fn run_compare(
+    fleet: PathBuf,
+    workload: PathBuf,
+    routers: String,
+    out: PathBuf,
+) -> Result<(), String> {
+    let fleet_text =
+        std::fs::read_to_string(&fleet).map_err(|e| format!("{}: {e}", fleet.display()))?;
+    let fleet_spec: serde_json::Value =
+        serde_json::from_str(&fleet_text).map_err(|e| format!("{}: {e}", fleet.display()))?;
+    let workload = workload::Workload::from_file(&workload)?;
+    let routers = routers::Router::parse_list(&routers)?;
+    let results = compare::compare(&fleet_spec, &workload, &routers).await?;
+    results.write_all(&out)?;
+    println!("{}", results.markdown());
+    eprintln!("wrote {}/results.json, results.md, ttft.svg", out.display());
+    Ok(())
+}
+
+fn fail(msg: String) -> ! {
+    eprintln!("kvroute-bench: {msg}");
+    std::process::exit(1)
+}

@@ -1,0 +1,192 @@
+//! The oracle router: an in-process HTTP proxy that asks the sim which replica really holds the
+//! most of each prompt (`POST /fleet/match`) and sends the request there unless that replica is
+//! overloaded. It knows what no real router can, so it is the upper bound of the comparison.
+
+use crate::sim_process::{ControlClient, MatchResult, Replica};
+use bytes::Bytes;
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::Value;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+/// A replica is overloaded when its load (running + waiting) exceeds the least-loaded replica's
+/// by more than this; the oracle then gives up its cache hit for a shorter queue.
+pub const OVERLOAD_SLACK: u64 = 4;
+
+type Body = BoxBody<Bytes, hyper::Error>;
+
+/// The running proxy; it stops when dropped.
+pub struct Oracle {
+    pub url: String,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Oracle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+struct State {
+    control: ControlClient,
+    replicas: Vec<Replica>,
+    /// Requests this proxy sent to each replica whose response headers have not come back yet:
+    /// covers the moment between a `/fleet/match` answer and the replica counting the request.
+    dispatching: Vec<AtomicU64>,
+    client: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
+}
+
+impl Oracle {
+    pub async fn start(control: ControlClient, replicas: Vec<Replica>) -> Result<Oracle, String> {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| format!("oracle bind: {e}"))?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let state = Arc::new(State {
+            control,
+            dispatching: replicas.iter().map(|_| AtomicU64::new(0)).collect(),
+            replicas,
+            client: Client::builder(TokioExecutor::new()).build_http(),
+        });
+        let task = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let state = state.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| proxy(state.clone(), req));
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Ok(Oracle {
+            url: format!("http://{addr}"),
+            task,
+        })
+    }
+}
+
+/// Picks the index into `m.replicas` with the most cached tokens among those not overloaded;
+/// ties go to the less loaded, then the lower id. `extra_load[id]` is added to a replica's load.
+pub fn choose(m: &MatchResult, extra_load: &[u64]) -> Option<usize> {
+    let load = |i: usize| {
+        let r = &m.replicas[i];
+        r.running + r.waiting + extra_load.get(r.id).copied().unwrap_or(0)
+    };
+    let min_load = (0..m.replicas.len()).map(load).min()?;
+    (0..m.replicas.len())
+        .filter(|&i| load(i) <= min_load + OVERLOAD_SLACK)
+        .max_by(|&a, &b| {
+            let (ra, rb) = (&m.replicas[a], &m.replicas[b]);
+            ra.cached_tokens
+                .cmp(&rb.cached_tokens)
+                .then(load(b).cmp(&load(a)))
+                .then(rb.id.cmp(&ra.id))
+        })
+}
+
+async fn proxy(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Body>, hyper::Error> {
+    let (parts, body) = req.into_parts();
+    let bytes = body.collect().await?.to_bytes();
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "/".into());
+    let target = match pick(&state, parts.uri.path(), &bytes).await {
+        Ok(i) => i,
+        Err(e) => return Ok(error(StatusCode::BAD_GATEWAY, &format!("oracle: {e}"))),
+    };
+    let replica = &state.replicas[target];
+    let uri = format!("{}{path}", replica.url.trim_end_matches('/'));
+    let mut out = Request::builder().method(parts.method).uri(&uri);
+    for (name, value) in parts.headers.iter() {
+        if name != hyper::header::HOST {
+            out = out.header(name, value);
+        }
+    }
+    let out = match out.body(Full::new(bytes)) {
+        Ok(r) => r,
+        Err(e) => return Ok(error(StatusCode::BAD_GATEWAY, &format!("oracle: {e}"))),
+    };
+    state.dispatching[target].fetch_add(1, Ordering::Relaxed);
+    let resp = state.client.request(out).await;
+    state.dispatching[target].fetch_sub(1, Ordering::Relaxed);
+    match resp {
+        Ok(resp) => Ok(resp.map(|b| b.boxed())),
+        Err(e) => Ok(error(
+            StatusCode::BAD_GATEWAY,
+            &format!("oracle: {uri}: {e}"),
+        )),
+    }
+}
+
+/// Index into `state.replicas` for this request body.
+async fn pick(state: &State, path: &str, body: &[u8]) -> Result<usize, String> {
+    let json: Value = serde_json::from_slice(body).map_err(|e| format!("request body: {e}"))?;
+    let m = state.control.best_match(path, &json).await?;
+    let extra: Vec<u64> = state
+        .dispatching
+        .iter()
+        .map(|d| d.load(Ordering::Relaxed))
+        .collect();
+    let chosen = choose(&m, &extra).ok_or("the fleet reported no replicas")?;
+    let id = m.replicas[chosen].id;
+    state
+        .replicas
+        .iter()
+        .position(|r| r.id == id)
+        .ok_or_else(|| format!("unknown replica id {id}"))
+}
+
+fn error(status: StatusCode, msg: &str) -> Response<Body> {
+    let body = Full::new(Bytes::from(msg.to_string()))
+        .map_err(|never| match never {})
+        .boxed();
+    let mut resp = Response::new(body);
+    *resp.status_mut() = status;
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim_process::MatchReplica;
+
+    fn m(rs: &[(u64, u64)]) -> MatchResult {
+        MatchResult {
+            replicas: rs
+                .iter()
+                .enumerate()
+                .map(|(id, &(cached_tokens, running))| MatchReplica {
+                    id,
+                    cached_tokens,
+                    running,
+                    waiting: 0,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn picks_the_replica_holding_most_of_the_prompt() {
+        assert_eq!(choose(&m(&[(0, 0), (80, 2), (40, 0)]), &[]), Some(1));
+    }
+
+    #[test]
+    fn skips_an_overloaded_replica_for_the_next_best_hit() {
+        assert_eq!(choose(&m(&[(0, 0), (80, 20), (40, 1)]), &[]), Some(2));
+    }
+
+    #[test]
+    fn a_new_prefix_goes_to_the_least_loaded() {
+        assert_eq!(choose(&m(&[(0, 3), (0, 1), (0, 2)]), &[]), Some(1));
+        assert_eq!(choose(&m(&[(0, 0), (0, 0)]), &[1, 0]), Some(1));
+    }
+}

@@ -1,0 +1,374 @@
+//! The comparison's outputs: results.json (the contract), results.md (table) and ttft.svg (bars).
+
+use crate::driver::RunOutcome;
+use crate::sim_process::FleetState;
+use crate::stats::{max_over_min, percentile, ratio};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// `results.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Results {
+    pub workload: Value,
+    pub fleet: Value,
+    pub results: Vec<RouterResult>,
+}
+
+/// One router's line: measured, or skipped with the reason.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum RouterResult {
+    Measured(Measured),
+    Skipped { router: String, skipped: String },
+}
+
+/// Percentiles are `null` when no request succeeded; `share_max_over_min` is `null` when some
+/// replica served no request at all (the ratio is unbounded).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Measured {
+    pub router: String,
+    pub requests: u64,
+    pub errors: u64,
+    pub ttft_ms: Ttft,
+    pub e2e_ms: E2e,
+    pub output_tok_s: f64,
+    pub req_s: f64,
+    pub prefix_hit_rate: f64,
+    pub share_max_over_min: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Ttft {
+    pub p50: Option<f64>,
+    pub p90: Option<f64>,
+    pub p99: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct E2e {
+    pub p50: Option<f64>,
+    pub p90: Option<f64>,
+}
+
+/// Summarises one run: client-side samples plus the fleet's counters before and after.
+pub fn measure(
+    router: &str,
+    run: &RunOutcome,
+    before: &FleetState,
+    after: &FleetState,
+) -> Measured {
+    let ok: Vec<_> = run.samples.iter().filter(|s| s.error.is_none()).collect();
+    let ttft: Vec<f64> = ok.iter().filter_map(|s| s.ttft_ms).collect();
+    let e2e: Vec<f64> = ok.iter().map(|s| s.e2e_ms).collect();
+    let tokens: u64 = ok.iter().map(|s| s.output_tokens).sum();
+    let delta = |f: fn(&crate::sim_process::ReplicaState) -> u64| -> Vec<u64> {
+        after
+            .replicas
+            .iter()
+            .map(|a| {
+                let b = before
+                    .replicas
+                    .iter()
+                    .find(|b| b.id == a.id)
+                    .map(f)
+                    .unwrap_or(0);
+                f(a).saturating_sub(b)
+            })
+            .collect()
+    };
+    let hits: u64 = delta(|r| r.prefix_hits_tokens).iter().sum();
+    let queries: u64 = delta(|r| r.prefix_queries_tokens).iter().sum();
+    let per_replica = delta(|r| r.requests);
+    let wall = run.wall_s.max(1e-9);
+    let round = |x: f64| (x * 100.0).round() / 100.0;
+    let pct = |v: &[f64], q| percentile(v, q).map(round);
+    Measured {
+        router: router.to_string(),
+        requests: run.samples.len() as u64,
+        errors: (run.samples.len() - ok.len()) as u64,
+        ttft_ms: Ttft {
+            p50: pct(&ttft, 0.5),
+            p90: pct(&ttft, 0.9),
+            p99: pct(&ttft, 0.99),
+        },
+        e2e_ms: E2e {
+            p50: pct(&e2e, 0.5),
+            p90: pct(&e2e, 0.9),
+        },
+        output_tok_s: round(tokens as f64 / wall),
+        req_s: round(ok.len() as f64 / wall),
+        prefix_hit_rate: (ratio(hits, queries) * 1e4).round() / 1e4,
+        share_max_over_min: max_over_min(&per_replica).map(round),
+    }
+}
+
+impl Results {
+    pub fn write_all(&self, dir: &Path) -> Result<(), String> {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let write = |name: &str, text: String| {
+            let p = dir.join(name);
+            std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))
+        };
+        let json = serde_json::to_string_pretty(self).map_err(|e| e.to_string())?;
+        write("results.json", json + "\n")?;
+        write("results.md", self.markdown())?;
+        write("ttft.svg", self.svg())
+    }
+
+    fn measured(&self) -> impl Iterator<Item = &Measured> {
+        self.results.iter().filter_map(|r| match r {
+            RouterResult::Measured(m) => Some(m),
+            RouterResult::Skipped { .. } => None,
+        })
+    }
+
+    /// The results as two markdown tables: absolute numbers, then ratios to round_robin.
+    pub fn markdown(&self) -> String {
+        let name = self.workload["name"].as_str().unwrap_or("workload");
+        let mut s = format!("## {name}\n\n");
+        s += "| router | requests | errors | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | e2e p90 ms | output tok/s | req/s | prefix hit rate | busiest/idlest |\n";
+        s += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+        for r in &self.results {
+            match r {
+                RouterResult::Measured(m) => {
+                    let _ = writeln!(
+                        s,
+                        "| {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.2} | {:.1}% | {} |",
+                        m.router,
+                        m.requests,
+                        m.errors,
+                        ms(m.ttft_ms.p50),
+                        ms(m.ttft_ms.p90),
+                        ms(m.ttft_ms.p99),
+                        ms(m.e2e_ms.p50),
+                        ms(m.e2e_ms.p90),
+                        m.output_tok_s,
+                        m.req_s,
+                        m.prefix_hit_rate * 100.0,
+                        m.share_max_over_min
+                            .map_or("inf".to_string(), |x| format!("{x:.2}")),
+                    );
+                }
+                RouterResult::Skipped { router, skipped } => {
+                    let _ = writeln!(
+                        s,
+                        "| {router} | skipped: {} |||||||||||",
+                        skipped.replace('|', "/")
+                    );
+                }
+            }
+        }
+        let Some(rr) = self.measured().find(|m| m.router == "round_robin") else {
+            return s;
+        };
+        s += "\nRatio to round_robin (TTFT and e2e: lower is better; throughput and hit rate: higher is better)\n\n";
+        s += "| router | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | output tok/s | prefix hit rate |\n";
+        s += "|---|---:|---:|---:|---:|---:|---:|\n";
+        for m in self.measured() {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                m.router,
+                times(m.ttft_ms.p50, rr.ttft_ms.p50),
+                times(m.ttft_ms.p90, rr.ttft_ms.p90),
+                times(m.ttft_ms.p99, rr.ttft_ms.p99),
+                times(m.e2e_ms.p50, rr.e2e_ms.p50),
+                times(Some(m.output_tok_s), Some(rr.output_tok_s)),
+                times(Some(m.prefix_hit_rate), Some(rr.prefix_hit_rate)),
+            );
+        }
+        s
+    }
+
+    /// Two horizontal bar charts side by side: TTFT p90 and prefix hit rate per router.
+    pub fn svg(&self) -> String {
+        let rows: Vec<&Measured> = self.measured().collect();
+        let (label_w, bar_w, row_h, top) = (190.0, 300.0, 26.0, 50.0);
+        let width = label_w + 2.0 * (bar_w + 90.0);
+        let height = top + row_h * rows.len().max(1) as f64 + 20.0;
+        let max_ttft = rows
+            .iter()
+            .filter_map(|m| m.ttft_ms.p90)
+            .fold(0.0, f64::max)
+            .max(1e-9);
+        let mut s = format!(
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"13\">\n\
+             <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+             <text x=\"{label_w}\" y=\"20\" font-weight=\"bold\">TTFT p90 (ms, lower is better)</text>\n\
+             <text x=\"{}\" y=\"20\" font-weight=\"bold\">Prefix-cache hit rate (higher is better)</text>\n",
+            label_w + bar_w + 90.0
+        );
+        for (i, m) in rows.iter().enumerate() {
+            let y = top + row_h * i as f64;
+            let ttft = m.ttft_ms.p90.unwrap_or(0.0);
+            let w1 = bar_w * ttft / max_ttft;
+            let x2 = label_w + bar_w + 90.0;
+            let w2 = bar_w * m.prefix_hit_rate.clamp(0.0, 1.0);
+            let _ = write!(
+                s,
+                "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n\
+                 <rect x=\"{label_w}\" y=\"{}\" width=\"{w1:.1}\" height=\"{}\" fill=\"#d9822b\"/>\n\
+                 <text x=\"{:.1}\" y=\"{}\">{}</text>\n\
+                 <rect x=\"{x2}\" y=\"{}\" width=\"{w2:.1}\" height=\"{}\" fill=\"#2b7bd9\"/>\n\
+                 <text x=\"{:.1}\" y=\"{}\">{:.1}%</text>\n",
+                label_w - 8.0,
+                y + 17.0,
+                xml_escape(&m.router),
+                y + 4.0,
+                row_h - 8.0,
+                label_w + w1 + 4.0,
+                y + 17.0,
+                ms(m.ttft_ms.p90),
+                y + 4.0,
+                row_h - 8.0,
+                x2 + w2 + 4.0,
+                y + 17.0,
+                m.prefix_hit_rate * 100.0,
+            );
+        }
+        s += "</svg>\n";
+        s
+    }
+}
+
+fn ms(x: Option<f64>) -> String {
+    x.map_or("-".into(), |v| format!("{v:.0}"))
+}
+
+fn times(x: Option<f64>, base: Option<f64>) -> String {
+    match (x, base) {
+        (Some(x), Some(b)) if b > 0.0 => format!("{:.2}x", x / b),
+        _ => "-".into(),
+    }
+}
+
+fn xml_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::Sample;
+    use crate::sim_process::ReplicaState;
+
+    fn state(rows: &[(u64, u64, u64)]) -> FleetState {
+        FleetState {
+            replicas: rows
+                .iter()
+                .enumerate()
+                .map(|(id, &(q, h, n))| ReplicaState {
+                    id,
+                    prefix_queries_tokens: q,
+                    prefix_hits_tokens: h,
+                    requests: n,
+                    ..ReplicaState::default()
+                })
+                .collect(),
+        }
+    }
+
+    fn sample(ttft: f64, e2e: f64) -> Sample {
+        Sample {
+            ttft_ms: Some(ttft),
+            e2e_ms: e2e,
+            output_tokens: 10,
+            ..Sample::default()
+        }
+    }
+
+    fn results() -> Results {
+        let run = RunOutcome {
+            samples: vec![
+                sample(10.0, 100.0),
+                sample(20.0, 200.0),
+                Sample {
+                    error: Some("x".into()),
+                    ..Sample::default()
+                },
+            ],
+            wall_s: 2.0,
+        };
+        let m = measure(
+            "round_robin",
+            &run,
+            &state(&[(0, 0, 0), (0, 0, 0)]),
+            &state(&[(100, 50, 3), (100, 30, 1)]),
+        );
+        Results {
+            workload: serde_json::json!({"name": "t"}),
+            fleet: serde_json::json!({"replicas": 2}),
+            results: vec![
+                RouterResult::Measured(m),
+                RouterResult::Skipped {
+                    router: "smg".into(),
+                    skipped: "not installed".into(),
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn measure_uses_fleet_counter_deltas_and_client_samples() {
+        let r = results();
+        let RouterResult::Measured(m) = &r.results[0] else {
+            panic!("measured")
+        };
+        assert_eq!((m.requests, m.errors), (3, 1));
+        assert_eq!(m.prefix_hit_rate, 0.4);
+        assert_eq!(m.share_max_over_min, Some(3.0));
+        assert_eq!(m.ttft_ms.p50, Some(15.0));
+        assert_eq!(m.output_tok_s, 10.0);
+        assert_eq!(m.req_s, 1.0);
+    }
+
+    #[test]
+    fn results_json_has_the_contract_shape() {
+        let v = serde_json::to_value(results()).unwrap();
+        let keys = |v: &Value| {
+            let mut k: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+            k.sort();
+            k
+        };
+        assert_eq!(keys(&v), ["fleet", "results", "workload"]);
+        let measured = &v["results"][0];
+        assert_eq!(
+            keys(measured),
+            [
+                "e2e_ms",
+                "errors",
+                "output_tok_s",
+                "prefix_hit_rate",
+                "req_s",
+                "requests",
+                "router",
+                "share_max_over_min",
+                "ttft_ms"
+            ]
+        );
+        assert_eq!(keys(&measured["ttft_ms"]), ["p50", "p90", "p99"]);
+        assert_eq!(keys(&measured["e2e_ms"]), ["p50", "p90"]);
+        assert_eq!(
+            v["results"][1],
+            serde_json::json!({"router": "smg", "skipped": "not installed"})
+        );
+        // And it reads back.
+        let back: Results = serde_json::from_value(v).unwrap();
+        assert!(matches!(back.results[1], RouterResult::Skipped { .. }));
+    }
+
+    #[test]
+    fn markdown_and_svg_name_every_router() {
+        let r = results();
+        let md = r.markdown();
+        assert!(md.contains("| round_robin | 3 | 1 |"));
+        assert!(md.contains("| smg | skipped: not installed"));
+        assert!(md.contains("Ratio to round_robin"));
+        assert!(r.svg().contains(">round_robin</text>"));
+    }
+}

@@ -1,0 +1,183 @@
+//! Starts a fresh kvroute-sim fleet as a child process and talks to its control API.
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// How long the sim may take to print its ready line.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One replica as the sim announces it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Replica {
+    pub id: usize,
+    pub url: String,
+    pub kv_events: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Ready {
+    replicas: Vec<Replica>,
+    control: String,
+}
+
+/// A replica's counters from `GET /fleet/state`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct ReplicaState {
+    pub id: usize,
+    pub running: u64,
+    pub waiting: u64,
+    pub kv_usage: f64,
+    pub prefix_queries_tokens: u64,
+    pub prefix_hits_tokens: u64,
+    pub requests: u64,
+    pub healthy: bool,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct FleetState {
+    pub replicas: Vec<ReplicaState>,
+}
+
+/// A replica's view of one prompt from `POST /fleet/match`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct MatchReplica {
+    pub id: usize,
+    #[serde(default)]
+    pub cached_tokens: u64,
+    #[serde(default)]
+    pub running: u64,
+    #[serde(default)]
+    pub waiting: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct MatchResult {
+    pub replicas: Vec<MatchReplica>,
+}
+
+/// A running fleet; the process is killed when this is dropped.
+pub struct SimFleet {
+    pub replicas: Vec<Replica>,
+    pub control: String,
+    http: reqwest::Client,
+    _child: Child,
+    _fleet_file: TempFile,
+}
+
+/// The sim binary: `$KVROUTE_SIM`, else `target/release/kvroute-sim` under the workspace root.
+pub fn sim_binary() -> PathBuf {
+    std::env::var_os("KVROUTE_SIM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| crate::paths::workspace_root().join("target/release/kvroute-sim"))
+}
+
+impl SimFleet {
+    /// Starts a fleet described by `fleet` (passed to the sim as `--fleet`), caches cold.
+    pub async fn start(fleet: &Value) -> Result<SimFleet, String> {
+        let bin = sim_binary();
+        if !bin.exists() {
+            return Err(format!(
+                "simulator not found at {} (run make build)",
+                bin.display()
+            ));
+        }
+        let fleet_file = TempFile::write("fleet.json", &fleet.to_string())?;
+        let mut child = Command::new(&bin)
+            .arg("--fleet")
+            .arg(&fleet_file.0)
+            .args(["--base-port", "0", "--control-port", "0"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
+        let stdout = child.stdout.take().ok_or("sim stdout not captured")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(READY_TIMEOUT, lines.next_line())
+            .await
+            .map_err(|_| "simulator did not print its ready line within 30 s".to_string())?
+            .map_err(|e| format!("reading simulator stdout: {e}"))?
+            .ok_or("simulator exited before it was ready")?;
+        let ready: Ready = serde_json::from_str(&line)
+            .map_err(|e| format!("simulator ready line {line:?}: {e}"))?;
+        // Keep draining stdout so the sim never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Ok(SimFleet {
+            replicas: ready.replicas,
+            control: ready.control.trim_end_matches('/').to_string(),
+            http: reqwest::Client::new(),
+            _child: child,
+            _fleet_file: fleet_file,
+        })
+    }
+
+    pub async fn state(&self) -> Result<FleetState, String> {
+        let url = format!("{}/fleet/state", self.control);
+        let resp = self
+            .http
+            .get(&url)
+            .send()
+            .await
+            .map_err(|e| format!("{url}: {e}"))?;
+        resp.json().await.map_err(|e| format!("{url}: {e}"))
+    }
+
+    pub fn control_client(&self) -> ControlClient {
+        ControlClient {
+            control: self.control.clone(),
+            http: self.http.clone(),
+        }
+    }
+}
+
+/// A cheap handle on the control API, for the oracle proxy.
+#[derive(Clone)]
+pub struct ControlClient {
+    control: String,
+    http: reqwest::Client,
+}
+
+impl ControlClient {
+    pub async fn best_match(&self, path: &str, body: &Value) -> Result<MatchResult, String> {
+        let url = format!("{}/fleet/match", self.control);
+        let resp = self
+            .http
+            .post(&url)
+            .json(&json!({"path": path, "body": body}))
+            .send()
+            .await
+            .map_err(|e| format!("{url}: {e}"))?;
+        if !resp.status().is_success() {
+            return Err(format!("{url}: HTTP {}", resp.status()));
+        }
+        resp.json().await.map_err(|e| format!("{url}: {e}"))
+    }
+}
+
+/// A file in the temp dir, removed on drop.
+pub struct TempFile(pub PathBuf);
+
+impl TempFile {
+    pub fn write(name: &str, contents: &str) -> Result<TempFile, String> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static N: AtomicU64 = AtomicU64::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let path =
+            std::env::temp_dir().join(format!("kvroute-bench-{}-{n}-{name}", std::process::id()));
+        std::fs::write(&path, contents).map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(TempFile(path))
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
