@@ -1,0 +1,415 @@
+//! In-process OpenAI-style test backends on 127.0.0.1 that record what reached them.
+//!
+//! Each backend answers `POST /v1/chat/completions` and `POST /v1/completions` (JSON, or SSE when
+//! the body has `"stream": true`), `GET /health`, `GET /v1/models`, and 404 otherwise; every
+//! response carries `x-backend: <index>`. Knobs: delay, failing, kill. Health checks are neither
+//! counted nor recorded, so counts are exactly the requests Envoy forwarded.
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::{Body, Frame, Incoming};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+/// Number of `data:` chunks in a streamed response, before `data: [DONE]`.
+pub const STREAM_CHUNKS: usize = 8;
+
+/// One request as the backend received it.
+#[derive(Clone, Debug)]
+pub struct Recorded {
+    pub method: String,
+    /// Path and query.
+    pub path: String,
+    /// Lower-case names, in arrival order; repeated headers appear repeatedly.
+    pub headers: Vec<(String, String)>,
+    pub body: Bytes,
+}
+
+impl Recorded {
+    /// All values of header `name` (lower case).
+    pub fn header_values(&self, name: &str) -> Vec<&str> {
+        self.headers
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+            .collect()
+    }
+}
+
+#[derive(Default)]
+struct Shared {
+    index: usize,
+    delay_ms: AtomicU64,
+    failing: AtomicBool,
+    not_recording: AtomicBool,
+    received: AtomicU64,
+    completed: AtomicU64,
+    in_flight: AtomicU64,
+    requests: Mutex<Vec<Recorded>>,
+}
+
+/// A running backend; stops listening when killed or dropped.
+pub struct Backend {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    kill: watch::Sender<bool>,
+    accept: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Backend {
+    /// Starts backend number `index` on a free port of 127.0.0.1. Needs a tokio runtime.
+    pub async fn start(index: usize) -> std::io::Result<Backend> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let shared = Arc::new(Shared {
+            index,
+            ..Shared::default()
+        });
+        let (kill, killed) = watch::channel(false);
+        let accept = tokio::spawn(accept_loop(listener, shared.clone(), killed));
+        Ok(Backend {
+            shared,
+            addr,
+            kill,
+            accept: Mutex::new(Some(accept)),
+        })
+    }
+
+    /// Starts backends `0..n`.
+    pub async fn start_many(n: usize) -> std::io::Result<Vec<Backend>> {
+        let mut all = Vec::with_capacity(n);
+        for i in 0..n {
+            all.push(Backend::start(i).await?);
+        }
+        Ok(all)
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The index this backend reports in `x-backend`.
+    pub fn index(&self) -> usize {
+        self.shared.index
+    }
+
+    /// Delay before each completion response (and before the first streamed chunk).
+    pub fn set_delay(&self, delay: Duration) {
+        self.shared
+            .delay_ms
+            .store(delay.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// When failing, `/health` answers 503 and every other request 500.
+    pub fn set_failing(&self, failing: bool) {
+        self.shared.failing.store(failing, Ordering::Relaxed);
+    }
+
+    /// Recording is on by default; floods turn it off to save memory.
+    pub fn set_recording(&self, on: bool) {
+        self.shared.not_recording.store(!on, Ordering::Relaxed);
+    }
+
+    /// Requests received (health checks excluded).
+    pub fn received(&self) -> u64 {
+        self.shared.received.load(Ordering::Relaxed)
+    }
+
+    /// Requests whose response was fully sent.
+    pub fn completed(&self) -> u64 {
+        self.shared.completed.load(Ordering::Relaxed)
+    }
+
+    /// Requests received whose response is not finished (client aborts end them too).
+    pub fn in_flight(&self) -> u64 {
+        self.shared.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// A copy of the recorded requests.
+    pub fn requests(&self) -> Vec<Recorded> {
+        self.shared.requests.lock().unwrap().clone()
+    }
+
+    /// The recorded requests, clearing the record.
+    pub fn take_requests(&self) -> Vec<Recorded> {
+        std::mem::take(&mut *self.shared.requests.lock().unwrap())
+    }
+
+    /// Stops listening and drops every open connection; returns once the listener is closed.
+    pub async fn kill(&self) {
+        let _ = self.kill.send(true);
+        let accept = self.accept.lock().unwrap().take();
+        if let Some(accept) = accept {
+            let _ = accept.await;
+        }
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        let _ = self.kill.send(true);
+    }
+}
+
+/// The JSON body of a non-streamed response from backend `index`.
+pub fn json_response(index: usize, chat: bool) -> String {
+    let choice = if chat {
+        serde_json::json!({ "index": 0, "finish_reason": "stop",
+            "message": { "role": "assistant", "content": format!("answer from backend {index}") } })
+    } else {
+        serde_json::json!({ "index": 0, "finish_reason": "stop", "text": format!("answer from backend {index}") })
+    };
+    let object = if chat {
+        "chat.completion"
+    } else {
+        "text_completion"
+    };
+    serde_json::json!({ "id": format!("cmpl-{index}"), "object": object, "model": "test",
+        "choices": [choice], "usage": { "prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5 } })
+    .to_string()
+}
+
+/// The `data:` events of a streamed response from backend `index`, `[DONE]` last.
+pub fn sse_events(index: usize, chat: bool) -> Vec<String> {
+    let mut events: Vec<String> = (0..STREAM_CHUNKS)
+        .map(|i| {
+            let text = format!("token {i} from backend {index} ");
+            let choice = if chat {
+                serde_json::json!({ "index": 0, "delta": { "content": text } })
+            } else {
+                serde_json::json!({ "index": 0, "text": text })
+            };
+            let chunk = serde_json::json!({ "id": format!("cmpl-{index}"), "choices": [choice] });
+            format!("data: {chunk}\n\n")
+        })
+        .collect();
+    events.push("data: [DONE]\n\n".into());
+    events
+}
+
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    shared: Arc<Shared>,
+    mut killed: watch::Receiver<bool>,
+) {
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(_) => continue,
+            },
+            _ = killed.wait_for(|k| *k) => return,
+        };
+        let _ = stream.set_nodelay(true);
+        let shared = shared.clone();
+        let mut killed = killed.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| handle(shared.clone(), req));
+            let conn = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc);
+            // Dropping the connection future closes the socket: that is how kill cuts connections.
+            tokio::select! {
+                _ = conn => {}
+                _ = killed.wait_for(|k| *k) => {}
+            }
+        });
+    }
+}
+
+/// Decrements `in_flight` and counts completion when the response is done or abandoned.
+struct InFlight(Arc<Shared>, bool);
+
+impl InFlight {
+    fn finish(mut self) {
+        self.1 = true;
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if self.1 {
+            self.0.completed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+async fn handle(
+    shared: Arc<Shared>,
+    req: Request<Incoming>,
+) -> Result<Response<ReplyBody>, Infallible> {
+    let failing = shared.failing.load(Ordering::Relaxed);
+    if req.uri().path() == "/health" {
+        let status = if failing {
+            StatusCode::SERVICE_UNAVAILABLE
+        } else {
+            StatusCode::OK
+        };
+        return Ok(reply(&shared, status, "text/plain", ReplyBody::full("ok")));
+    }
+    shared.in_flight.fetch_add(1, Ordering::Relaxed);
+    shared.received.fetch_add(1, Ordering::Relaxed);
+    let guard = InFlight(shared.clone(), false);
+    let (parts, body) = req.into_parts();
+    let body = match body.collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(_) => {
+            return Ok(reply(
+                &shared,
+                StatusCode::BAD_REQUEST,
+                "text/plain",
+                ReplyBody::full("bad body"),
+            ))
+        }
+    };
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.to_string())
+        .unwrap_or_default();
+    let is_post = parts.method == hyper::Method::POST;
+    if !shared.not_recording.load(Ordering::Relaxed) {
+        let headers = parts
+            .headers
+            .iter()
+            .map(|(n, v)| {
+                (
+                    n.as_str().to_string(),
+                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                )
+            })
+            .collect();
+        let method = parts.method.to_string();
+        shared.requests.lock().unwrap().push(Recorded {
+            method,
+            path: path.clone(),
+            headers,
+            body: body.clone(),
+        });
+    }
+    if failing {
+        return Ok(reply(
+            &shared,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "text/plain",
+            ReplyBody::full("failing"),
+        ));
+    }
+    let chat = match (is_post, parts.uri.path()) {
+        (true, "/v1/chat/completions") => true,
+        (true, "/v1/completions") => false,
+        (false, "/v1/models") => {
+            guard.finish();
+            return Ok(reply(
+                &shared,
+                StatusCode::OK,
+                "application/json",
+                ReplyBody::full(r#"{"data":[{"id":"test"}]}"#),
+            ));
+        }
+        _ => {
+            guard.finish();
+            return Ok(reply(
+                &shared,
+                StatusCode::NOT_FOUND,
+                "text/plain",
+                ReplyBody::full("not found"),
+            ));
+        }
+    };
+    let delay = Duration::from_millis(shared.delay_ms.load(Ordering::Relaxed));
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    let stream = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v.get("stream").and_then(|s| s.as_bool()))
+        .unwrap_or(false);
+    if !stream {
+        guard.finish();
+        let body = ReplyBody::full(json_response(shared.index, chat));
+        return Ok(reply(&shared, StatusCode::OK, "application/json", body));
+    }
+    let (tx, rx) = mpsc::channel(2);
+    let events = sse_events(shared.index, chat);
+    tokio::spawn(async move {
+        for event in events {
+            // A send error means the client went away; the guard then counts it as abandoned.
+            if tx.send(Bytes::from(event)).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        guard.finish();
+    });
+    Ok(reply(
+        &shared,
+        StatusCode::OK,
+        "text/event-stream",
+        ReplyBody::Stream(rx),
+    ))
+}
+
+fn reply(
+    shared: &Shared,
+    status: StatusCode,
+    content_type: &str,
+    body: ReplyBody,
+) -> Response<ReplyBody> {
+    Response::builder()
+        .status(status)
+        .header("content-type", content_type)
+        .header("x-backend", shared.index.to_string())
+        .body(body)
+        .expect("static response parts are valid")
+}
+
+/// A whole body, or chunks from a channel (SSE).
+enum ReplyBody {
+    Full(Option<Bytes>),
+    Stream(mpsc::Receiver<Bytes>),
+}
+
+impl ReplyBody {
+    fn full(b: impl Into<Bytes>) -> Self {
+        ReplyBody::Full(Some(b.into()))
+    }
+}
+
+impl Body for ReplyBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.get_mut() {
+            ReplyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            ReplyBody::Stream(rx) => rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self, ReplyBody::Full(None))
+    }
+
+    // An exact hint lets hyper send content-length instead of chunked encoding.
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        match self {
+            ReplyBody::Full(b) => {
+                hyper::body::SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64))
+            }
+            ReplyBody::Stream(_) => hyper::body::SizeHint::default(),
+        }
+    }
+}

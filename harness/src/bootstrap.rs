@@ -1,0 +1,286 @@
+//! Patches the shipped `envoy/kvroute.yaml` for one harness run: ports, endpoints, filter, LB policy.
+//!
+//! Every lookup names the field it expected, so when the shipped file changes shape the error says
+//! which assumption broke instead of Envoy rejecting a half-patched config.
+
+use crate::{HarnessError, Lb};
+use serde_json::Value as Json;
+use serde_yaml::{Mapping, Value};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+/// Cluster that holds the inference replicas in the shipped bootstrap.
+pub const POOL_CLUSTER: &str = "inference_pool";
+/// Cluster through which kvroute polls Envoy's own admin `/clusters`.
+pub const ADMIN_CLUSTER: &str = "kvroute_admin";
+const WASM_FILTER: &str = "envoy.filters.http.wasm";
+
+/// What to change in the shipped bootstrap.
+pub struct Patch<'a> {
+    pub admin_port: u16,
+    pub listener_port: u16,
+    pub backends: &'a [SocketAddr],
+    pub lb: &'a Lb,
+    /// Required for [`Lb::Kvroute`], ignored otherwise.
+    pub wasm: Option<&'a Path>,
+    /// Replaces the shipped active health-check interval when set.
+    pub health_check_interval: Option<Duration>,
+}
+
+/// Reads `shipped` (YAML text) and returns the patched bootstrap as YAML text.
+pub fn render(shipped: &str, patch: &Patch) -> Result<String, HarnessError> {
+    let mut root: Value = serde_yaml::from_str(shipped).map_err(|e| cfg(format!("parse: {e}")))?;
+    set_port(
+        get_mut(&mut root, &["admin", "address", "socket_address"])?,
+        patch.admin_port,
+    )?;
+
+    let resources = get_mut(&mut root, &["static_resources"])?;
+    let listener = seq_mut(get_mut(resources, &["listeners"])?)?
+        .first_mut()
+        .ok_or_else(|| cfg("no listener".into()))?;
+    set_port(
+        get_mut(listener, &["address", "socket_address"])?,
+        patch.listener_port,
+    )?;
+    patch_filters(listener, patch)?;
+
+    let clusters = seq_mut(get_mut(resources, &["clusters"])?)?;
+    for cluster in clusters.iter_mut() {
+        match cluster.get("name").and_then(Value::as_str) {
+            Some(POOL_CLUSTER) => patch_pool(cluster, patch)?,
+            Some(ADMIN_CLUSTER) => {
+                let admin = SocketAddr::from(([127, 0, 0, 1], patch.admin_port));
+                set_endpoints(cluster, &[admin])?;
+            }
+            _ => {}
+        }
+    }
+    serde_yaml::to_string(&root).map_err(|e| cfg(format!("serialize: {e}")))
+}
+
+/// Points the wasm filter at the built filter and its config, or removes it for the plain policies.
+fn patch_filters(listener: &mut Value, patch: &Patch) -> Result<(), HarnessError> {
+    let chain = seq_mut(get_mut(listener, &["filter_chains"])?)?
+        .first_mut()
+        .ok_or_else(|| cfg("no filter chain".into()))?;
+    let hcm = seq_mut(get_mut(chain, &["filters"])?)?
+        .first_mut()
+        .ok_or_else(|| cfg("no network filter".into()))?;
+    let hcm = get_mut(hcm, &["typed_config"])?;
+    if let Lb::RingHash { header } = patch.lb {
+        // ring_hash needs the route to say what to hash.
+        let route = get_mut(hcm, &["route_config", "virtual_hosts"])
+            .and_then(seq_mut)?
+            .first_mut()
+            .ok_or_else(|| cfg("no virtual host".into()))?;
+        let route = get_mut(route, &["routes"])
+            .and_then(seq_mut)?
+            .first_mut()
+            .ok_or_else(|| cfg("no route".into()))?;
+        let policy =
+            serde_yaml::to_value(serde_json::json!([{ "header": { "header_name": header } }]))
+                .map_err(|e| cfg(e.to_string()))?;
+        map_mut(get_mut(route, &["route"])?)?.insert("hash_policy".into(), policy);
+    }
+    let filters = seq_mut(get_mut(hcm, &["http_filters"])?)?;
+    let wasm_at = filters
+        .iter()
+        .position(|f| f.get("name").and_then(Value::as_str) == Some(WASM_FILTER))
+        .ok_or_else(|| cfg(format!("no {WASM_FILTER} http filter")))?;
+    let Lb::Kvroute { plugin_config } = patch.lb else {
+        filters.remove(wasm_at);
+        return Ok(());
+    };
+    let config = get_mut(&mut filters[wasm_at], &["typed_config", "config"])?;
+    let wasm = patch
+        .wasm
+        .ok_or_else(|| cfg("Lb::Kvroute needs a wasm path".into()))?;
+    let local = get_mut(config, &["vm_config", "code", "local"])?;
+    map_mut(local)?.insert("filename".into(), wasm.display().to_string().into());
+    let value = get_mut(config, &["configuration", "value"])?;
+    let shipped = value
+        .as_str()
+        .ok_or_else(|| cfg("configuration.value is not a string".into()))?;
+    *value = merge_plugin_config(shipped, plugin_config)?.into();
+    Ok(())
+}
+
+/// The shipped plugin config with `overrides`' top-level keys laid over it, so tests keep the
+/// shipped `admin_cluster` and poll interval unless they say otherwise. A `null` removes a key.
+pub fn merge_plugin_config(shipped: &str, overrides: &Json) -> Result<String, HarnessError> {
+    let mut merged: Json =
+        serde_json::from_str(shipped).map_err(|e| cfg(format!("shipped plugin config: {e}")))?;
+    let (Some(base), Some(over)) = (merged.as_object_mut(), overrides.as_object()) else {
+        return Err(cfg("plugin configs must be JSON objects".into()));
+    };
+    for (k, v) in over {
+        if v.is_null() {
+            base.remove(k);
+        } else {
+            base.insert(k.clone(), v.clone());
+        }
+    }
+    Ok(merged.to_string())
+}
+
+fn patch_pool(cluster: &mut Value, patch: &Patch) -> Result<(), HarnessError> {
+    set_endpoints(cluster, patch.backends)?;
+    if let Some(every) = patch.health_check_interval {
+        let every = format!("{}s", every.as_secs_f64());
+        for hc in seq_mut(get_mut(cluster, &["health_checks"])?)? {
+            let hc = map_mut(hc)?;
+            hc.insert("interval".into(), every.clone().into());
+            // Without traffic Envoy checks only every `no_traffic_interval` (60 s by default).
+            hc.insert("no_traffic_interval".into(), every.clone().into());
+        }
+    }
+    let plain = match patch.lb {
+        Lb::Kvroute { .. } => return Ok(()),
+        Lb::RoundRobin => ("round_robin", "round_robin.v3.RoundRobin"),
+        Lb::LeastRequest => ("least_request", "least_request.v3.LeastRequest"),
+        Lb::RingHash { .. } => ("ring_hash", "ring_hash.v3.RingHash"),
+    };
+    let policy = serde_json::json!({ "policies": [{ "typed_extension_config": {
+        "name": format!("envoy.load_balancing_policies.{}", plain.0),
+        "typed_config": {
+            "@type": format!("type.googleapis.com/envoy.extensions.load_balancing_policies.{}", plain.1)
+        }
+    }}]});
+    let policy = serde_yaml::to_value(policy).map_err(|e| cfg(e.to_string()))?;
+    map_mut(cluster)?.insert("load_balancing_policy".into(), policy);
+    Ok(())
+}
+
+fn set_endpoints(cluster: &mut Value, addrs: &[SocketAddr]) -> Result<(), HarnessError> {
+    let endpoints: Vec<Json> = addrs
+        .iter()
+        .map(|a| {
+            serde_json::json!({ "endpoint": { "address": { "socket_address": {
+                "address": a.ip().to_string(), "port_value": a.port() } } } })
+        })
+        .collect();
+    let groups = seq_mut(get_mut(cluster, &["load_assignment", "endpoints"])?)?;
+    let group = groups
+        .first_mut()
+        .ok_or_else(|| cfg("no endpoint group".into()))?;
+    let endpoints = serde_yaml::to_value(endpoints).map_err(|e| cfg(e.to_string()))?;
+    map_mut(group)?.insert("lb_endpoints".into(), endpoints);
+    Ok(())
+}
+
+fn set_port(socket_address: &mut Value, port: u16) -> Result<(), HarnessError> {
+    map_mut(socket_address)?.insert("port_value".into(), port.into());
+    Ok(())
+}
+
+fn get_mut<'v>(mut v: &'v mut Value, path: &[&str]) -> Result<&'v mut Value, HarnessError> {
+    for key in path {
+        v = v
+            .get_mut(*key)
+            .ok_or_else(|| cfg(format!("missing field `{key}` (path {path:?})")))?;
+    }
+    Ok(v)
+}
+
+fn seq_mut(v: &mut Value) -> Result<&mut Vec<Value>, HarnessError> {
+    v.as_sequence_mut()
+        .ok_or_else(|| cfg("expected a list".into()))
+}
+
+fn map_mut(v: &mut Value) -> Result<&mut Mapping, HarnessError> {
+    v.as_mapping_mut()
+        .ok_or_else(|| cfg("expected a mapping".into()))
+}
+
+fn cfg(msg: String) -> HarnessError {
+    HarnessError::Config(msg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shipped() -> String {
+        std::fs::read_to_string(crate::paths::shipped_bootstrap()).unwrap()
+    }
+
+    fn render_with(lb: &Lb) -> Value {
+        let backends = [
+            "127.0.0.1:7001".parse().unwrap(),
+            "127.0.0.1:7002".parse().unwrap(),
+        ];
+        let patch = Patch {
+            admin_port: 5001,
+            listener_port: 5002,
+            backends: &backends,
+            lb,
+            wasm: Some(Path::new("/x/kvroute.wasm")),
+            health_check_interval: Some(Duration::from_millis(200)),
+        };
+        serde_yaml::from_str(&render(&shipped(), &patch).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn kvroute_render_keeps_shipped_plugin_config_and_patches_the_rest() {
+        let text = serde_yaml::to_string(&render_with(&Lb::Kvroute {
+            plugin_config: serde_json::json!({ "debug_header": true }),
+        }))
+        .unwrap();
+        for needle in [
+            "port_value: 5001",
+            "port_value: 5002",
+            "port_value: 7002",
+            "/x/kvroute.wasm",
+        ] {
+            assert!(text.contains(needle), "{needle} missing in\n{text}");
+        }
+        assert!(text.contains("override_host"));
+        assert!(text.contains("interval: 0.2s"));
+        assert!(text.contains("no_traffic_interval: 0.2s"));
+        assert!(
+            text.contains(r#"\"debug_header\":true"#) || text.contains(r#""debug_header":true"#)
+        );
+        assert!(
+            text.contains("kvroute_admin"),
+            "admin cluster config must stay"
+        );
+        assert!(!text.contains("8001"), "shipped endpoints must be replaced");
+    }
+
+    #[test]
+    fn plain_policies_drop_the_filter_and_override_host() {
+        for (lb, name) in [
+            (Lb::RoundRobin, "round_robin.v3.RoundRobin"),
+            (Lb::LeastRequest, "least_request.v3.LeastRequest"),
+            (
+                Lb::RingHash {
+                    header: "x-user".into(),
+                },
+                "ring_hash.v3.RingHash",
+            ),
+        ] {
+            let text = serde_yaml::to_string(&render_with(&lb)).unwrap();
+            assert!(!text.contains(WASM_FILTER), "{text}");
+            assert!(!text.contains("override_host"), "{text}");
+            assert!(text.contains(name), "{text}");
+        }
+        let text = serde_yaml::to_string(&render_with(&Lb::RingHash {
+            header: "x-user".into(),
+        }))
+        .unwrap();
+        assert!(text.contains("header_name: x-user"), "{text}");
+    }
+
+    #[test]
+    fn null_override_removes_a_shipped_key() {
+        let merged =
+            merge_plugin_config(r#"{"a":1,"b":2}"#, &serde_json::json!({"a": null, "c": 3}))
+                .unwrap();
+        assert_eq!(
+            serde_json::from_str::<Json>(&merged).unwrap(),
+            serde_json::json!({"b": 2, "c": 3})
+        );
+    }
+}

@@ -1,0 +1,64 @@
+//! Where the Envoy binary, the built filter and the shipped bootstrap live.
+
+use crate::HarnessError;
+use std::path::{Path, PathBuf};
+
+/// The workspace root (this crate's parent directory).
+pub fn workspace_root() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+}
+
+/// The bootstrap the project ships, which every harness Envoy starts from.
+pub fn shipped_bootstrap() -> PathBuf {
+    workspace_root().join("envoy/kvroute.yaml")
+}
+
+/// Envoy: `$ENVOY_BIN`, else `<workspace>/.venv/bin/envoy` (what `make deps` installs), else `envoy`
+/// on `PATH`. Never silently skipped: missing means an error telling how to install it.
+pub fn envoy_bin() -> Result<PathBuf, HarnessError> {
+    if let Some(p) = std::env::var_os("ENVOY_BIN") {
+        let p = PathBuf::from(p);
+        return if is_file(&p) {
+            Ok(p)
+        } else {
+            Err(HarnessError::Missing(format!(
+                "ENVOY_BIN={} does not exist; run `make deps wasm`",
+                p.display()
+            )))
+        };
+    }
+    let venv = workspace_root().join(".venv/bin/envoy");
+    if is_file(&venv) {
+        return Ok(venv);
+    }
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|dir| dir.join("envoy"))
+        .find(|p| is_file(p))
+        .ok_or_else(|| {
+            HarnessError::Missing(
+                "envoy not found (ENVOY_BIN unset, no .venv/bin/envoy, none on PATH); run `make deps wasm`"
+                    .into(),
+            )
+        })
+}
+
+/// The filter: `$KVROUTE_WASM`, else `<workspace>/target/wasm32-wasip1/release/kvroute.wasm`.
+pub fn kvroute_wasm() -> Result<PathBuf, HarnessError> {
+    let p = std::env::var_os("KVROUTE_WASM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/wasm32-wasip1/release/kvroute.wasm"));
+    if is_file(&p) {
+        Ok(p)
+    } else {
+        Err(HarnessError::Missing(format!(
+            "kvroute.wasm not found at {}; run `make deps wasm`",
+            p.display()
+        )))
+    }
+}
+
+fn is_file(p: &Path) -> bool {
+    p.is_file()
+}

@@ -1,0 +1,171 @@
+//! Helpers shared by the integration tests: fleets, OpenAI-style bodies, and a client that
+//! reports which backend answered.
+#![allow(dead_code)] // each test file uses a different subset
+
+use kvroute_harness::backend::Backend;
+use kvroute_harness::{Envoy, EnvoyOptions, Lb};
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// Backends plus the Envoy in front of them.
+pub struct Fleet {
+    pub backends: Vec<Backend>,
+    pub envoy: Envoy,
+    pub client: reqwest::Client,
+}
+
+/// What came back for one request.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    /// Index from the `x-backend` response header.
+    pub backend: Option<usize>,
+    /// `x-kvroute-decision`, when the plugin runs with `debug_header: true`.
+    pub decision: Option<String>,
+    pub body: Vec<u8>,
+}
+
+impl Fleet {
+    /// Starts `n` backends and an Envoy with `lb`; `tweak` adjusts the options further.
+    pub async fn start(n: usize, lb: Lb, tweak: impl FnOnce(&mut EnvoyOptions)) -> Fleet {
+        let backends = Backend::start_many(n).await.expect("backends start");
+        let mut opts = EnvoyOptions {
+            backends: backends.iter().map(Backend::addr).collect(),
+            lb,
+            ..EnvoyOptions::default()
+        };
+        tweak(&mut opts);
+        let envoy = Envoy::start(opts).await.unwrap_or_else(|e| panic!("{e}"));
+        Fleet {
+            backends,
+            envoy,
+            client: client(),
+        }
+    }
+
+    /// Starts a kvroute fleet with `plugin_config` over the shipped config and waits until the
+    /// plugin has discovered every backend, so the first requests are routed, not fallbacks.
+    pub async fn kvroute(
+        n: usize,
+        plugin_config: Value,
+        tweak: impl FnOnce(&mut EnvoyOptions),
+    ) -> Fleet {
+        let fleet = Fleet::start(n, Lb::Kvroute { plugin_config }, tweak).await;
+        fleet.wait_endpoints_known(n).await;
+        fleet
+    }
+
+    pub async fn wait_endpoints_known(&self, n: usize) {
+        let known = self.envoy.wait_for_stat(
+            "kvroute.endpoints_known",
+            |v| v == n as u64,
+            Duration::from_secs(30),
+        );
+        known.await.unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// POSTs `body` (JSON or raw bytes) to `path` with extra `headers`.
+    pub async fn post(
+        &self,
+        path: &str,
+        body: impl Into<reqwest::Body>,
+        headers: &[(&str, &str)],
+    ) -> Reply {
+        let mut req = self
+            .client
+            .post(format!("{}{path}", self.envoy.url()))
+            .body(body);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        read(
+            req.send()
+                .await
+                .unwrap_or_else(|e| panic!("request failed: {e}\n{}", self.envoy.log_tail())),
+        )
+        .await
+    }
+
+    /// POSTs an OpenAI chat request.
+    pub async fn chat(&self, body: &Value) -> Reply {
+        self.post(
+            "/v1/chat/completions",
+            body.to_string(),
+            &[("content-type", "application/json")],
+        )
+        .await
+    }
+
+    pub async fn get(&self, path: &str, headers: &[(&str, &str)]) -> Reply {
+        let mut req = self.client.get(format!("{}{path}", self.envoy.url()));
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        read(
+            req.send()
+                .await
+                .unwrap_or_else(|e| panic!("request failed: {e}\n{}", self.envoy.log_tail())),
+        )
+        .await
+    }
+
+    /// Sum of the stats whose names contain `filter`.
+    pub async fn stat_sum(&self, filter: &str) -> u64 {
+        self.envoy
+            .stats(filter)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .values()
+            .sum()
+    }
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .pool_max_idle_per_host(256)
+        .build()
+        .expect("client builds")
+}
+
+async fn read(resp: reqwest::Response) -> Reply {
+    let header = |name: &str| {
+        resp.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let backend = header("x-backend").and_then(|v| v.parse().ok());
+    let decision = header("x-kvroute-decision");
+    let status = resp.status().as_u16();
+    let body = resp.bytes().await.expect("response body").to_vec();
+    Reply {
+        status,
+        backend,
+        decision,
+        body,
+    }
+}
+
+/// A long system prompt unique to `group`: several chunks' worth, so the shared prefix dominates.
+pub fn system_prompt(group: usize) -> String {
+    let mut s = format!("You are assistant number {group}. ");
+    for i in 0..60 {
+        s.push_str(&format!(
+            "Rule {i} of group {group}: answer precisely and cite the handbook section {i}. "
+        ));
+    }
+    s
+}
+
+/// A chat request: `system` as the shared prefix, then a user turn.
+pub fn chat_body(system: &str, user: &str, stream: bool) -> Value {
+    json!({
+        "model": "test",
+        "stream": stream,
+        "messages": [
+            { "role": "system", "content": system },
+            { "role": "user", "content": user },
+        ],
+    })
+}

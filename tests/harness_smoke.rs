@@ -1,0 +1,115 @@
+#![cfg(not(target_arch = "wasm32"))]
+//! The harness itself, without kvroute: Envoy starts from the shipped bootstrap with a plain LB
+//! policy, and the test backends answer, record and die as documented.
+
+mod common;
+
+use common::{chat_body, Fleet};
+use kvroute_harness::backend::{self, Backend};
+use kvroute_harness::Lb;
+use std::collections::HashSet;
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_robin_envoy_spreads_requests_over_all_backends() {
+    let fleet = Fleet::start(3, Lb::RoundRobin, |_| {}).await;
+    let mut seen = HashSet::new();
+    for i in 0..30 {
+        let reply = fleet
+            .chat(&chat_body(
+                "same system prompt",
+                &format!("question {i}"),
+                false,
+            ))
+            .await;
+        assert_eq!(reply.status, 200);
+        assert_eq!(
+            reply.body,
+            backend::json_response(reply.backend.unwrap(), true).as_bytes()
+        );
+        seen.insert(reply.backend.unwrap());
+    }
+    assert_eq!(seen.len(), 3, "round robin must use every backend");
+    let received: u64 = fleet.backends.iter().map(Backend::received).sum();
+    assert_eq!(received, 30, "health checks must not be counted");
+    let recorded = fleet
+        .backends
+        .iter()
+        .flat_map(Backend::requests)
+        .find(|r| r.body.ends_with(b"}"))
+        .unwrap();
+    assert_eq!(
+        (recorded.method.as_str(), recorded.path.as_str()),
+        ("POST", "/v1/chat/completions")
+    );
+    assert_eq!(recorded.header_values("content-type"), ["application/json"]);
+    let sent: serde_json::Value = serde_json::from_slice(&recorded.body).unwrap();
+    assert_eq!(sent["messages"][0]["content"], "same system prompt");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ring_hash_envoy_keeps_one_header_value_on_one_backend() {
+    let fleet = Fleet::start(
+        4,
+        Lb::RingHash {
+            header: "x-user".into(),
+        },
+        |_| {},
+    )
+    .await;
+    for user in ["alice", "bob", "carol"] {
+        let mut seen = HashSet::new();
+        for i in 0..10 {
+            let body = chat_body("sys", &format!("q{i}"), false).to_string();
+            let reply = fleet
+                .post("/v1/chat/completions", body, &[("x-user", user)])
+                .await;
+            assert_eq!(reply.status, 200);
+            seen.insert(reply.backend.unwrap());
+        }
+        assert_eq!(seen.len(), 1, "{user} moved between backends: {seen:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_request_envoy_streams_sse_through() {
+    let fleet = Fleet::start(2, Lb::LeastRequest, |_| {}).await;
+    let reply = fleet.chat(&chat_body("sys", "stream please", true)).await;
+    assert_eq!(reply.status, 200);
+    let expected = backend::sse_events(reply.backend.unwrap(), true).concat();
+    assert_eq!(String::from_utf8(reply.body).unwrap(), expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_backend_is_marked_unhealthy_and_avoided() {
+    let fleet = Fleet::start(2, Lb::RoundRobin, |o| {
+        o.health_check_interval = Some(Duration::from_millis(200))
+    })
+    .await;
+    fleet.backends[1].kill().await;
+    let dead = fleet.backends[1].addr();
+    let wait = fleet
+        .envoy
+        .wait_for_pool(|h| h.get(&dead) == Some(&false), Duration::from_secs(20));
+    wait.await.unwrap_or_else(|e| panic!("{e}"));
+    for i in 0..10 {
+        let reply = fleet.chat(&chat_body("sys", &format!("q{i}"), false)).await;
+        assert_eq!((reply.status, reply.backend), (200, Some(0)));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_backend_answers_500_and_fails_health_checks() {
+    let fleet = Fleet::start(2, Lb::RoundRobin, |o| {
+        o.health_check_interval = Some(Duration::from_millis(200))
+    })
+    .await;
+    fleet.backends[0].set_failing(true);
+    let sick = fleet.backends[0].addr();
+    let wait = fleet
+        .envoy
+        .wait_for_pool(|h| h.get(&sick) == Some(&false), Duration::from_secs(20));
+    wait.await.unwrap_or_else(|e| panic!("{e}"));
+    let reply = fleet.chat(&chat_body("sys", "q", false)).await;
+    assert_eq!((reply.status, reply.backend), (200, Some(1)));
+}
