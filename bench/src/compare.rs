@@ -62,11 +62,11 @@ pub async fn run_one(
         Ok(r) => r,
         Err(reason) => return skipped(reason),
     };
-    if let Err(reason) = first_request(&running, workload).await {
+    if let Err(reason) = first_request(&running, workload, &fleet.model).await {
         return skipped(reason);
     }
     let before = fleet.state().await?;
-    let outcome = driver::run(&running.url, workload, &name).await;
+    let outcome = driver::run(&running.url, workload, &fleet.model, &name).await;
     let after = fleet.state().await?;
     let decisions = running.kvroute_decisions().await;
     let measured: Measured = measure(&name, &outcome, &before, &after);
@@ -94,12 +94,12 @@ fn served(before: &FleetState, after: &FleetState) -> Vec<u64> {
 
 /// Sends one tiny request until the router answers 200, so a peer that is up but has not yet
 /// registered its workers is not charged for it (and one that never works is skipped).
-async fn first_request(running: &Running, w: &Workload) -> Result<(), String> {
+async fn first_request(running: &Running, w: &Workload, model: &str) -> Result<(), String> {
     let body = match w.api {
         Api::Chat => {
-            json!({"model": "sim", "max_tokens": 1, "messages": [{"role": "user", "content": "ping"}]})
+            json!({"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "ping"}]})
         }
-        Api::Completions => json!({"model": "sim", "max_tokens": 1, "prompt": "ping"}),
+        Api::Completions => json!({"model": model, "max_tokens": 1, "prompt": "ping"}),
     };
     let url = format!("{}{}", running.url, w.path());
     let http = reqwest::Client::builder()

@@ -49,7 +49,8 @@ pub struct Progress {
 }
 
 /// Runs every stage of `w` against `base_url` (e.g. `http://127.0.0.1:10000`).
-pub async fn run(base_url: &str, w: &Workload, label: &str) -> RunOutcome {
+/// `model` is the fleet's served model name, sent in every request body.
+pub async fn run(base_url: &str, w: &Workload, model: &str, label: &str) -> RunOutcome {
     let progress = Arc::new(Progress::default());
     let ticker = tokio::spawn(report_progress(
         progress.clone(),
@@ -65,7 +66,7 @@ pub async fn run(base_url: &str, w: &Workload, label: &str) -> RunOutcome {
         session_header: w.session_header,
         progress: progress.clone(),
     };
-    let mut requests = w.stream();
+    let mut requests = w.stream(model);
     let mut arrivals = ChaCha8Rng::seed_from_u64(w.seed ^ 0xA11_7E5);
     let mut set: JoinSet<Sample> = JoinSet::new();
     let mut samples = Vec::new();

@@ -102,7 +102,12 @@ pub async fn start_vllm_router(
         let block = fleet_spec["block_size"]
             .as_u64()
             .unwrap_or(DEFAULT_BLOCK_SIZE);
-        cmd.args(["--kv-event-block-size", &block.to_string()]);
+        cmd.args([
+            "--kv-event-block-size",
+            &block.to_string(),
+            "--kv-event-model",
+            &fleet.model,
+        ]);
         for r in &fleet.replicas {
             let events = r
                 .kv_events

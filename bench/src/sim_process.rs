@@ -65,6 +65,8 @@ pub struct MatchResult {
 pub struct SimFleet {
     pub replicas: Vec<Replica>,
     pub control: String,
+    /// The served model name (from a replica's `/v1/models`), sent in every request.
+    pub model: String,
     http: reqwest::Client,
     _child: Child,
     _fleet_file: TempFile,
@@ -109,10 +111,17 @@ impl SimFleet {
             .map_err(|e| format!("simulator ready line {line:?}: {e}"))?;
         // Keep draining stdout so the sim never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let http = reqwest::Client::new();
+        let first = ready
+            .replicas
+            .first()
+            .ok_or("the simulator announced no replicas")?;
+        let model = served_model(&http, &first.url).await?;
         Ok(SimFleet {
             replicas: ready.replicas,
             control: ready.control.trim_end_matches('/').to_string(),
-            http: reqwest::Client::new(),
+            model,
+            http,
             _child: child,
             _fleet_file: fleet_file,
         })
@@ -135,6 +144,22 @@ impl SimFleet {
             http: self.http.clone(),
         }
     }
+}
+
+async fn served_model(http: &reqwest::Client, replica: &str) -> Result<String, String> {
+    let url = format!("{}/v1/models", replica.trim_end_matches('/'));
+    let v: Value = http
+        .get(&url)
+        .send()
+        .await
+        .map_err(|e| format!("{url}: {e}"))?
+        .json()
+        .await
+        .map_err(|e| format!("{url}: {e}"))?;
+    v["data"][0]["id"]
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| format!("{url}: no model in {v}"))
 }
 
 /// A cheap handle on the control API, for the oracle proxy.

@@ -113,8 +113,9 @@ impl Workload {
         }
     }
 
-    pub fn stream(&self) -> RequestStream {
-        RequestStream::new(self.clone())
+    /// The requests, naming `model` (the fleet's served model) in each body.
+    pub fn stream(&self, model: &str) -> RequestStream {
+        RequestStream::new(self.clone(), model.to_string())
     }
 }
 
@@ -128,6 +129,7 @@ pub struct Request {
 /// An endless, deterministic sequence of requests for a workload.
 pub struct RequestStream {
     w: Workload,
+    model: String,
     rng: ChaCha8Rng,
     /// Cumulative Zipf weights over groups, for picking a group by popularity.
     group_cdf: Vec<f64>,
@@ -143,7 +145,7 @@ struct Conversation {
 }
 
 impl RequestStream {
-    fn new(w: Workload) -> Self {
+    fn new(w: Workload, model: String) -> Self {
         let weights: Vec<f64> = (1..=w.groups)
             .map(|rank| 1.0 / (rank as f64).powf(w.group_zipf))
             .collect();
@@ -163,6 +165,7 @@ impl RequestStream {
             conversations: vec![Conversation::default(); users],
             unique_count: 0,
             w,
+            model,
         }
     }
 
@@ -197,7 +200,7 @@ impl RequestStream {
 
     fn build(&self, system: String, messages: &[String]) -> Value {
         let common = json!({
-            "model": "sim",
+            "model": self.model,
             "max_tokens": self.w.output_tokens,
             "ignore_eos": true,
             "stream": true,
@@ -289,7 +292,7 @@ mod tests {
     use super::*;
 
     fn take(w: &Workload, n: usize) -> Vec<Request> {
-        w.stream().take(n).collect()
+        w.stream("m").take(n).collect()
     }
 
     #[test]

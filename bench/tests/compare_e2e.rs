@@ -1,0 +1,105 @@
+//! End to end: `kvroute-bench compare` with the real sim, real Envoy and the real kvroute.wasm,
+//! on a tiny shared-prefix workload. Needs `make build` (the Makefile's `test` target does it).
+
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// `$VAR` if set, else `default` under the workspace root.
+fn artifact(var: &str, default: &str) -> PathBuf {
+    std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join(default))
+}
+
+fn require_built() {
+    let needed = [
+        ("KVROUTE_SIM", "target/release/kvroute-sim"),
+        ("KVROUTE_WASM", "target/wasm32-wasip1/release/kvroute.wasm"),
+        ("ENVOY_BIN", ".venv/bin/envoy"),
+    ];
+    for (var, default) in needed {
+        let p = artifact(var, default);
+        assert!(
+            p.is_file(),
+            "{} not found ({var}); run make build (make deps for Envoy) first",
+            p.display()
+        );
+    }
+}
+
+#[test]
+fn kvroute_beats_round_robin_hit_rate_and_results_file_is_complete() {
+    require_built();
+    let dir = std::env::temp_dir().join(format!("kvroute-bench-e2e-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Each replica holds two of the six system prompts, so round robin (which shows every
+    // replica every prompt) keeps evicting while a cache-aware router does not.
+    let fleet = json!({"replicas": 3, "kv_capacity_tokens": 1024, "time_scale": 0.02});
+    let workload = json!({
+        "name": "e2e-tiny", "seed": 7, "groups": 6, "users_per_group": 2,
+        "system_prompt_tokens": 300, "question_tokens": 20, "output_tokens": 4,
+        "arrival": {"kind": "poisson", "qps": [15]}, "stage_duration_s": 4
+    });
+    let (fleet_path, workload_path, out) = (
+        dir.join("fleet.json"),
+        dir.join("workload.json"),
+        dir.join("out"),
+    );
+    std::fs::write(&fleet_path, fleet.to_string()).unwrap();
+    std::fs::write(&workload_path, workload.to_string()).unwrap();
+
+    let status = Command::new(env!("CARGO_BIN_EXE_kvroute-bench"))
+        .arg("compare")
+        .arg("--fleet")
+        .arg(&fleet_path)
+        .arg("--workload")
+        .arg(&workload_path)
+        .args(["--routers", "round_robin,kvroute,oracle", "--out"])
+        .arg(&out)
+        .env(
+            "KVROUTE_SIM",
+            artifact("KVROUTE_SIM", "target/release/kvroute-sim"),
+        )
+        .status()
+        .expect("run kvroute-bench");
+    assert!(status.success(), "kvroute-bench compare failed");
+
+    let results: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(results["fleet"], fleet);
+    assert_eq!(results["workload"]["name"], "e2e-tiny");
+    let rows = results["results"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["router"].as_str().unwrap()).collect();
+    assert_eq!(names, ["round_robin", "kvroute", "oracle"]);
+    for r in rows {
+        assert!(
+            r.get("skipped").is_none(),
+            "{} was skipped: {}",
+            r["router"],
+            r["skipped"]
+        );
+        assert!(r["requests"].as_u64().unwrap() >= 30, "{r}");
+        assert_eq!(r["errors"], 0, "{r}");
+        assert!(r["ttft_ms"]["p90"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["output_tok_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let hit = |i: usize| rows[i]["prefix_hit_rate"].as_f64().unwrap();
+    assert!(
+        hit(1) > hit(0),
+        "kvroute hit rate {} should beat round_robin's {}",
+        hit(1),
+        hit(0)
+    );
+    assert!(std::fs::read_to_string(out.join("results.md"))
+        .unwrap()
+        .contains("| kvroute |"));
+    assert!(std::fs::read_to_string(out.join("ttft.svg"))
+        .unwrap()
+        .starts_with("<svg"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
