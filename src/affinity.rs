@@ -1,0 +1,247 @@
+//! The affinity map: which endpoints recently served which prompt prefixes, kept in shared data.
+//!
+//! Shared data never forgets a key, so the map is a fixed table: a prefix key lands in slot
+//! `key % capacity`, and each slot is one shared-data value holding up to [`WAYS`] records
+//! (full key, up to [`MAX_HOLDERS`] endpoint ids, last-use stamp). A new record evicts the
+//! least-recently used one of its slot. At most `capacity` keys are ever written, whatever the
+//! traffic. Writes are whole-value compare-and-swap, so a lost race loses an update, never a record.
+//!
+//! Chained keys make presence monotone (a request that wrote key i also wrote keys 0..i), so the
+//! longest held prefix is found by binary search: about log2(chunks) reads per request.
+
+use crate::store::{self, SharedStore, Update};
+
+/// Records per slot.
+pub const WAYS: usize = 4;
+/// Endpoints remembered per prefix: a hot prefix may grow onto this many replicas.
+pub const MAX_HOLDERS: usize = 3;
+
+const VERSION: u8 = 1;
+const RECORD_LEN: usize = 8 + 8 + 1 + 4 * MAX_HOLDERS;
+
+/// One prefix record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub key: u64,
+    pub stamp_ms: u64,
+    /// Endpoint ids, first holder first.
+    pub holders: Vec<u32>,
+}
+
+/// The longest prefix some endpoint holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Match {
+    /// Number of leading chunk keys found.
+    pub depth: usize,
+    /// The record of the deepest key found.
+    pub record: Record,
+}
+
+/// The affinity table over a [`SharedStore`].
+pub struct AffinityMap<'s, S: SharedStore + ?Sized> {
+    store: &'s S,
+    capacity: u32,
+}
+
+impl<'s, S: SharedStore + ?Sized> AffinityMap<'s, S> {
+    pub fn new(store: &'s S, capacity: u32) -> Self {
+        AffinityMap {
+            store,
+            capacity: capacity.max(1),
+        }
+    }
+
+    /// The shared-data key of the slot holding `key`.
+    pub fn slot_key(&self, key: u64) -> String {
+        format!("kvroute.affinity.{}", key % u64::from(self.capacity))
+    }
+
+    /// The record for `key`, if its slot still holds it.
+    pub fn get(&self, key: u64) -> Option<Record> {
+        let (value, _) = self.store.get(&self.slot_key(key));
+        decode(value.as_deref()?).into_iter().find(|r| r.key == key)
+    }
+
+    /// The longest run of leading `keys` present in the map.
+    pub fn longest_match(&self, keys: &[u64]) -> Option<Match> {
+        let (mut lo, mut hi) = (0usize, keys.len());
+        let mut best = None;
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            match self.get(keys[mid - 1]) {
+                Some(record) => {
+                    lo = mid;
+                    best = Some(record);
+                }
+                None => hi = mid - 1,
+            }
+        }
+        best.map(|record| Match { depth: lo, record })
+    }
+
+    /// Records that `endpoint` now holds the prefixes `keys` (all of them, which keeps presence
+    /// monotone), stamped `now_ms`. Returns how many slots this created (slots ever written).
+    pub fn record(&self, keys: &[u64], endpoint: u32, now_ms: u64) -> usize {
+        keys.iter()
+            .filter(|&&key| self.upsert(key, endpoint, now_ms) == Update::Created)
+            .count()
+    }
+
+    fn upsert(&self, key: u64, endpoint: u32, now_ms: u64) -> Update {
+        store::update(self.store, &self.slot_key(key), |current| {
+            let mut records = current.map(decode).unwrap_or_default();
+            match records.iter_mut().find(|r| r.key == key) {
+                Some(r) => {
+                    r.stamp_ms = now_ms;
+                    if !r.holders.contains(&endpoint) {
+                        if r.holders.len() == MAX_HOLDERS {
+                            // Keep the first holder (the prefix's home); replace the newest guest.
+                            r.holders.pop();
+                        }
+                        r.holders.push(endpoint);
+                    }
+                }
+                None => {
+                    let fresh = Record {
+                        key,
+                        stamp_ms: now_ms,
+                        holders: vec![endpoint],
+                    };
+                    if records.len() < WAYS {
+                        records.push(fresh);
+                    } else if let Some(lru) = records.iter_mut().min_by_key(|r| r.stamp_ms) {
+                        *lru = fresh;
+                    }
+                }
+            }
+            Some(encode(&records))
+        })
+    }
+}
+
+fn encode(records: &[Record]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(1 + records.len() * RECORD_LEN);
+    out.push(VERSION);
+    for r in records {
+        out.extend_from_slice(&r.key.to_le_bytes());
+        out.extend_from_slice(&r.stamp_ms.to_le_bytes());
+        out.push(r.holders.len() as u8);
+        for i in 0..MAX_HOLDERS {
+            out.extend_from_slice(&r.holders.get(i).copied().unwrap_or(0).to_le_bytes());
+        }
+    }
+    out
+}
+
+/// Decodes a slot; anything malformed (another version, a torn value) reads as an empty slot.
+fn decode(bytes: &[u8]) -> Vec<Record> {
+    let Some((&VERSION, body)) = bytes.split_first() else {
+        return Vec::new();
+    };
+    if body.len() % RECORD_LEN != 0 || body.len() / RECORD_LEN > WAYS {
+        return Vec::new();
+    }
+    body.chunks_exact(RECORD_LEN)
+        .filter_map(|r| {
+            let u64_at = |i: usize| r.get(i..i + 8)?.try_into().ok().map(u64::from_le_bytes);
+            let count = usize::from(r[16]).min(MAX_HOLDERS);
+            let holders = (0..count)
+                .map(|i| {
+                    r.get(17 + 4 * i..21 + 4 * i)?
+                        .try_into()
+                        .ok()
+                        .map(u32::from_le_bytes)
+                })
+                .collect::<Option<Vec<u32>>>()?;
+            Some(Record {
+                key: u64_at(0)?,
+                stamp_ms: u64_at(8)?,
+                holders,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+
+    #[test]
+    fn the_longest_recorded_prefix_is_found() {
+        let store = MemoryStore::new();
+        let map = AffinityMap::new(&store, 1024);
+        map.record(&[1, 2, 3, 4, 5], 7, 100);
+        let m = map.longest_match(&[1, 2, 3, 9, 9, 9, 9]).unwrap();
+        assert_eq!(m.depth, 3);
+        assert_eq!(m.record.holders, vec![7]);
+        let full = map.longest_match(&[1, 2, 3, 4, 5]).unwrap();
+        assert_eq!(full.depth, 5);
+        assert!(map.longest_match(&[8, 12, 13]).is_none());
+        assert!(map.longest_match(&[]).is_none());
+    }
+
+    #[test]
+    fn a_prefix_grows_onto_a_few_holders_keeping_its_first() {
+        let store = MemoryStore::new();
+        let map = AffinityMap::new(&store, 64);
+        for (endpoint, t) in [(1, 1), (2, 2), (1, 3), (3, 4), (4, 5)] {
+            map.record(&[42], endpoint, t);
+        }
+        let r = map.get(42).unwrap();
+        assert_eq!(r.holders, vec![1, 2, 4]);
+        assert_eq!(r.stamp_ms, 5);
+    }
+
+    #[test]
+    fn a_full_slot_evicts_its_least_recently_used_record() {
+        let store = MemoryStore::new();
+        let map = AffinityMap::new(&store, 1);
+        for k in 0..WAYS as u64 {
+            map.record(&[k], 1, 10 + k);
+        }
+        map.record(&[0], 1, 100); // key 0 is used again, key 1 is now the oldest
+        map.record(&[99], 2, 101);
+        assert!(map.get(1).is_none());
+        assert!(map.get(0).is_some() && map.get(99).is_some());
+    }
+
+    #[test]
+    fn the_number_of_keys_never_exceeds_capacity() {
+        let store = MemoryStore::new();
+        let map = AffinityMap::new(&store, 128);
+        let mut created = 0;
+        for k in 0..100_000u64 {
+            created += map.record(&[k.wrapping_mul(0x9e37_79b9_7f4a_7c15)], (k % 5) as u32, k);
+        }
+        assert_eq!(store.len(), 128);
+        assert_eq!(created, 128);
+    }
+
+    #[test]
+    fn a_malformed_slot_reads_as_empty_and_is_rewritten() {
+        let store = MemoryStore::new();
+        let map = AffinityMap::new(&store, 8);
+        store.set(&map.slot_key(3), b"\x01garbage", None).unwrap();
+        assert!(map.get(3).is_none());
+        map.record(&[3], 9, 1);
+        assert_eq!(map.get(3).unwrap().holders, vec![9]);
+    }
+
+    #[test]
+    fn records_round_trip() {
+        let records = vec![
+            Record {
+                key: u64::MAX,
+                stamp_ms: 5,
+                holders: vec![1, u32::MAX],
+            },
+            Record {
+                key: 0,
+                stamp_ms: u64::MAX,
+                holders: vec![],
+            },
+        ];
+        assert_eq!(decode(&encode(&records)), records);
+    }
+}

@@ -1,0 +1,286 @@
+//! The plugin configuration: every field optional, defaults in one place, errors that name the field.
+
+use std::net::SocketAddr;
+
+use serde_json::{Map, Value};
+
+/// Which policy picks the endpoint. `CacheAware` is kvroute's; the others are baselines to compare.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyKind {
+    CacheAware,
+    RoundRobin,
+    LeastRequest,
+    Session,
+    PrefixHash,
+}
+
+impl PolicyKind {
+    pub const ALL: [(&'static str, PolicyKind); 5] = [
+        ("cache_aware", PolicyKind::CacheAware),
+        ("round_robin", PolicyKind::RoundRobin),
+        ("least_request", PolicyKind::LeastRequest),
+        ("session", PolicyKind::Session),
+        ("prefix_hash", PolicyKind::PrefixHash),
+    ];
+}
+
+/// kvroute's configuration, read from the Wasm plugin's `configuration` (a JSON object).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Routing policy (`policy`).
+    pub policy: PolicyKind,
+    /// Request header that carries the chosen `ip:port` to Envoy's override_host LB (`header`).
+    pub header: String,
+    /// Bytes of prompt text per prefix chunk (`chunk_size`).
+    pub chunk_size: usize,
+    /// Chunks hashed per request at most; longer prompts are matched on their first part (`max_chunks`).
+    pub max_chunks: usize,
+    /// Fraction of a request's chunks an endpoint must hold for affinity to apply (`cache_threshold`).
+    pub cache_threshold: f64,
+    /// Load gap (requests) above the least-loaded endpoint that makes an endpoint overloaded,
+    /// together with `balance_rel_threshold` (`balance_abs_threshold`).
+    pub balance_abs_threshold: u64,
+    /// Load ratio over the least-loaded endpoint that makes an endpoint overloaded (`balance_rel_threshold`).
+    pub balance_rel_threshold: f64,
+    /// Header whose value keys the `session` policy (`session_header`).
+    pub session_header: String,
+    /// Envoy cluster pointing at the admin interface, polled for `/clusters` (`admin_cluster`).
+    pub admin_cluster: Option<String>,
+    /// How often one worker polls the admin stats (`stats_interval_ms`).
+    pub stats_interval_ms: u64,
+    /// Static endpoints; when set they replace discovery from `/clusters` (`endpoints`).
+    pub endpoints: Vec<String>,
+    /// Largest request body kvroute buffers to route; larger ones go to the fallback (`max_body_bytes`).
+    pub max_body_bytes: usize,
+    /// Shared-data slots of the affinity map, each holding a few prefix records (`affinity_capacity`).
+    pub affinity_capacity: u32,
+    /// Add `x-kvroute-decision` to responses (`debug_header`).
+    pub debug_header: bool,
+    /// Extra endpoints listed after the chosen one, for Envoy retries (`fallback_endpoints`).
+    pub fallback_endpoints: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            policy: PolicyKind::CacheAware,
+            header: "x-gateway-destination-endpoint".to_string(),
+            chunk_size: 512,
+            max_chunks: 256,
+            cache_threshold: 0.3,
+            balance_abs_threshold: 64,
+            balance_rel_threshold: 1.5,
+            session_header: "x-session-id".to_string(),
+            admin_cluster: None,
+            stats_interval_ms: 1000,
+            endpoints: Vec::new(),
+            max_body_bytes: 4 << 20,
+            affinity_capacity: 16384,
+            debug_header: false,
+            fallback_endpoints: 1,
+        }
+    }
+}
+
+/// A configuration error, naming the field at fault.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    pub field: String,
+    pub reason: String,
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "invalid kvroute config: field `{}`: {}",
+            self.field, self.reason
+        )
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err(field: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.to_string(),
+        reason: reason.into(),
+    }
+}
+
+impl Config {
+    /// Parses the plugin configuration. Empty input means all defaults.
+    pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(Config::default());
+        }
+        let value: Value = serde_json::from_slice(bytes)
+            .map_err(|e| err("(configuration)", format!("not valid JSON: {e}")))?;
+        let Value::Object(map) = value else {
+            return Err(err("(configuration)", "must be a JSON object"));
+        };
+        Config::from_map(&map)
+    }
+
+    fn from_map(map: &Map<String, Value>) -> Result<Config, ConfigError> {
+        let mut c = Config::default();
+        for (field, v) in map {
+            let f = field.as_str();
+            match f {
+                "policy" => {
+                    let name = string(f, v)?;
+                    c.policy = PolicyKind::ALL
+                        .iter()
+                        .find(|(n, _)| *n == name)
+                        .map(|(_, p)| *p)
+                        .ok_or_else(|| {
+                            let names: Vec<_> = PolicyKind::ALL.iter().map(|(n, _)| *n).collect();
+                            err(
+                                f,
+                                format!("unknown policy {name:?}; one of {}", names.join(", ")),
+                            )
+                        })?;
+                }
+                "header" => c.header = header_name(f, v)?,
+                "session_header" => c.session_header = header_name(f, v)?,
+                "chunk_size" => c.chunk_size = int(f, v, 16, 1 << 20)? as usize,
+                "max_chunks" => c.max_chunks = int(f, v, 1, 4096)? as usize,
+                "cache_threshold" => c.cache_threshold = float(f, v, 0.0, 1.0)?,
+                "balance_abs_threshold" => c.balance_abs_threshold = int(f, v, 0, 1 << 32)?,
+                "balance_rel_threshold" => c.balance_rel_threshold = float(f, v, 1.0, 1e6)?,
+                "admin_cluster" => {
+                    let name = string(f, v)?;
+                    c.admin_cluster = (!name.is_empty()).then(|| name.to_string());
+                }
+                "stats_interval_ms" => c.stats_interval_ms = int(f, v, 50, 3_600_000)?,
+                "endpoints" => c.endpoints = endpoints(f, v)?,
+                "max_body_bytes" => c.max_body_bytes = int(f, v, 1, 64 << 20)? as usize,
+                "affinity_capacity" => c.affinity_capacity = int(f, v, 1, 1 << 24)? as u32,
+                "debug_header" => {
+                    c.debug_header = v.as_bool().ok_or_else(|| err(f, "must be true or false"))?
+                }
+                "fallback_endpoints" => c.fallback_endpoints = int(f, v, 0, 8)? as usize,
+                _ => return Err(err(f, "unknown field")),
+            }
+        }
+        if c.header == c.session_header {
+            return Err(err("session_header", "must differ from `header`"));
+        }
+        Ok(c)
+    }
+}
+
+fn string<'v>(field: &str, v: &'v Value) -> Result<&'v str, ConfigError> {
+    v.as_str()
+        .ok_or_else(|| err(field, format!("must be a string, got {v}")))
+}
+
+fn int(field: &str, v: &Value, min: u64, max: u64) -> Result<u64, ConfigError> {
+    match v.as_u64() {
+        Some(n) if (min..=max).contains(&n) => Ok(n),
+        _ => Err(err(
+            field,
+            format!("must be an integer from {min} to {max}, got {v}"),
+        )),
+    }
+}
+
+fn float(field: &str, v: &Value, min: f64, max: f64) -> Result<f64, ConfigError> {
+    match v.as_f64() {
+        Some(x) if (min..=max).contains(&x) => Ok(x),
+        _ => Err(err(
+            field,
+            format!("must be a number from {min} to {max}, got {v}"),
+        )),
+    }
+}
+
+fn header_name(field: &str, v: &Value) -> Result<String, ConfigError> {
+    let name = string(field, v)?;
+    let valid = !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if !valid {
+        return Err(err(
+            field,
+            format!("{name:?} is not a lowercase HTTP header name"),
+        ));
+    }
+    Ok(name.to_string())
+}
+
+fn endpoints(field: &str, v: &Value) -> Result<Vec<String>, ConfigError> {
+    let list = v
+        .as_array()
+        .ok_or_else(|| err(field, "must be a list of \"ip:port\" strings"))?;
+    list.iter()
+        .map(|item| {
+            let s = string(field, item)?;
+            s.parse::<SocketAddr>()
+                .map(|a| a.to_string())
+                .map_err(|_| err(field, format!("{s:?} is not an ip:port address")))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_configuration_gives_the_documented_defaults() {
+        let c = Config::parse(b"").unwrap();
+        assert_eq!(c, Config::default());
+        assert_eq!(c.policy, PolicyKind::CacheAware);
+        assert_eq!(c.cache_threshold, 0.3);
+        assert_eq!(c.balance_abs_threshold, 64);
+        assert_eq!(c.balance_rel_threshold, 1.5);
+        assert_eq!(c.header, "x-gateway-destination-endpoint");
+    }
+
+    #[test]
+    fn every_field_is_read() {
+        let c = Config::parse(
+            br#"{"policy":"session","header":"x-dest","chunk_size":64,"max_chunks":8,
+                "cache_threshold":0.5,"balance_abs_threshold":4,"balance_rel_threshold":2,
+                "session_header":"x-user","admin_cluster":"admin","stats_interval_ms":200,
+                "endpoints":["127.0.0.1:8001"],"max_body_bytes":1000,"affinity_capacity":64,
+                "debug_header":true,"fallback_endpoints":0}"#,
+        )
+        .unwrap();
+        assert_eq!(c.policy, PolicyKind::Session);
+        assert_eq!(
+            (c.chunk_size, c.max_chunks, c.affinity_capacity),
+            (64, 8, 64)
+        );
+        assert_eq!(c.endpoints, vec!["127.0.0.1:8001"]);
+        assert_eq!(c.admin_cluster.as_deref(), Some("admin"));
+        assert!(c.debug_header);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        for (json, field) in [
+            (r#"{"chunk_size":0}"#, "chunk_size"),
+            (r#"{"chunk_size":"big"}"#, "chunk_size"),
+            (r#"{"cache_threshold":1.5}"#, "cache_threshold"),
+            (r#"{"balance_rel_threshold":0.5}"#, "balance_rel_threshold"),
+            (r#"{"policy":"random"}"#, "policy"),
+            (r#"{"endpoints":["nowhere"]}"#, "endpoints"),
+            (r#"{"header":"X Bad"}"#, "header"),
+            (r#"{"typo_field":1}"#, "typo_field"),
+            (r#"{"affinity_capacity":0}"#, "affinity_capacity"),
+        ] {
+            let e = Config::parse(json.as_bytes()).unwrap_err();
+            assert_eq!(e.field, field, "{json}");
+            assert!(e.to_string().contains(field));
+        }
+    }
+
+    #[test]
+    fn non_object_configuration_is_refused() {
+        assert!(Config::parse(b"[1]").is_err());
+        assert!(Config::parse(b"{").is_err());
+    }
+}

@@ -1,0 +1,23 @@
+//! kvroute: KV-cache-aware routing for LLM inference fleets, as a proxy-wasm filter for Envoy.
+//!
+//! The routing core is plain Rust that knows nothing about the host and is tested natively:
+//! [`request`] parses the OpenAI body, [`prefix`] hashes its prompt into chained chunk keys,
+//! [`affinity`] remembers which endpoints hold which prefixes, [`endpoints`] and [`counters`] say
+//! which endpoints exist and how loaded they are, [`policy`] picks one, and [`router`] runs that
+//! pipeline for one request. [`store`] is the one seam to the host: Envoy's shared data in the
+//! filter, a map in tests. The proxy-wasm adapter (`wasm/`) only moves bytes between Envoy and
+//! this core.
+
+pub mod affinity;
+pub mod config;
+pub mod counters;
+pub mod endpoints;
+pub mod policy;
+pub mod prefix;
+pub mod rendezvous;
+pub mod request;
+pub mod router;
+pub mod store;
+
+#[cfg(all(target_arch = "wasm32", not(test)))]
+mod wasm;

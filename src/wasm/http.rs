@@ -1,0 +1,189 @@
+//! The HTTP stream context: strips client routing headers, buffers routable bodies, asks the core
+//! for a decision, writes the routing header, and settles the in-flight count when the stream ends.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action, BufferType, MapType, MetricType};
+
+use super::host::{inflight_gauge, now_ms, HostStore, Metrics};
+use super::root::Shared;
+use crate::request::Api;
+use crate::router::{self, Reason, RequestInfo, Routed};
+
+pub struct Stream {
+    shared: Rc<RefCell<Shared>>,
+    api: Option<Api>,
+    body_size: usize,
+    /// What was decided, for the debug header: a decision name or `fallback:<reason>`.
+    outcome: Option<String>,
+    /// The endpoint counted in flight, until the stream ends.
+    routed: Option<(u32, String)>,
+}
+
+impl Stream {
+    pub fn new(shared: Rc<RefCell<Shared>>) -> Self {
+        Stream {
+            shared,
+            api: None,
+            body_size: 0,
+            outcome: None,
+            routed: None,
+        }
+    }
+
+    fn header(&self, name: &str) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
+            .ok()
+            .flatten()
+    }
+
+    fn fallback(&mut self, reason: Reason) -> Action {
+        self.shared
+            .borrow_mut()
+            .metrics
+            .count(&format!("kvroute.fallback.{reason}"));
+        self.outcome = Some(format!("fallback:{reason}"));
+        Action::Continue
+    }
+
+    /// The body is complete (or all we will buffer): route it.
+    fn route(&mut self) -> Action {
+        let Some(api) = self.api.take() else {
+            return Action::Continue;
+        };
+        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, self.body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        // Which cluster's hosts are candidates: the one the route chose.
+        let cluster = [vec!["xds", "cluster_name"], vec!["cluster_name"]]
+            .into_iter()
+            .find_map(|path| hostcalls::get_property(path).ok().flatten())
+            .and_then(|b| String::from_utf8(b).ok());
+        let mut shared = self.shared.borrow_mut();
+        let Some(hosts) = shared.hosts(cluster.as_deref()) else {
+            drop(shared);
+            return self.fallback("no_cluster");
+        };
+        let session = self.header(&shared.config.session_header);
+        let request_id = self.header("x-request-id");
+        let req = RequestInfo {
+            api,
+            body: &body,
+            session: session.as_deref(),
+            request_id: request_id.as_deref(),
+        };
+        let result = router::route(&shared.config, &HostStore, &hosts, &req, now_ms());
+        drop(shared);
+        match result {
+            Ok(routed) => self.apply(routed),
+            Err(reason) => self.fallback(reason),
+        }
+    }
+
+    fn apply(&mut self, routed: Routed) -> Action {
+        let mut shared = self.shared.borrow_mut();
+        let value = routed.endpoints.join(",");
+        let _ = hostcalls::set_map_value(
+            MapType::HttpRequestHeaders,
+            &shared.config.header,
+            Some(&value),
+        );
+        let m: &mut Metrics = &mut shared.metrics;
+        m.count(&format!("kvroute.routed.{}", routed.decision.name()));
+        if let Some(fraction) = routed.match_fraction {
+            m.histogram("kvroute.match_percent", (fraction * 100.0).round() as u64);
+        }
+        if routed.slots_created > 0 {
+            m.add(
+                MetricType::Gauge,
+                "kvroute.affinity.slots_used",
+                routed.slots_created as i64,
+            );
+        }
+        let primary = routed.endpoints.first().cloned().unwrap_or_default();
+        m.gauge(&inflight_gauge(&primary), u64::from(routed.inflight));
+        self.outcome = Some(routed.decision.name().to_string());
+        self.routed = Some((routed.endpoint_id, primary));
+        Action::Continue
+    }
+
+    /// The stream is over, however it ended: one request fewer in flight.
+    fn settle(&mut self) {
+        if let Some((id, addr)) = self.routed.take() {
+            let left = router::finish(&HostStore, id).unwrap_or(0);
+            self.shared
+                .borrow_mut()
+                .metrics
+                .gauge(&inflight_gauge(&addr), u64::from(left));
+        }
+    }
+}
+
+impl Context for Stream {
+    fn on_done(&mut self) -> bool {
+        self.settle();
+        true
+    }
+}
+
+impl HttpContext for Stream {
+    fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
+        // Whatever happens next, a client never chooses the upstream.
+        let header = self.shared.borrow().config.header.clone();
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, None);
+        let method = self.header(":method").unwrap_or_default();
+        let path = self.header(":path").unwrap_or_default();
+        match router::routable(&method, &path) {
+            Err(reason) => self.fallback(reason),
+            Ok(_) if end_of_stream => self.fallback("empty_body"),
+            Ok(api) => {
+                self.api = Some(api);
+                // Hold the headers until the body is in: the routing header depends on it.
+                Action::Pause
+            }
+        }
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.api.is_none() {
+            return Action::Continue;
+        }
+        self.body_size = body_size;
+        let max = self.shared.borrow().config.max_body_bytes;
+        if body_size > max {
+            // Stop buffering before Envoy's own buffer limit answers 413: stream it on unrouted.
+            self.api = None;
+            return self.fallback("body_too_large");
+        }
+        if end_of_stream {
+            self.route()
+        } else {
+            Action::Pause
+        }
+    }
+
+    fn on_http_request_trailers(&mut self, _trailers: usize) -> Action {
+        self.route()
+    }
+
+    fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        if self.shared.borrow().config.debug_header {
+            if let Some(outcome) = &self.outcome {
+                let _ = hostcalls::set_map_value(
+                    MapType::HttpResponseHeaders,
+                    "x-kvroute-decision",
+                    Some(outcome),
+                );
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        self.settle();
+    }
+}

@@ -1,0 +1,219 @@
+//! The root context (one per worker VM): loads the config, polls Envoy's admin `/clusters` from one
+//! worker at a time, and hands each HTTP stream the shared view it needs.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{ContextType, LogLevel};
+
+use super::host::{now_ms, HostStore, Metrics};
+use super::http::Stream;
+use crate::config::Config;
+use crate::endpoints::{self, Host, Snapshot};
+use crate::policy::Decision;
+use crate::store::{self, SharedStore};
+
+const HOSTS_KEY: &str = "kvroute.hosts";
+const LEASE_KEY: &str = "kvroute.poll_lease";
+pub const FALLBACK_REASONS: [&str; 11] = [
+    "method",
+    "path",
+    "empty_body",
+    "body_too_large",
+    "bad_utf8",
+    "bad_json",
+    "no_model",
+    "no_prompt",
+    "no_cluster",
+    "no_healthy_endpoint",
+    "no_session",
+];
+
+/// What a worker VM's streams share: config, the last host snapshot, metrics.
+pub struct Shared {
+    pub config: Config,
+    pub metrics: Metrics,
+    snapshot: Snapshot,
+    snapshot_cas: Option<u32>,
+}
+
+impl Shared {
+    /// The hosts a request to `cluster` may go to: the static list if configured (with health and
+    /// load from the last poll where known), else the cluster's hosts from the last poll.
+    pub fn hosts(&mut self, cluster: Option<&str>) -> Option<Vec<Host>> {
+        self.refresh_snapshot();
+        if !self.config.endpoints.is_empty() {
+            let polled: Vec<&Host> = self.snapshot.values().flatten().collect();
+            return Some(
+                self.config
+                    .endpoints
+                    .iter()
+                    .map(|addr| {
+                        polled
+                            .iter()
+                            .find(|h| &h.addr == addr)
+                            .map_or_else(|| Host::fixed(addr), |h| (*h).clone())
+                    })
+                    .collect(),
+            );
+        }
+        self.snapshot.get(cluster?).cloned()
+    }
+
+    /// Re-reads the snapshot another worker's poll wrote, if it changed.
+    fn refresh_snapshot(&mut self) {
+        let (value, cas) = HostStore.get(HOSTS_KEY);
+        if cas == self.snapshot_cas {
+            return;
+        }
+        if let Some(snapshot) = value.as_deref().and_then(endpoints::decode_snapshot) {
+            self.snapshot = snapshot;
+            self.snapshot_cas = cas;
+        }
+    }
+}
+
+#[derive(Default)]
+pub struct Root {
+    shared: Option<Rc<RefCell<Shared>>>,
+}
+
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        _token: u32,
+        _headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
+        let Some(shared) = &self.shared else { return };
+        let mut shared = shared.borrow_mut();
+        let status = hostcalls::get_map_value(
+            proxy_wasm::types::MapType::HttpCallResponseHeaders,
+            ":status",
+        )
+        .ok()
+        .flatten();
+        let body = hostcalls::get_buffer(
+            proxy_wasm::types::BufferType::HttpCallResponseBody,
+            0,
+            body_size,
+        )
+        .ok()
+        .flatten();
+        let parsed = match (status.as_deref(), body) {
+            (Some("200"), Some(body)) => endpoints::parse_admin_clusters(&body),
+            (status, _) => Err(format!("admin answered status {status:?}")),
+        };
+        match parsed {
+            Ok(snapshot) => {
+                let _ = HostStore.set(HOSTS_KEY, &endpoints::encode_snapshot(&snapshot), None);
+                let admin = shared.config.admin_cluster.clone();
+                let known = snapshot
+                    .iter()
+                    .filter(|(name, _)| Some(*name) != admin.as_ref())
+                    .flat_map(|(_, hosts)| hosts)
+                    .filter(|h| h.healthy)
+                    .count();
+                shared
+                    .metrics
+                    .gauge("kvroute.endpoints_known", known as u64);
+                shared.metrics.count("kvroute.stats_poll.ok");
+            }
+            Err(e) => {
+                let _ = hostcalls::log(LogLevel::Warn, &format!("kvroute: stats poll failed: {e}"));
+                shared.metrics.count("kvroute.stats_poll.failed");
+            }
+        }
+    }
+}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let bytes = hostcalls::get_buffer(
+            proxy_wasm::types::BufferType::PluginConfiguration,
+            0,
+            usize::MAX,
+        )
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+        let config = match Config::parse(&bytes) {
+            Ok(config) => config,
+            Err(e) => {
+                let _ = hostcalls::log(LogLevel::Critical, &e.to_string());
+                return false;
+            }
+        };
+        let mut metrics = Metrics::default();
+        for d in Decision::ALL {
+            metrics.define_counter(&format!("kvroute.routed.{}", d.name()));
+        }
+        for reason in FALLBACK_REASONS {
+            metrics.define_counter(&format!("kvroute.fallback.{reason}"));
+        }
+        metrics.define_counter("kvroute.stats_poll.ok");
+        metrics.define_counter("kvroute.stats_poll.failed");
+        if config.admin_cluster.is_some() {
+            let _ = hostcalls::set_tick_period(Duration::from_millis(config.stats_interval_ms));
+        }
+        self.shared = Some(Rc::new(RefCell::new(Shared {
+            config,
+            metrics,
+            snapshot: Snapshot::new(),
+            snapshot_cas: None,
+        })));
+        self.on_tick();
+        true
+    }
+
+    fn on_tick(&mut self) {
+        let Some(shared) = &self.shared else { return };
+        let (admin, interval) = {
+            let s = shared.borrow();
+            (s.config.admin_cluster.clone(), s.config.stats_interval_ms)
+        };
+        let Some(admin) = admin else { return };
+        if !take_poll_lease(now_ms(), interval) {
+            return;
+        }
+        let headers = vec![
+            (":method", "GET"),
+            (":path", "/clusters?format=json"),
+            (":authority", admin.as_str()),
+        ];
+        let timeout = Duration::from_millis(interval.max(1000));
+        if hostcalls::dispatch_http_call(&admin, headers, None, vec![], timeout).is_err() {
+            shared
+                .borrow_mut()
+                .metrics
+                .count("kvroute.stats_poll.failed");
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Stream::new(self.shared.clone()?)))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// One poll per interval across all workers: whoever first moves the shared deadline polls.
+fn take_poll_lease(now: u64, interval_ms: u64) -> bool {
+    let mut taken = false;
+    store::update(&HostStore, LEASE_KEY, |current| {
+        let deadline = current
+            .and_then(|v| v.try_into().ok())
+            .map(u64::from_le_bytes)
+            .unwrap_or(0);
+        taken = now >= deadline;
+        // A little under the interval, so tick jitter does not skip every other poll.
+        taken.then(|| (now + interval_ms * 9 / 10).to_le_bytes().to_vec())
+    });
+    taken
+}
