@@ -137,19 +137,31 @@ pub async fn run(base_url: &str, w: &Workload, model: &str, label: &str) -> RunO
     }
     let wall_s = start.elapsed().as_secs_f64();
     ticker.abort();
-    let p = &progress;
+    let clear = if std::io::stderr().is_terminal() {
+        "\r\x1b[K"
+    } else {
+        ""
+    };
+    let errors = samples.iter().filter(|s| s.error.is_some()).count();
+    let mostly = most_common_error(&samples)
+        .map(|e| format!(" (mostly: {e})"))
+        .unwrap_or_default();
     eprintln!(
-        "{}[{label}] finished: {} sent, {} errors, {:.1} s",
-        if std::io::stderr().is_terminal() {
-            "\r\x1b[K"
-        } else {
-            ""
-        },
-        p.sent.load(Ordering::Relaxed),
-        p.errors.load(Ordering::Relaxed),
-        wall_s
+        "{clear}[{label}] finished: {} requests, {errors} errors{mostly}, {wall_s:.1} s",
+        samples.len()
     );
     RunOutcome { samples, wall_s }
+}
+
+fn most_common_error(samples: &[Sample]) -> Option<String> {
+    let mut counts = std::collections::HashMap::<&str, usize>::new();
+    for e in samples.iter().filter_map(|s| s.error.as_deref()) {
+        *counts.entry(e).or_default() += 1;
+    }
+    counts
+        .into_iter()
+        .max_by_key(|(_, n)| *n)
+        .map(|(e, _)| e.to_string())
 }
 
 /// Collects finished requests until `until`.

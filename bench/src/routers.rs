@@ -20,7 +20,7 @@ pub enum Router {
     /// kvroute with the shipped plugin config, or with `policy` laid over it.
     Kvroute(Option<String>),
     Smg,
-    VllmRouter(String),
+    Vllm(String),
     Oracle,
 }
 
@@ -36,7 +36,7 @@ impl Router {
             ("ring_hash", None) => Router::RingHash,
             ("kvroute", policy) => Router::Kvroute(policy),
             ("smg", None) => Router::Smg,
-            ("vllm-router", Some(policy)) => Router::VllmRouter(policy),
+            ("vllm-router", Some(policy)) => Router::Vllm(policy),
             ("oracle", None) => Router::Oracle,
             _ => {
                 return Err(format!(
@@ -63,7 +63,7 @@ impl Router {
             Router::Kvroute(None) => "kvroute".into(),
             Router::Kvroute(Some(p)) => format!("kvroute:{p}"),
             Router::Smg => "smg".into(),
-            Router::VllmRouter(p) => format!("vllm-router:{p}"),
+            Router::Vllm(p) => format!("vllm-router:{p}"),
             Router::Oracle => "oracle".into(),
         }
     }
@@ -105,9 +105,7 @@ impl Router {
                 envoy(Lb::Kvroute { plugin_config }).await
             }
             Router::Smg => peer(peers::start_smg(fleet).await),
-            Router::VllmRouter(policy) => {
-                peer(peers::start_vllm_router(policy, fleet, fleet_spec).await)
-            }
+            Router::Vllm(policy) => peer(peers::start_vllm_router(policy, fleet, fleet_spec).await),
             Router::Oracle => {
                 let oracle = Oracle::start(fleet.control_client(), fleet.replicas.clone()).await?;
                 Ok(Running {
