@@ -1,0 +1,155 @@
+//! Starting a fleet: one HTTP listener and one KV-event publisher per replica, plus the
+//! control port, all on 127.0.0.1.
+
+use crate::api::{self, Api};
+use crate::control;
+use crate::engine::Replica;
+use crate::http::serve;
+use crate::kv_events::{self, Format};
+use crate::spec::FleetSpec;
+use serde_json::json;
+use std::io;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+pub struct ReplicaHandle {
+    pub replica: Arc<Replica>,
+    pub addr: SocketAddr,
+    pub kv_events_addr: SocketAddr,
+}
+
+impl ReplicaHandle {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn kv_events_endpoint(&self) -> String {
+        format!("tcp://{}", self.kv_events_addr)
+    }
+}
+
+pub struct Fleet {
+    pub spec: Arc<FleetSpec>,
+    pub replicas: Vec<ReplicaHandle>,
+    pub control_addr: SocketAddr,
+}
+
+fn localhost(port: u16) -> SocketAddr {
+    SocketAddr::from((Ipv4Addr::LOCALHOST, port))
+}
+
+impl Fleet {
+    /// Starts every replica and the control server. `base_port` 0 picks free ports;
+    /// otherwise replica i listens on `base_port + i`. KV-event ports are always free ports.
+    pub async fn start(spec: FleetSpec, base_port: u16, control_port: u16) -> io::Result<Fleet> {
+        spec.validate()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        let spec = Arc::new(spec);
+        let format = Format::from_name(&spec.kv_events_format);
+        let mut replicas = Vec::with_capacity(spec.replicas);
+        for id in 0..spec.replicas {
+            let port = if base_port == 0 {
+                0
+            } else {
+                u16::try_from(usize::from(base_port) + id).map_err(|_| {
+                    io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        "--base-port too high for this many replicas",
+                    )
+                })?
+            };
+            let listener = TcpListener::bind(localhost(port)).await?;
+            let addr = listener.local_addr()?;
+            let (kv_events_addr, events) = kv_events::start_publisher(
+                localhost(0),
+                spec.kv_events_topic.clone(),
+                spec.block_size,
+                format,
+            )
+            .await?;
+            let replica = Arc::new(Replica::new(id, spec.clone(), Some(events)));
+            tokio::spawn(run_listener(Api::new(replica.clone()), listener, addr));
+            replicas.push(ReplicaHandle {
+                replica,
+                addr,
+                kv_events_addr,
+            });
+        }
+        let control_listener = TcpListener::bind(localhost(control_port)).await?;
+        let control_addr = control_listener.local_addr()?;
+        let fleet_view: Arc<Vec<Arc<Replica>>> =
+            Arc::new(replicas.iter().map(|r| r.replica.clone()).collect());
+        tokio::spawn(serve(
+            control_listener,
+            move |req| control::handle(fleet_view.clone(), req),
+            std::future::pending(),
+        ));
+        Ok(Fleet {
+            spec,
+            replicas,
+            control_addr,
+        })
+    }
+
+    /// The single JSON line printed once everything listens. Written by hand so the keys
+    /// come in the documented order (serde_json sorts object keys).
+    pub fn announcement(&self) -> String {
+        let replicas: Vec<String> = self
+            .replicas
+            .iter()
+            .map(|r| {
+                format!(
+                    "{{\"id\":{},\"url\":{},\"kv_events\":{}}}",
+                    r.replica.id,
+                    json!(r.url()),
+                    json!(r.kv_events_endpoint())
+                )
+            })
+            .collect();
+        format!(
+            "{{\"replicas\":[{}],\"control\":{}}}",
+            replicas.join(","),
+            json!(format!("http://{}", self.control_addr))
+        )
+    }
+}
+
+/// Serves a replica; while it is `stopped` the listener is closed (connections are refused)
+/// and it is bound again on the same port when the replica is started again.
+async fn run_listener(api: Arc<Api>, first: TcpListener, addr: SocketAddr) {
+    let mut stopped = api.replica.watch_stopped();
+    let mut listener = Some(first);
+    loop {
+        let Some(l) = listener.take() else { return };
+        let handler_api = api.clone();
+        let mut watch = stopped.clone();
+        serve(
+            l,
+            move |req| api::handle(handler_api.clone(), req),
+            async move {
+                let _ = watch.wait_for(|s| *s).await;
+            },
+        )
+        .await;
+        if stopped.wait_for(|s| !*s).await.is_err() {
+            return;
+        }
+        for _ in 0..100 {
+            match TcpListener::bind(addr).await {
+                Ok(l) => {
+                    listener = Some(l);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        if listener.is_none() {
+            eprintln!(
+                "kvroute-sim: replica {} could not listen on {addr} again",
+                api.replica.id
+            );
+        }
+    }
+}

@@ -1,0 +1,150 @@
+//! HTTP/1.1 plumbing shared by replicas and the control port: a body type that is either
+//! a full buffer or a stream of chunks, JSON/error helpers, and an accept loop.
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+/// A response body: a whole buffer (sent with Content-Length) or SSE chunks from a channel.
+pub enum SimBody {
+    Full(Option<Bytes>),
+    Stream(mpsc::UnboundedReceiver<Bytes>),
+}
+
+impl Body for SimBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.get_mut() {
+            SimBody::Full(buf) => Poll::Ready(buf.take().map(|b| Ok(Frame::data(b)))),
+            SimBody::Stream(rx) => rx
+                .poll_recv(cx)
+                .map(|chunk| chunk.map(|b| Ok(Frame::data(b)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self, SimBody::Full(None))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            SimBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            SimBody::Full(None) => SizeHint::with_exact(0),
+            SimBody::Stream(_) => SizeHint::default(),
+        }
+    }
+}
+
+pub type Resp = Response<SimBody>;
+
+fn with_body(status: StatusCode, content_type: &'static str, body: Bytes) -> Resp {
+    let mut resp = Response::new(SimBody::Full(Some(body)));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    resp
+}
+
+pub fn json_response(status: StatusCode, value: &Value) -> Resp {
+    with_body(status, "application/json", Bytes::from(value.to_string()))
+}
+
+pub fn text_response(status: StatusCode, content_type: &'static str, text: String) -> Resp {
+    with_body(status, content_type, Bytes::from(text))
+}
+
+pub fn empty_response(status: StatusCode) -> Resp {
+    let mut resp = Response::new(SimBody::Full(None));
+    *resp.status_mut() = status;
+    resp
+}
+
+/// vLLM's (OpenAI-style) error body.
+pub fn openai_error(status: StatusCode, kind: &str, message: impl Into<String>) -> Resp {
+    json_response(
+        status,
+        &json!({"error": {"message": message.into(), "type": kind, "param": null, "code": status.as_u16()}}),
+    )
+}
+
+pub fn bad_request(message: impl Into<String>) -> Resp {
+    openai_error(StatusCode::BAD_REQUEST, "BadRequestError", message)
+}
+
+/// FastAPI's bodies for routing errors, which vLLM returns as they are.
+pub fn not_found() -> Resp {
+    json_response(StatusCode::NOT_FOUND, &json!({"detail": "Not Found"}))
+}
+
+pub fn method_not_allowed() -> Resp {
+    json_response(
+        StatusCode::METHOD_NOT_ALLOWED,
+        &json!({"detail": "Method Not Allowed"}),
+    )
+}
+
+/// Reads a whole request body (requests here are small JSON documents).
+pub async fn read_body(req: Request<Incoming>) -> Result<Bytes, Resp> {
+    use http_body_util::BodyExt;
+    match req.into_body().collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) => Err(bad_request(format!("could not read request body: {e}"))),
+    }
+}
+
+/// Parses a JSON body, answering 400 on anything that is not a JSON object.
+pub fn parse_json_object(body: &[u8]) -> Result<Value, Resp> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(v @ Value::Object(_)) => Ok(v),
+        Ok(_) => Err(bad_request("request body must be a JSON object")),
+        Err(e) => Err(bad_request(format!("invalid JSON in request body: {e}"))),
+    }
+}
+
+/// Serves HTTP/1.1 connections from `listener` with `handler` until `stop` resolves.
+pub async fn serve<H, F>(listener: TcpListener, handler: H, stop: impl Future<Output = ()>)
+where
+    H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Resp> + Send + 'static,
+{
+    tokio::pin!(stop);
+    loop {
+        let stream = tokio::select! {
+            _ = &mut stop => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    eprintln!("kvroute-sim: accept failed: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let handler = handler.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let fut = handler(req);
+                async move { Ok::<_, Infallible>(fut.await) }
+            });
+            // Errors here are client disconnects; nothing to do about them.
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}

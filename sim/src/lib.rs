@@ -1,0 +1,21 @@
+//! kvroute-sim: a simulated fleet of vLLM replicas (OpenAI API, prefix cache, time model, KV events).
+//!
+//! The binary (`src/main.rs`) only parses flags and starts a [`fleet::Fleet`]; everything
+//! else lives here so integration tests can start replicas in-process.
+
+pub mod api;
+pub mod chat_template;
+pub mod cli;
+pub mod control;
+pub mod engine;
+pub mod fleet;
+pub mod http;
+pub mod kv_events;
+pub mod metrics;
+pub mod prefix_cache;
+pub mod request;
+pub mod spec;
+pub mod sse;
+pub mod time_model;
+pub mod tokenizer;
+pub mod zmtp;

@@ -1,0 +1,173 @@
+//! Parsing OpenAI requests into what the engine needs: prompt token ids and generation options.
+
+use crate::chat_template;
+use crate::tokenizer::tokenize;
+use serde_json::Value;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completion,
+}
+
+impl Endpoint {
+    /// The endpoint a request path targets (also accepts the `/render` variants).
+    pub fn from_path(path: &str) -> Option<Self> {
+        match path.trim_end_matches("/render") {
+            "/v1/chat/completions" => Some(Endpoint::Chat),
+            "/v1/completions" => Some(Endpoint::Completion),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenRequest {
+    pub endpoint: Endpoint,
+    pub model: Option<String>,
+    pub prompt_tokens: Vec<u32>,
+    pub max_tokens: Option<usize>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub ignore_eos: bool,
+}
+
+/// Prompt token ids of a request body, with the rendered text when there was text.
+pub fn prompt_tokens(
+    endpoint: Endpoint,
+    body: &Value,
+) -> Result<(Vec<u32>, Option<String>), String> {
+    match endpoint {
+        Endpoint::Chat => {
+            let messages = body
+                .get("messages")
+                .and_then(Value::as_array)
+                .ok_or("'messages' must be an array")?;
+            if messages.is_empty() {
+                return Err("'messages' must not be empty".into());
+            }
+            let tools = body
+                .get("tools")
+                .and_then(Value::as_array)
+                .map(Vec::as_slice);
+            let add_generation_prompt = body
+                .get("add_generation_prompt")
+                .and_then(Value::as_bool)
+                .unwrap_or(true);
+            let text = chat_template::render(messages, tools, add_generation_prompt)?;
+            Ok((tokenize(&text), Some(text)))
+        }
+        Endpoint::Completion => match body.get("prompt") {
+            Some(Value::String(text)) => Ok((tokenize(text), Some(text.clone()))),
+            Some(Value::Array(items)) => match items.as_slice() {
+                [Value::String(text)] => Ok((tokenize(text), Some(text.clone()))),
+                [Value::Array(ids)] => Ok((token_ids(ids)?, None)),
+                ids if !ids.is_empty() && ids.iter().all(Value::is_number) => {
+                    Ok((token_ids(ids)?, None))
+                }
+                _ => Err(
+                    "'prompt' must be a string, a token id array, or a one-element list of \
+                          either (batched prompts are not simulated)"
+                        .into(),
+                ),
+            },
+            _ => Err("'prompt' is required".into()),
+        },
+    }
+}
+
+fn token_ids(ids: &[Value]) -> Result<Vec<u32>, String> {
+    ids.iter()
+        .map(|v| {
+            v.as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| "token ids must be non-negative integers".to_string())
+        })
+        .collect()
+}
+
+/// A generation request (`/v1/chat/completions` or `/v1/completions`).
+pub fn parse(endpoint: Endpoint, body: &Value) -> Result<GenRequest, String> {
+    let (prompt_tokens, _) = prompt_tokens(endpoint, body)?;
+    if prompt_tokens.is_empty() {
+        return Err("the prompt is empty".into());
+    }
+    let max_tokens = match body
+        .get("max_tokens")
+        .or_else(|| body.get("max_completion_tokens"))
+    {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(n) if n >= 1 => Some(n as usize),
+            _ => return Err("'max_tokens' must be a positive integer".into()),
+        },
+    };
+    let flag = |name: &str| body.get(name).and_then(Value::as_bool).unwrap_or(false);
+    let include_usage = body
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    Ok(GenRequest {
+        endpoint,
+        model: body
+            .get("model")
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        prompt_tokens,
+        max_tokens,
+        stream: flag("stream"),
+        include_usage,
+        ignore_eos: flag("ignore_eos"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn chat_request_is_templated_and_options_parsed() {
+        let body = json!({"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":7,
+                          "stream":true,"stream_options":{"include_usage":true},"ignore_eos":true});
+        let req = parse(Endpoint::Chat, &body).unwrap();
+        assert_eq!(req.max_tokens, Some(7));
+        assert!(req.stream && req.include_usage && req.ignore_eos);
+        assert_eq!(
+            req.prompt_tokens,
+            tokenize("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        );
+    }
+
+    #[test]
+    fn completion_prompt_forms() {
+        let text = parse(Endpoint::Completion, &json!({"prompt":"a b"})).unwrap();
+        assert_eq!(text.prompt_tokens, tokenize("a b"));
+        let ids = parse(Endpoint::Completion, &json!({"prompt":[1,2,3]})).unwrap();
+        assert_eq!(ids.prompt_tokens, vec![1, 2, 3]);
+        assert!(parse(Endpoint::Completion, &json!({"prompt":["a","b"]})).is_err());
+        assert!(parse(Endpoint::Completion, &json!({})).is_err());
+    }
+
+    #[test]
+    fn invalid_fields_are_errors() {
+        assert!(parse(Endpoint::Chat, &json!({"messages":[]})).is_err());
+        assert!(parse(Endpoint::Chat, &json!({"messages":"hi"})).is_err());
+        let zero = json!({"prompt":"x","max_tokens":0});
+        assert!(parse(Endpoint::Completion, &zero).is_err());
+    }
+
+    #[test]
+    fn endpoint_from_path_accepts_render_variants() {
+        assert_eq!(
+            Endpoint::from_path("/v1/chat/completions/render"),
+            Some(Endpoint::Chat)
+        );
+        assert_eq!(
+            Endpoint::from_path("/v1/completions"),
+            Some(Endpoint::Completion)
+        );
+        assert_eq!(Endpoint::from_path("/v1/embeddings"), None);
+    }
+}

@@ -1,0 +1,125 @@
+//! The fleet spec: what `--fleet FLEET.json` may contain, every field optional with a default.
+
+use serde::{Deserialize, Serialize};
+
+/// One simulated fleet. Defaults model Qwen3-32B on one H100-class GPU, calibrated to the
+/// llm-d precise-scheduling benchmark (see `time_model` and sim/README.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FleetSpec {
+    /// Number of replicas.
+    pub replicas: usize,
+    /// Served model name (`/v1/models`, the `model` field, the `model_name` metric label).
+    pub model: String,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV pool size per replica, in tokens.
+    pub kv_capacity_tokens: usize,
+    /// Requests running at once per replica; the rest wait in a FIFO queue.
+    pub max_num_seqs: usize,
+    /// Longest prompt + output accepted, like vLLM's `--max-model-len`.
+    pub max_model_len: usize,
+    /// Output length when a request gives no `max_tokens` (the simulated model never stops
+    /// early, so this stands in for "until EOS").
+    pub default_max_tokens: usize,
+    /// Fixed cost of a prefill, in simulated milliseconds.
+    pub prefill_base_ms: f64,
+    /// Prefill cost per uncached prompt token.
+    pub prefill_ms_per_token: f64,
+    /// Prefill cost per cached prompt token (attention still reads them).
+    pub cached_token_ms: f64,
+    /// Decode step time with one running request: the time per output token.
+    pub decode_ms_per_token: f64,
+    /// Extra decode step time per additional running request.
+    pub decode_batch_slope: f64,
+    /// Real seconds per simulated second: 0.01 runs everything 100x faster.
+    pub time_scale: f64,
+    /// ZMQ topic of KV events (vLLM's `kv_events_config.topic`).
+    pub kv_events_topic: String,
+    /// Inner event encoding: "map" (vLLM since array_like was dropped) or "array" (older vLLM).
+    pub kv_events_format: String,
+}
+
+impl Default for FleetSpec {
+    fn default() -> Self {
+        FleetSpec {
+            replicas: 4,
+            model: "Qwen/Qwen3-32B".into(),
+            block_size: 16,
+            // About what is left of an 80 GB GPU after Qwen3-32B's weights in bf16.
+            kv_capacity_tokens: 131_072,
+            max_num_seqs: 64,
+            max_model_len: 32_768,
+            default_max_tokens: 64,
+            prefill_base_ms: 50.0,
+            prefill_ms_per_token: 0.7,
+            cached_token_ms: 0.09,
+            decode_ms_per_token: 30.0,
+            decode_batch_slope: 0.3,
+            time_scale: 1.0,
+            kv_events_topic: "kv-events".into(),
+            kv_events_format: "map".into(),
+        }
+    }
+}
+
+impl FleetSpec {
+    pub fn from_json(text: &str) -> Result<Self, String> {
+        let spec: FleetSpec = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("replicas", self.replicas),
+            ("block_size", self.block_size),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_model_len", self.max_model_len),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(format!("{name} must be at least 1"));
+            }
+        }
+        if self.kv_capacity_tokens < self.block_size {
+            return Err("kv_capacity_tokens must hold at least one block".into());
+        }
+        if !(self.time_scale > 0.0 && self.time_scale.is_finite()) {
+            return Err("time_scale must be a positive number".into());
+        }
+        let costs = [
+            self.prefill_base_ms,
+            self.prefill_ms_per_token,
+            self.cached_token_ms,
+            self.decode_ms_per_token,
+            self.decode_batch_slope,
+        ];
+        if costs.iter().any(|c| !(c.is_finite() && *c >= 0.0)) {
+            return Err("cost parameters must be non-negative numbers".into());
+        }
+        if self.kv_events_format != "map" && self.kv_events_format != "array" {
+            return Err("kv_events_format must be \"map\" or \"array\"".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_gives_defaults_and_fields_override() {
+        assert_eq!(FleetSpec::from_json("{}").unwrap(), FleetSpec::default());
+        let s = FleetSpec::from_json(r#"{"replicas":2,"time_scale":0.01}"#).unwrap();
+        assert_eq!((s.replicas, s.time_scale, s.block_size), (2, 0.01, 16));
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_values_are_rejected() {
+        assert!(FleetSpec::from_json(r#"{"replica":2}"#).is_err());
+        assert!(FleetSpec::from_json(r#"{"time_scale":0}"#).is_err());
+        assert!(FleetSpec::from_json(r#"{"kv_events_format":"json"}"#).is_err());
+    }
+}
