@@ -3,6 +3,9 @@
 //! The binary (`src/main.rs`) only parses flags and starts a [`fleet::Fleet`]; everything
 //! else lives here so integration tests can start replicas in-process.
 
+// Handlers return ready-made error responses (`Result<_, Response>`) by design.
+#![allow(clippy::result_large_err)]
+
 pub mod api;
 pub mod chat_template;
 pub mod cli;

@@ -9,6 +9,7 @@
 //!
 //! Every change that a KV-event subscriber must see is queued as a [`CacheEvent`].
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -151,7 +152,7 @@ impl PrefixCache {
     pub fn admit(&mut self, tokens: &[u32]) -> Option<Lease> {
         let hashes = block_hashes(tokens, self.block_size);
         let matched = self.matched_blocks(&hashes);
-        let partial = usize::from(tokens.len() % self.block_size != 0);
+        let partial = usize::from(!tokens.len().is_multiple_of(self.block_size));
         let new_hashed = hashes[matched..]
             .iter()
             .filter(|h| !self.blocks.contains_key(h))
@@ -172,19 +173,16 @@ impl PrefixCache {
         self.make_room(needed);
         let mut run: Vec<usize> = Vec::new();
         for i in matched..hashes.len() {
-            if self.blocks.contains_key(&hashes[i]) {
-                self.flush_stored_run(&mut run, &hashes, tokens);
-                self.pin(hashes[i]);
-            } else {
-                self.blocks.insert(
-                    hashes[i],
-                    Block {
-                        pins: 1,
-                        lru_tick: 0,
-                    },
-                );
+            if let Entry::Vacant(slot) = self.blocks.entry(hashes[i]) {
+                slot.insert(Block {
+                    pins: 1,
+                    lru_tick: 0,
+                });
                 self.pinned_blocks += 1;
                 run.push(i);
+            } else {
+                self.flush_stored_run(&mut run, &hashes, tokens);
+                self.pin(hashes[i]);
             }
         }
         self.flush_stored_run(&mut run, &hashes, tokens);

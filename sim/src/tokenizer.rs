@@ -67,14 +67,12 @@ fn next_piece_end(text: &str, start: usize) -> usize {
         first.is_alphanumeric()
     };
     if word_start {
-        let mut taken = 1;
         let mut end = rest.len();
-        for (idx, c) in chars {
+        for (taken, (idx, c)) in (1..).zip(chars) {
             if !c.is_alphanumeric() || taken == MAX_WORD_CHARS {
                 end = idx;
                 break;
             }
-            taken += 1;
         }
         return start + end;
     }
