@@ -1,6 +1,10 @@
 //! The oracle router: an in-process HTTP proxy that asks the sim which replica really holds the
 //! most of each prompt (`POST /fleet/match`) and sends the request there unless that replica is
 //! overloaded. It knows what no real router can, so it is the upper bound of the comparison.
+//!
+//! The sim only reports what is cached once a prefill finished, so the oracle also remembers the
+//! prompts it sent in the last moments: a burst of requests sharing a new prefix then follows the
+//! first one instead of each paying a cold prefill on a different replica.
 
 use crate::sim_process::{ControlClient, MatchResult, Replica};
 use bytes::Bytes;
@@ -10,14 +14,20 @@ use hyper::{Request, Response, StatusCode};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::Value;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 /// A replica is overloaded when its load (running + waiting) exceeds the least-loaded replica's
 /// by more than this; the oracle then gives up its cache hit for a shorter queue.
 pub const OVERLOAD_SLACK: u64 = 4;
+/// How long a dispatched prompt counts as (about to be) cached on its replica.
+const PENDING_WINDOW: Duration = Duration::from_secs(2);
+/// At most this many recent dispatches are remembered.
+const PENDING_MAX: usize = 256;
 
 type Body = BoxBody<Bytes, hyper::Error>;
 
@@ -39,6 +49,8 @@ struct State {
     /// Requests this proxy sent to each replica whose response headers have not come back yet:
     /// covers the moment between a `/fleet/match` answer and the replica counting the request.
     dispatching: Vec<AtomicU64>,
+    /// Recently dispatched prompts: (replica index, prompt text, when).
+    recent: Mutex<VecDeque<(usize, String, Instant)>>,
     client: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
 }
 
@@ -51,6 +63,7 @@ impl Oracle {
         let state = Arc::new(State {
             control,
             dispatching: replicas.iter().map(|_| AtomicU64::new(0)).collect(),
+            recent: Mutex::new(VecDeque::new()),
             replicas,
             client: Client::builder(TokioExecutor::new()).build_http(),
         });
@@ -130,19 +143,63 @@ async fn proxy(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bod
 /// Index into `state.replicas` for this request body.
 async fn pick(state: &State, path: &str, body: &[u8]) -> Result<usize, String> {
     let json: Value = serde_json::from_slice(body).map_err(|e| format!("request body: {e}"))?;
-    let m = state.control.best_match(path, &json).await?;
-    let extra: Vec<u64> = state
-        .dispatching
+    let mut m = state.control.best_match(path, &json).await?;
+    let text = prompt_text(&json);
+    let index_of = |id: usize| state.replicas.iter().position(|r| r.id == id);
+    {
+        let mut recent = state.recent.lock().map_err(|_| "oracle state poisoned")?;
+        while recent
+            .front()
+            .is_some_and(|(_, _, t)| t.elapsed() > PENDING_WINDOW)
+        {
+            recent.pop_front();
+        }
+        // Tokens per character of this prompt, to turn a shared text prefix into tokens.
+        let per_char = m.prompt_tokens as f64 / text.len().max(1) as f64;
+        for r in m.replicas.iter_mut() {
+            let Some(i) = index_of(r.id) else { continue };
+            let shared = recent
+                .iter()
+                .filter(|(j, _, _)| *j == i)
+                .map(|(_, t, _)| common_prefix(t, &text))
+                .max();
+            let pending = (shared.unwrap_or(0) as f64 * per_char) as u64;
+            r.cached_tokens = r.cached_tokens.max(pending);
+        }
+    }
+    let extra: Vec<u64> = m
+        .replicas
         .iter()
-        .map(|d| d.load(Ordering::Relaxed))
+        .map(|r| index_of(r.id).map_or(0, |i| state.dispatching[i].load(Ordering::Relaxed)))
         .collect();
     let chosen = choose(&m, &extra).ok_or("the fleet reported no replicas")?;
     let id = m.replicas[chosen].id;
-    state
-        .replicas
-        .iter()
-        .position(|r| r.id == id)
-        .ok_or_else(|| format!("unknown replica id {id}"))
+    let target = index_of(id).ok_or_else(|| format!("unknown replica id {id}"))?;
+    let mut recent = state.recent.lock().map_err(|_| "oracle state poisoned")?;
+    if recent.len() >= PENDING_MAX {
+        recent.pop_front();
+    }
+    recent.push_back((target, text, Instant::now()));
+    Ok(target)
+}
+
+/// The prompt as text: the completion prompt, or the chat messages' roles and contents in order.
+fn prompt_text(body: &Value) -> String {
+    if let Some(p) = body["prompt"].as_str() {
+        return p.to_string();
+    }
+    let mut s = String::new();
+    for m in body["messages"].as_array().into_iter().flatten() {
+        s.push_str(m["role"].as_str().unwrap_or(""));
+        s.push('\n');
+        s.push_str(m["content"].as_str().unwrap_or(""));
+        s.push('\n');
+    }
+    s
+}
+
+fn common_prefix(a: &str, b: &str) -> usize {
+    a.bytes().zip(b.bytes()).take_while(|(x, y)| x == y).count()
 }
 
 fn error(status: StatusCode, msg: &str) -> Response<Body> {
@@ -161,6 +218,7 @@ mod tests {
 
     fn m(rs: &[(u64, u64)]) -> MatchResult {
         MatchResult {
+            prompt_tokens: 100,
             replicas: rs
                 .iter()
                 .enumerate()
@@ -188,5 +246,17 @@ mod tests {
     fn a_new_prefix_goes_to_the_least_loaded() {
         assert_eq!(choose(&m(&[(0, 3), (0, 1), (0, 2)]), &[]), Some(1));
         assert_eq!(choose(&m(&[(0, 0), (0, 0)]), &[1, 0]), Some(1));
+    }
+
+    #[test]
+    fn prompt_text_of_chat_and_completions_starts_with_the_shared_part() {
+        let a = prompt_text(
+            &serde_json::json!({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "q1"}]}),
+        );
+        let b = prompt_text(
+            &serde_json::json!({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "q2"}]}),
+        );
+        assert_eq!(common_prefix(&a, &b), "system\nS\nuser\nq".len());
+        assert_eq!(prompt_text(&serde_json::json!({"prompt": "p"})), "p");
     }
 }

@@ -58,6 +58,8 @@ pub struct MatchReplica {
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct MatchResult {
+    #[serde(default)]
+    pub prompt_tokens: u64,
     pub replicas: Vec<MatchReplica>,
 }
 
