@@ -55,6 +55,7 @@ const ROUTES: &[&str] = &[
     "/v1/chat/completions",
     "/v1/completions/render",
     "/v1/chat/completions/render",
+    "/reset_prefix_cache",
 ];
 
 /// Handles one request; every response says which replica served it.
@@ -94,6 +95,10 @@ async fn route(api: &Arc<Api>, req: Request<Incoming>) -> Resp {
             metrics::render(spec, &api.replica.snapshot()),
         ),
         (Method::POST, "/tokenize") => tokenize(api, req).await,
+        (Method::POST, "/reset_prefix_cache") => {
+            api.replica.reset_prefix_cache();
+            empty_response(StatusCode::OK)
+        }
         (Method::POST, "/v1/completions/render") => render(Endpoint::Completion, req).await,
         (Method::POST, "/v1/chat/completions/render") => render(Endpoint::Chat, req).await,
         (Method::POST, "/v1/completions") => generate(api, Endpoint::Completion, req).await,

@@ -472,6 +472,20 @@ mod tests {
     }
 
     #[test]
+    fn clear_drops_idle_blocks_but_keeps_pinned_ones() {
+        let mut cache = PrefixCache::new(16, 1600);
+        let (a, b) = (toks(1, 32), toks(2, 32));
+        let l = cache.admit(&a).unwrap();
+        cache.release(l, &a);
+        let _held = cache.admit(&b).unwrap();
+        cache.take_events();
+        cache.clear();
+        assert_eq!(cache.matched_blocks(&block_hashes(&a, 16)), 0);
+        assert_eq!(cache.matched_blocks(&block_hashes(&b, 16)), 2);
+        assert_eq!(cache.take_events(), vec![CacheEvent::AllCleared]);
+    }
+
+    #[test]
     fn output_blocks_are_cached_at_release_for_the_next_turn() {
         let mut cache = PrefixCache::new(16, 1600);
         let prompt = toks(1, 20);
