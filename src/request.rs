@@ -153,10 +153,7 @@ fn parse_chat(body: &str) -> Result<Prompt, ParseError> {
 fn push_content(text: &mut String, content: &RawValue) -> Result<(), ParseError> {
     let raw = content.get();
     match raw.as_bytes().first() {
-        Some(b'"') => {
-            let s: Cow<str> = serde_json::from_str(raw).map_err(|_| ParseError::BadJson)?;
-            text.push_str(&s);
-        }
+        Some(b'"') => text.push_str(&json_string(raw)?),
         Some(b'[') => {
             let parts: Vec<&RawValue> =
                 serde_json::from_str(raw).map_err(|_| ParseError::BadJson)?;
@@ -175,15 +172,22 @@ fn push_content(text: &mut String, content: &RawValue) -> Result<(), ParseError>
     Ok(())
 }
 
+/// Decodes a raw JSON string. The common case, no escapes, borrows the text between the quotes
+/// without scanning it a second time.
+fn json_string(raw: &str) -> Result<Cow<'_, str>, ParseError> {
+    match raw.get(1..raw.len().saturating_sub(1)) {
+        Some(inner) if !inner.contains('\\') => Ok(Cow::Borrowed(inner)),
+        _ => serde_json::from_str(raw).map_err(|_| ParseError::BadJson),
+    }
+}
+
 fn parse_completion(body: &str) -> Result<Prompt, ParseError> {
     let req: CompletionRequest = serde_json::from_str(body).map_err(|_| ParseError::BadJson)?;
     let model = model(req.model)?;
     let prompt = req.prompt.ok_or(ParseError::NoPrompt)?;
     let raw = prompt.get();
     let text = match raw.as_bytes().first() {
-        Some(b'"') => serde_json::from_str::<Cow<str>>(raw)
-            .map_err(|_| ParseError::BadJson)?
-            .into_owned(),
+        Some(b'"') => json_string(raw)?.into_owned(),
         // A batch of strings, or token ids: equal leading elements give an equal leading text
         // because each element is closed by a separator.
         Some(b'[') => {
