@@ -5,6 +5,7 @@ mod compare;
 mod demo;
 mod driver;
 mod oracle;
+mod overhead;
 mod paths;
 mod peers;
 mod report;
@@ -43,6 +44,12 @@ enum Cmd {
     },
     /// kvroute vs round robin on a small embedded fleet and workload (about a minute).
     Demo,
+    /// Latency and throughput kvroute adds to Envoy, side by side with the same Envoy without it.
+    Overhead {
+        /// Seconds per measured phase.
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+    },
 }
 
 fn main() {
@@ -63,6 +70,7 @@ fn main() {
                 out,
             } => run_compare(fleet, workload, routers, out).await,
             Cmd::Demo => demo::demo().await,
+            Cmd::Overhead { seconds } => overhead::overhead(seconds).await,
         }
     });
     if let Err(e) = outcome {
