@@ -28,6 +28,9 @@ pub const OVERLOAD_SLACK: u64 = 4;
 const PENDING_WINDOW: Duration = Duration::from_secs(2);
 /// At most this many recent dispatches are remembered.
 const PENDING_MAX: usize = 256;
+/// A pending shared prefix counts in whole KV blocks of this many tokens, like a real cache hit
+/// (so a few shared template tokens do not attract unrelated prompts).
+const PENDING_BLOCK_TOKENS: u64 = 16;
 
 type Body = BoxBody<Bytes, hyper::Error>;
 
@@ -49,6 +52,8 @@ struct State {
     /// Requests this proxy sent to each replica whose response headers have not come back yet:
     /// covers the moment between a `/fleet/match` answer and the replica counting the request.
     dispatching: Vec<AtomicU64>,
+    /// Requests sent to each replica so far: the last tie-break, so new prefixes spread out.
+    dispatched: Vec<AtomicU64>,
     /// Recently dispatched prompts: (replica index, prompt text, when).
     recent: Mutex<VecDeque<(usize, String, Instant)>>,
     client: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
@@ -63,6 +68,7 @@ impl Oracle {
         let state = Arc::new(State {
             control,
             dispatching: replicas.iter().map(|_| AtomicU64::new(0)).collect(),
+            dispatched: replicas.iter().map(|_| AtomicU64::new(0)).collect(),
             recent: Mutex::new(VecDeque::new()),
             replicas,
             client: Client::builder(TokioExecutor::new()).build_http(),
@@ -86,11 +92,12 @@ impl Oracle {
 }
 
 /// Picks the index into `m.replicas` with the most cached tokens among those not overloaded;
-/// ties go to the less loaded, then the lower id. `extra_load[id]` is added to a replica's load.
-pub fn choose(m: &MatchResult, extra_load: &[u64]) -> Option<usize> {
+/// ties go to the less loaded, then to the one sent fewer requests so far (`sent[i]`), then the
+/// lower id. `extra_load[i]` is added to the load of `m.replicas[i]`.
+pub fn choose(m: &MatchResult, extra_load: &[u64], sent: &[u64]) -> Option<usize> {
     let load = |i: usize| {
         let r = &m.replicas[i];
-        r.running + r.waiting + extra_load.get(r.id).copied().unwrap_or(0)
+        r.running + r.waiting + extra_load.get(i).copied().unwrap_or(0)
     };
     let min_load = (0..m.replicas.len()).map(load).min()?;
     (0..m.replicas.len())
@@ -100,6 +107,7 @@ pub fn choose(m: &MatchResult, extra_load: &[u64]) -> Option<usize> {
             ra.cached_tokens
                 .cmp(&rb.cached_tokens)
                 .then(load(b).cmp(&load(a)))
+                .then(sent.get(b).cmp(&sent.get(a)))
                 .then(rb.id.cmp(&ra.id))
         })
 }
@@ -164,6 +172,7 @@ async fn pick(state: &State, path: &str, body: &[u8]) -> Result<usize, String> {
                 .map(|(_, t, _)| common_prefix(t, &text))
                 .max();
             let pending = (shared.unwrap_or(0) as f64 * per_char) as u64;
+            let pending = pending / PENDING_BLOCK_TOKENS * PENDING_BLOCK_TOKENS;
             r.cached_tokens = r.cached_tokens.max(pending);
         }
     }
@@ -172,9 +181,15 @@ async fn pick(state: &State, path: &str, body: &[u8]) -> Result<usize, String> {
         .iter()
         .map(|r| index_of(r.id).map_or(0, |i| state.dispatching[i].load(Ordering::Relaxed)))
         .collect();
-    let chosen = choose(&m, &extra).ok_or("the fleet reported no replicas")?;
+    let sent: Vec<u64> = m
+        .replicas
+        .iter()
+        .map(|r| index_of(r.id).map_or(0, |i| state.dispatched[i].load(Ordering::Relaxed)))
+        .collect();
+    let chosen = choose(&m, &extra, &sent).ok_or("the fleet reported no replicas")?;
     let id = m.replicas[chosen].id;
     let target = index_of(id).ok_or_else(|| format!("unknown replica id {id}"))?;
+    state.dispatched[target].fetch_add(1, Ordering::Relaxed);
     let mut recent = state.recent.lock().map_err(|_| "oracle state poisoned")?;
     if recent.len() >= PENDING_MAX {
         recent.pop_front();
@@ -234,18 +249,26 @@ mod tests {
 
     #[test]
     fn picks_the_replica_holding_most_of_the_prompt() {
-        assert_eq!(choose(&m(&[(0, 0), (80, 2), (40, 0)]), &[]), Some(1));
+        assert_eq!(choose(&m(&[(0, 0), (80, 2), (40, 0)]), &[], &[]), Some(1));
     }
 
     #[test]
     fn skips_an_overloaded_replica_for_the_next_best_hit() {
-        assert_eq!(choose(&m(&[(0, 0), (80, 20), (40, 1)]), &[]), Some(2));
+        assert_eq!(choose(&m(&[(0, 0), (80, 20), (40, 1)]), &[], &[]), Some(2));
     }
 
     #[test]
     fn a_new_prefix_goes_to_the_least_loaded() {
-        assert_eq!(choose(&m(&[(0, 3), (0, 1), (0, 2)]), &[]), Some(1));
-        assert_eq!(choose(&m(&[(0, 0), (0, 0)]), &[1, 0]), Some(1));
+        assert_eq!(choose(&m(&[(0, 3), (0, 1), (0, 2)]), &[], &[]), Some(1));
+        assert_eq!(choose(&m(&[(0, 0), (0, 0)]), &[1, 0], &[]), Some(1));
+    }
+
+    #[test]
+    fn idle_fleet_spreads_new_prefixes_over_replicas() {
+        assert_eq!(
+            choose(&m(&[(0, 0), (0, 0), (0, 0)]), &[], &[5, 3, 4]),
+            Some(1)
+        );
     }
 
     #[test]
