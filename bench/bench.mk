@@ -1,6 +1,7 @@
 # Benchmark and demo targets (owned by the bench crate). Included from the top-level Makefile.
 #   make run    the demo: kvroute vs round robin on an embedded small fleet (1-2 minutes)
 #   make bench  the llm-d-shaped comparison across every router, prints the table
+#               (results.json, results.md, ttft.svg in $(BENCH_OUT))
 #   make peers  installs the peer routers (smg, vllm-router), each in its own venv
 .PHONY: run bench peers bench-all
 
@@ -21,14 +22,12 @@ run: deps build
 
 bench: deps build peers
 	$(BENCH) compare --fleet $(BENCH_FLEET) --workload $(BENCH_WORKLOAD) --routers $(BENCH_ROUTERS) --out $(BENCH_OUT)
-	@cat $(BENCH_OUT)/results.md
 
 # Every default workload in turn (takes much longer than `make bench`).
 bench-all: deps build peers
 	@for w in bench/workloads/*.json; do \
 	  n=$$(basename $$w .json); \
 	  $(BENCH) compare --fleet $(BENCH_FLEET) --workload $$w --routers $(BENCH_ROUTERS) --out $(BENCH_OUT)/$$n || exit 1; \
-	  cat $(BENCH_OUT)/$$n/results.md; \
 	done
 
 # A peer that fails to install is left without its marker; `compare` then reports it as skipped.
