@@ -2,8 +2,9 @@
 #   make run    the demo: kvroute vs round robin on an embedded small fleet (1-2 minutes)
 #   make bench  the llm-d-shaped comparison across every router, prints the table
 #               (results.json, results.md, ttft.svg in $(BENCH_OUT))
+#   make bench-overhead  latency and throughput kvroute adds to Envoy (kvroute-bench overhead)
 #   make peers  installs the peer routers (smg, vllm-router), each in its own venv
-.PHONY: run bench peers bench-all
+.PHONY: run bench peers bench-all bench-overhead
 
 BENCH := target/release/kvroute-bench
 PEERS := .work/peers
@@ -22,6 +23,9 @@ run: deps build
 
 bench: deps build peers
 	$(BENCH) compare --fleet $(BENCH_FLEET) --workload $(BENCH_WORKLOAD) --routers $(BENCH_ROUTERS) --out $(BENCH_OUT)
+
+bench-overhead: deps build
+	$(BENCH) overhead
 
 # Every default workload in turn (takes much longer than `make bench`).
 bench-all: deps build peers
