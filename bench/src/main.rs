@@ -49,6 +49,9 @@ enum Cmd {
         /// Seconds per measured phase.
         #[arg(long, default_value_t = 10)]
         seconds: u64,
+        /// kvroute plugin config laid over the shipped one (JSON object), e.g. '{"policy":"round_robin"}'.
+        #[arg(long, default_value = "{}")]
+        plugin_config: String,
     },
 }
 
@@ -70,7 +73,13 @@ fn main() {
                 out,
             } => run_compare(fleet, workload, routers, out).await,
             Cmd::Demo => demo::demo().await,
-            Cmd::Overhead { seconds } => overhead::overhead(seconds).await,
+            Cmd::Overhead {
+                seconds,
+                plugin_config,
+            } => match serde_json::from_str(&plugin_config) {
+                Ok(config) => overhead::overhead(seconds, config).await,
+                Err(e) => Err(format!("--plugin-config: {e}")),
+            },
         }
     });
     if let Err(e) = outcome {

@@ -22,7 +22,7 @@ const THROUGHPUT_CLIENTS: usize = 32;
 /// Prefix groups: requests mostly follow affinity, the common path in production.
 const GROUPS: usize = 16;
 
-pub async fn overhead(seconds: u64) -> Result<(), String> {
+pub async fn overhead(seconds: u64, plugin_config: serde_json::Value) -> Result<(), String> {
     let backends = Backend::start_many(4)
         .await
         .map_err(|e| format!("backends: {e}"))?;
@@ -35,11 +35,9 @@ pub async fn overhead(seconds: u64) -> Result<(), String> {
         })
     };
     let plain = start(Lb::RoundRobin).await.map_err(|e| e.to_string())?;
-    let kvroute = start(Lb::Kvroute {
-        plugin_config: json!({}),
-    })
-    .await
-    .map_err(|e| e.to_string())?;
+    let kvroute = start(Lb::Kvroute { plugin_config })
+        .await
+        .map_err(|e| e.to_string())?;
     let targets = [plain.url(), kvroute.url()];
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(THROUGHPUT_CLIENTS)
@@ -67,23 +65,32 @@ pub async fn overhead(seconds: u64) -> Result<(), String> {
         );
     }
     println!();
-    println!("| prompt | clients | plain req/s | kvroute req/s | kvroute / plain |");
-    println!("|---|---|---|---|---|");
+    println!("| prompt | clients | plain req/s | kvroute req/s | kvroute / plain | plain Envoy CPU/req | kvroute Envoy CPU/req |");
+    println!("|---|---|---|---|---|---|---|");
+    let envoys = [&plain, &kvroute];
     for size in SIZES {
         let bodies = bodies(size);
         // ABAB, so a slow spell of the shared machine does not land on one side only.
-        let mut rates = [0.0f64; 2];
+        let (mut rates, mut cpu, mut requests) = ([0.0f64; 2], [0.0f64; 2], [0.0f64; 2]);
         for order in [[0, 1], [1, 0]] {
             for i in order {
-                rates[i] += throughput(&client, &targets[i], &bodies, phase / 2).await? / 2.0;
+                let before = envoys[i].cpu_time().unwrap_or_default();
+                let (rate, done) = throughput(&client, &targets[i], &bodies, phase / 2).await?;
+                let after = envoys[i].cpu_time().unwrap_or_default();
+                rates[i] += rate / 2.0;
+                cpu[i] += (after - before).as_secs_f64();
+                requests[i] += done as f64;
             }
         }
+        let per_req = |i: usize| cpu[i] / requests[i].max(1.0) * 1e6;
         println!(
-            "| {} KB | {THROUGHPUT_CLIENTS} | {:.0} | {:.0} | {:.2} |",
+            "| {} KB | {THROUGHPUT_CLIENTS} | {:.0} | {:.0} | {:.2} | {:.0} µs | {:.0} µs |",
             size / 1024,
             rates[0],
             rates[1],
-            rates[1] / rates[0]
+            rates[1] / rates[0],
+            per_req(0),
+            per_req(1),
         );
     }
     let routed = kvroute
@@ -182,13 +189,14 @@ async fn latency(
     Ok(all)
 }
 
-/// Requests per second through `base` with `THROUGHPUT_CLIENTS` clients in a closed loop.
+/// Requests per second through `base` with `THROUGHPUT_CLIENTS` clients in a closed loop, and the
+/// number of requests.
 async fn throughput(
     client: &reqwest::Client,
     base: &str,
     bodies: &[String],
     phase: Duration,
-) -> Result<f64, String> {
+) -> Result<(f64, u64), String> {
     let start = Instant::now();
     let deadline = start + phase;
     let tasks: Vec<_> = (0..THROUGHPUT_CLIENTS)
@@ -209,5 +217,5 @@ async fn throughput(
     for t in tasks {
         total += t.await.map_err(|e| e.to_string())??;
     }
-    Ok(total as f64 / start.elapsed().as_secs_f64())
+    Ok((total as f64 / start.elapsed().as_secs_f64(), total))
 }
