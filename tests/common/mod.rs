@@ -169,3 +169,50 @@ pub fn chat_body(system: &str, user: &str, stream: bool) -> Value {
         ],
     })
 }
+
+/// The plugin config most tests use: the shipped one plus the decision header, polled quickly.
+pub fn debug_config() -> Value {
+    json!({ "debug_header": true, "stats_interval_ms": 200 })
+}
+
+/// `kvroute.<name>` (a counter or gauge), 0 when Envoy has not created it.
+pub async fn kv_stat(fleet: &Fleet, name: &str) -> u64 {
+    let suffix = format!("kvroute.{name}");
+    fleet
+        .envoy
+        .stat(&suffix)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or(0)
+}
+
+/// Every `kvroute.inflight.<ip>_<port>` gauge.
+pub async fn inflight_gauges(fleet: &Fleet) -> std::collections::BTreeMap<String, u64> {
+    let stats = fleet
+        .envoy
+        .stats("kvroute.inflight.")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    stats.into_iter().collect()
+}
+
+/// The gauge name kvroute uses for backend `addr`: dots and colon become `_`.
+pub fn inflight_gauge_name(addr: std::net::SocketAddr) -> String {
+    format!(
+        "kvroute.inflight.{}",
+        addr.to_string().replace(['.', ':'], "_")
+    )
+}
+
+/// The backend index serving `reply`, with the Envoy log in the panic message when absent.
+pub fn served_by(fleet: &Fleet, reply: &Reply) -> usize {
+    assert_eq!(
+        reply.status,
+        200,
+        "status {} body {:?}\n{}",
+        reply.status,
+        String::from_utf8_lossy(&reply.body),
+        fleet.envoy.log_tail()
+    );
+    reply.backend.expect("x-backend header")
+}

@@ -1,0 +1,82 @@
+#![cfg(not(target_arch = "wasm32"))]
+//! A client cannot pick the upstream by sending kvroute's routing header itself.
+
+mod common;
+
+use common::{chat_body, debug_config, served_by, system_prompt, Fleet};
+
+const HEADER: &str = "x-gateway-destination-endpoint";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_sent_routing_header_never_decides_the_upstream() {
+    let fleet = Fleet::kvroute(4, debug_config(), |_| {}).await;
+    let prompt = system_prompt(11);
+    let home = served_by(
+        &fleet,
+        &fleet.chat(&chat_body(&prompt, "warm up", false)).await,
+    );
+    let x = (home + 1) % 4;
+    let forged = fleet.backends[x].addr().to_string();
+    for b in &fleet.backends {
+        b.take_requests();
+    }
+
+    for i in 0..8 {
+        let body = chat_body(&prompt, &format!("q{i}"), false).to_string();
+        let reply = fleet
+            .post(
+                "/v1/chat/completions",
+                body,
+                &[("content-type", "application/json"), (HEADER, &forged)],
+            )
+            .await;
+        assert_eq!(
+            served_by(&fleet, &reply),
+            home,
+            "the forged header moved a routed request"
+        );
+    }
+    let got = fleet.backends[home].take_requests();
+    assert_eq!(got.len(), 8);
+    for r in &got {
+        let values = r.header_values(HEADER);
+        assert_eq!(
+            values.len(),
+            1,
+            "exactly kvroute's value must arrive: {values:?}"
+        );
+        assert!(
+            values[0].starts_with(&fleet.backends[home].addr().to_string()),
+            "{values:?}"
+        );
+        assert_ne!(values[0], forged);
+    }
+
+    // Unroutable requests: the header is stripped and round robin picks, not the client.
+    for b in &fleet.backends {
+        b.take_requests();
+    }
+    for _ in 0..8 {
+        let reply = fleet.get("/v1/models", &[(HEADER, &forged)]).await;
+        served_by(&fleet, &reply);
+        let reply = fleet
+            .post(
+                "/v1/embeddings",
+                "{}",
+                &[(HEADER, &forged), (HEADER, &forged)],
+            )
+            .await;
+        assert_eq!(reply.status, 404);
+    }
+    let all: Vec<_> = fleet.backends.iter().map(|b| b.take_requests()).collect();
+    assert!(
+        all[x].len() < 16,
+        "every unroutable request went where the client said"
+    );
+    for r in all.iter().flatten() {
+        assert!(
+            r.header_values(HEADER).is_empty(),
+            "client header reached a backend: {r:?}"
+        );
+    }
+}

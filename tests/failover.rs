@@ -1,0 +1,67 @@
+#![cfg(not(target_arch = "wasm32"))]
+//! A backend that dies is routed around: retries cover the moment of death, and once Envoy marks
+//! it unhealthy kvroute stops naming it, so not even a connect attempt reaches it.
+
+mod common;
+
+use common::{chat_body, debug_config, served_by, system_prompt, Fleet};
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_backend_is_avoided_once_unhealthy_and_no_request_fails() {
+    let fleet = Fleet::kvroute(4, debug_config(), |o| {
+        o.health_check_interval = Some(Duration::from_millis(200))
+    })
+    .await;
+    let ask = |g: usize, i: usize| chat_body(&system_prompt(g), &format!("question {i}"), false);
+    let mut homes = Vec::new();
+    for g in 0..4 {
+        homes.push(served_by(&fleet, &fleet.chat(&ask(g, 0)).await));
+    }
+    let victim = homes[0];
+    // Requests go one at a time, so the kill falls between requests: every failure would be
+    // kvroute's (or the retry policy's), not a response cut by the kill itself.
+    for i in 1..5 {
+        for g in 0..4 {
+            served_by(&fleet, &fleet.chat(&ask(g, i)).await);
+        }
+    }
+    fleet.backends[victim].kill().await;
+    for i in 5..10 {
+        for g in 0..4 {
+            let reply = fleet.chat(&ask(g, i)).await;
+            assert_ne!(served_by(&fleet, &reply), victim);
+        }
+    }
+    let dead = fleet.backends[victim].addr();
+    let marked = fleet
+        .envoy
+        .wait_for_pool(|h| h.get(&dead) == Some(&false), Duration::from_secs(30));
+    marked.await.unwrap_or_else(|e| panic!("{e}"));
+    // One poll interval (200 ms) plus slack for kvroute to read the new health flags.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let connect_fails = || {
+        fleet
+            .envoy
+            .stat("cluster.inference_pool.upstream_cx_connect_fail")
+    };
+    let before = connect_fails().await.unwrap().unwrap_or(0);
+    let mut moved = Vec::new();
+    for i in 10..30 {
+        for g in 0..4 {
+            let reply = fleet.chat(&ask(g, i)).await;
+            assert_ne!(served_by(&fleet, &reply), victim);
+            if g == 0 {
+                moved.push(served_by(&fleet, &reply));
+            }
+        }
+    }
+    let after = connect_fails().await.unwrap().unwrap_or(0);
+    assert_eq!(after, before, "kvroute still named the dead backend {dead}");
+    moved.dedup();
+    assert_eq!(
+        moved.len(),
+        1,
+        "the dead backend's prefix did not settle on one new home: {moved:?}"
+    );
+}

@@ -1,0 +1,86 @@
+#![cfg(not(target_arch = "wasm32"))]
+//! An overloaded backend sheds new requests of its own prefix to others, and gets them back once
+//! its load drops: affinity yields to balance only while the thresholds are exceeded.
+
+mod common;
+
+use common::{chat_body, served_by, system_prompt, Fleet};
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overloaded_backend_sheds_its_prefix_and_affinity_resumes_when_load_drops() {
+    let config =
+        json!({ "debug_header": true, "stats_interval_ms": 200, "balance_abs_threshold": 4 });
+    let fleet = Arc::new(Fleet::kvroute(4, config, |_| {}).await);
+    let prompt = system_prompt(7);
+    let first = fleet.chat(&chat_body(&prompt, "warm up", false)).await;
+    let home = served_by(&fleet, &first);
+
+    // Pile up requests of the prefix on its home backend.
+    fleet.backends[home].set_delay(Duration::from_secs(4));
+    let mut pile = Vec::new();
+    for i in 0..12 {
+        let (fleet, prompt) = (fleet.clone(), prompt.clone());
+        pile.push(tokio::spawn(async move {
+            fleet
+                .chat(&chat_body(&prompt, &format!("slow {i}"), false))
+                .await
+        }));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Once the pile has arrived the home is over the absolute threshold (4); kvroute itself sends
+    // the rest of the pile elsewhere, so that is as loaded as it gets.
+    let arrived = || fleet.backends.iter().map(|b| b.received()).sum::<u64>() >= 13;
+    wait_until(
+        || arrived() && fleet.backends[home].in_flight() > 4,
+        "home backend never got loaded",
+    )
+    .await;
+    let mut shed = Vec::new();
+    for i in 0..8 {
+        let reply = fleet
+            .chat(&chat_body(&prompt, &format!("while loaded {i}"), false))
+            .await;
+        shed.push((served_by(&fleet, &reply), reply.decision));
+    }
+    assert!(
+        shed.iter().all(|(b, _)| *b != home),
+        "overloaded backend {home} still chosen: {shed:?}"
+    );
+
+    for reply in pile {
+        assert_eq!(reply.await.unwrap().status, 200);
+    }
+    fleet.backends[home].set_delay(Duration::ZERO);
+    wait_until(
+        || fleet.backends[home].in_flight() == 0,
+        "home backend never drained",
+    )
+    .await;
+    // Let kvroute's poll of Envoy's per-host load see the drained backend.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let mut back = Vec::new();
+    for i in 0..8 {
+        let reply = fleet
+            .chat(&chat_body(&prompt, &format!("after load {i}"), false))
+            .await;
+        back.push((served_by(&fleet, &reply), reply.decision));
+    }
+    assert!(
+        back.iter().all(|(b, _)| *b == home),
+        "affinity to {home} did not resume: {back:?}"
+    );
+}
+
+/// Polls `cond` every 20 ms for up to 30 s.
+async fn wait_until(cond: impl Fn() -> bool, what: &str) {
+    for _ in 0..1500 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{what}");
+}

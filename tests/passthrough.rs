@@ -1,0 +1,144 @@
+#![cfg(not(target_arch = "wasm32"))]
+//! Requests kvroute cannot route still reach a backend byte for byte, the client gets the whole
+//! response, and the matching fallback counter moves; streamed responses are not disturbed.
+
+mod common;
+
+use common::{chat_body, debug_config, kv_stat, served_by, system_prompt, Fleet};
+use kvroute_harness::backend;
+
+/// Sends `body` to `path` and checks it arrived unchanged, was answered in full, and was
+/// counted as `fallback.<reason>` (and reported so in the debug header).
+async fn assert_passes_through(fleet: &Fleet, path: &str, body: Vec<u8>, reason: &str) {
+    let before = kv_stat(fleet, &format!("fallback.{reason}")).await;
+    let reply = fleet
+        .post(path, body.clone(), &[("content-type", "application/json")])
+        .await;
+    let index = served_by(fleet, &reply);
+    let chat = path == "/v1/chat/completions";
+    assert_eq!(
+        reply.body,
+        backend::json_response(index, chat).as_bytes(),
+        "truncated or altered response"
+    );
+    let got = fleet.backends[index]
+        .take_requests()
+        .pop()
+        .expect("backend recorded the request");
+    assert_eq!(got.body.len(), body.len());
+    assert!(got.body == body, "body bytes changed on the way");
+    assert_eq!(
+        reply.decision.as_deref(),
+        Some(format!("fallback:{reason}").as_str())
+    );
+    assert_eq!(
+        kv_stat(fleet, &format!("fallback.{reason}")).await,
+        before + 1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unparseable_bodies_pass_through_unchanged() {
+    let fleet = Fleet::kvroute(2, debug_config(), |_| {}).await;
+    let chat = "/v1/chat/completions";
+    assert_passes_through(&fleet, chat, b"this is not json".to_vec(), "bad_json").await;
+    assert_passes_through(
+        &fleet,
+        chat,
+        b"{\"model\":\"m\",\"prompt\":\"\xff\xfe\xfd\"}".to_vec(),
+        "bad_utf8",
+    )
+    .await;
+    let deep = format!(
+        "{{\"model\":\"m\",\"messages\":{}{}}}",
+        "[".repeat(100_000),
+        "]".repeat(100_000)
+    );
+    assert_passes_through(&fleet, chat, deep.into_bytes(), "bad_json").await;
+    assert_passes_through(&fleet, chat, br#"{"model":"m"}"#.to_vec(), "no_prompt").await;
+    assert_passes_through(
+        &fleet,
+        "/v1/completions",
+        br#"{"prompt":"no model here"}"#.to_vec(),
+        "no_model",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_body_passes_through() {
+    let fleet = Fleet::kvroute(2, debug_config(), |_| {}).await;
+    assert_passes_through(&fleet, "/v1/chat/completions", Vec::new(), "empty_body").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_megabyte_body_passes_through_unrouted() {
+    let fleet = Fleet::kvroute(2, debug_config(), |_| {}).await;
+    let question = "x".repeat(10 << 20);
+    let body = chat_body(&system_prompt(1), &question, false)
+        .to_string()
+        .into_bytes();
+    assert!(body.len() > 10 << 20);
+    assert_passes_through(&fleet, "/v1/chat/completions", body, "body_too_large").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_and_other_paths_pass_through() {
+    let fleet = Fleet::kvroute(2, debug_config(), |_| {}).await;
+    let before = kv_stat(&fleet, "fallback.method").await;
+    let reply = fleet.get("/v1/models?x=1", &[]).await;
+    let index = served_by(&fleet, &reply);
+    assert_eq!(reply.body, br#"{"data":[{"id":"test"}]}"#);
+    assert_eq!(reply.decision.as_deref(), Some("fallback:method"));
+    let got = fleet.backends[index].take_requests().pop().unwrap();
+    assert_eq!(
+        (got.method.as_str(), got.path.as_str()),
+        ("GET", "/v1/models?x=1")
+    );
+    assert_eq!(kv_stat(&fleet, "fallback.method").await, before + 1);
+
+    let before = kv_stat(&fleet, "fallback.path").await;
+    let reply = fleet
+        .post("/v1/embeddings", r#"{"model":"m","input":"hi"}"#, &[])
+        .await;
+    assert_eq!(reply.status, 404, "the backend's own answer must come back");
+    assert_eq!(reply.decision.as_deref(), Some("fallback:path"));
+    assert_eq!(kv_stat(&fleet, "fallback.path").await, before + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_responses_arrive_whole_for_both_apis() {
+    let fleet = Fleet::kvroute(2, debug_config(), |_| {}).await;
+    let chat = fleet
+        .chat(&chat_body(&system_prompt(3), "stream it", true))
+        .await;
+    let index = served_by(&fleet, &chat);
+    assert_eq!(
+        String::from_utf8(chat.body).unwrap(),
+        backend::sse_events(index, true).concat()
+    );
+    assert_eq!(chat.decision.as_deref(), Some("new_prefix"));
+
+    let body =
+        serde_json::json!({ "model": "m", "prompt": system_prompt(4), "stream": true }).to_string();
+    let reply = fleet
+        .post(
+            "/v1/completions",
+            body.clone(),
+            &[("content-type", "application/json")],
+        )
+        .await;
+    let index = served_by(&fleet, &reply);
+    assert_eq!(
+        String::from_utf8(reply.body).unwrap(),
+        backend::sse_events(index, false).concat()
+    );
+    assert!(
+        !reply.decision.unwrap().starts_with("fallback"),
+        "a streaming request is routable"
+    );
+    assert_eq!(
+        fleet.backends[index].requests().last().unwrap().body,
+        body.as_bytes()
+    );
+}
