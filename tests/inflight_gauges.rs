@@ -52,7 +52,7 @@ async fn inflight_gauges_return_to_zero_after_burst_with_client_aborts() {
         tokio::time::sleep(Duration::from_millis(100)).await;
         gauges = inflight_gauges(&fleet).await;
     }
-    for b in &fleet.backends {
+    for b in fleet.backends.iter().filter(|b| b.received() > 0) {
         let name = inflight_gauge_name(b.addr());
         assert!(
             gauges.keys().any(|k| k.ends_with(&name)),

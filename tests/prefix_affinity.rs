@@ -38,7 +38,8 @@ async fn each_prefix_group_sticks_to_one_backend_and_groups_use_three_or_more_ba
         b.set_delay(Duration::ZERO);
     }
     for i in 1..PER_GROUP {
-        for g in 0..GROUPS {
+        // Rotate the order each round so no cyclic policy can line up with the groups by chance.
+        for g in (0..GROUPS).map(|k| (k + i) % GROUPS) {
             let reply = fleet
                 .chat(&chat_body(
                     &system_prompt(g),
