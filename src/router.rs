@@ -8,7 +8,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::affinity::{AffinityMap, Match};
 use crate::config::{Config, PolicyKind};
-use crate::counters::{INFLIGHT, PLACED};
+use crate::counters;
 use crate::endpoints::Host;
 use crate::policy::{self, Candidate, Decision, Input, Thresholds};
 use crate::prefix::PrefixKeys;
@@ -38,7 +38,7 @@ pub struct RequestInfo<'a> {
     pub body: &'a [u8],
     /// The value of the configured session header, if any.
     pub session: Option<&'a str>,
-    /// Something unique to the request (Envoy's x-request-id), for tie-breaks.
+    /// Something unique to the request (Envoy's x-request-id), for least_request's tie-breaks.
     pub request_id: Option<&'a str>,
 }
 
@@ -88,10 +88,9 @@ pub fn route<S: SharedStore + ?Sized>(
     };
     let ticket = match config.policy {
         PolicyKind::RoundRobin => next_ticket(store),
-        _ => req
-            .request_id
-            .map(|id| xxh3_64(id.as_bytes()))
-            .unwrap_or(now_ms),
+        PolicyKind::LeastRequest => req.request_id.map_or(now_ms, |id| xxh3_64(id.as_bytes())),
+        // Fallback addresses follow the prefix: the endpoints it would spread to next.
+        _ => keys.placement_key(),
     };
     let input = Input {
         keys: &keys,
@@ -112,10 +111,11 @@ pub fn route<S: SharedStore + ?Sized>(
         let from = unchanged_prefix(matched.as_ref(), chosen.id, now_ms);
         slots_created = affinity.record(&keys.keys[from..], chosen.id, now_ms);
     }
-    if matches!(pick.decision, Decision::NewPrefix | Decision::Balance) {
-        PLACED.add(store, chosen.id, 1);
-    }
-    let inflight = INFLIGHT.add(store, chosen.id, 1).unwrap_or(0);
+    let placed = u32::from(matches!(
+        pick.decision,
+        Decision::NewPrefix | Decision::Balance
+    ));
+    let inflight = counters::add(store, chosen.id, 1, placed).map_or(0, |c| c.inflight);
     let match_fraction = (config.policy == PolicyKind::CacheAware).then(|| {
         let depth = matched.as_ref().map_or(0, |m| m.depth);
         depth as f64 / keys.keys.len().max(1) as f64
@@ -133,31 +133,27 @@ pub fn route<S: SharedStore + ?Sized>(
 
 /// Ends a routed request: its endpoint has one request fewer in flight. Returns the new count.
 pub fn finish<S: SharedStore + ?Sized>(store: &S, endpoint_id: u32) -> Option<u32> {
-    INFLIGHT.add(store, endpoint_id, -1)
+    counters::add(store, endpoint_id, -1, 0).map(|c| c.inflight)
 }
 
 /// Healthy hosts with their load: the larger of kvroute's own in-flight count (current) and Envoy's
 /// `rq_active` (which also sees requests kvroute did not route). Sorted by address, so that every
 /// worker and every proxy lists them alike.
 fn candidates<S: SharedStore + ?Sized>(store: &S, hosts: &[Host]) -> Vec<Candidate> {
-    let (inflight, placed) = (INFLIGHT.counts(store), PLACED.counts(store));
-    let count = |table: &[(u32, u32)], id: u32| {
-        table
-            .iter()
-            .find(|(e, _)| *e == id)
-            .map_or(0, |(_, n)| u64::from(*n))
-    };
+    let counts = counters::read(store);
     let mut out: Vec<Candidate> = hosts
         .iter()
         .filter(|h| h.healthy)
         .map(|h| {
             let id = h.id();
-            let load = count(&inflight, id).max(h.rq_active);
+            let own = counts.iter().find(|c| c.id == id).copied();
+            let inflight = own.map_or(0, |c| u64::from(c.inflight));
+            let placed = own.map_or(0, |c| u64::from(c.placed));
             Candidate {
                 addr: h.addr.clone(),
                 id,
-                load,
-                placed: count(&placed, id),
+                load: inflight.max(h.rq_active),
+                placed,
             }
         })
         .collect();
@@ -302,7 +298,7 @@ mod tests {
         for r in &routed {
             assert_eq!(finish(&store, r.endpoint_id), Some(0));
         }
-        assert!(INFLIGHT.counts(&store).is_empty());
+        assert!(counters::read(&store).iter().all(|c| c.inflight == 0));
     }
 
     #[test]
@@ -332,7 +328,7 @@ mod tests {
         assert_eq!(routable("GET", "/v1/chat/completions"), Err("method"));
         assert_eq!(routable("POST", "/v1/embeddings"), Err("path"));
         assert!(
-            INFLIGHT.counts(&store).is_empty(),
+            counters::read(&store).iter().all(|c| c.inflight == 0),
             "nothing counted for unrouted requests"
         );
     }

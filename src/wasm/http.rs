@@ -10,6 +10,7 @@ use proxy_wasm::types::{Action, BufferType, MapType, MetricType};
 
 use super::host::{inflight_gauge, now_ms, HostStore, Metrics};
 use super::root::Shared;
+use crate::config::PolicyKind;
 use crate::request::Api;
 use crate::router::{self, Reason, RequestInfo, Routed};
 
@@ -59,17 +60,24 @@ impl Stream {
             .flatten()
             .unwrap_or_default();
         // Which cluster's hosts are candidates: the one the route chose.
-        let cluster = [vec!["xds", "cluster_name"], vec!["cluster_name"]]
+        let cluster = [vec!["cluster_name"], vec!["xds", "cluster_name"]]
             .into_iter()
             .find_map(|path| hostcalls::get_property(path).ok().flatten())
             .and_then(|b| String::from_utf8(b).ok());
-        let mut shared = self.shared.borrow_mut();
+        let shared = self.shared.borrow();
         let Some(hosts) = shared.hosts(cluster.as_deref()) else {
             drop(shared);
             return self.fallback("no_cluster");
         };
-        let session = self.header(&shared.config.session_header);
-        let request_id = self.header("x-request-id");
+        // Only the policies that use these headers pay for reading them.
+        let session = match shared.config.policy {
+            PolicyKind::Session => self.header(&shared.config.session_header),
+            _ => None,
+        };
+        let request_id = match shared.config.policy {
+            PolicyKind::LeastRequest => self.header("x-request-id"),
+            _ => None,
+        };
         let req = RequestInfo {
             api,
             body: &body,

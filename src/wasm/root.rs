@@ -43,8 +43,7 @@ pub struct Shared {
 impl Shared {
     /// The hosts a request to `cluster` may go to: the static list if configured (with health and
     /// load from the last poll where known), else the cluster's hosts from the last poll.
-    pub fn hosts(&mut self, cluster: Option<&str>) -> Option<Vec<Host>> {
-        self.refresh_snapshot();
+    pub fn hosts(&self, cluster: Option<&str>) -> Option<Vec<Host>> {
         if !self.config.endpoints.is_empty() {
             let polled: Vec<&Host> = self.snapshot.values().flatten().collect();
             return Some(
@@ -63,7 +62,8 @@ impl Shared {
         self.snapshot.get(cluster?).cloned()
     }
 
-    /// Re-reads the snapshot another worker's poll wrote, if it changed.
+    /// Re-reads the snapshot another worker's poll wrote, if it changed. Done on each tick rather
+    /// than per request: requests then cost no host call for it.
     fn refresh_snapshot(&mut self) {
         let (value, cas) = HostStore.get(HOSTS_KEY);
         if cas == self.snapshot_cas {
@@ -111,6 +111,7 @@ impl Context for Root {
         match parsed {
             Ok(snapshot) => {
                 let _ = HostStore.set(HOSTS_KEY, &endpoints::encode_snapshot(&snapshot), None);
+                shared.refresh_snapshot();
                 let admin = shared.config.admin_cluster.clone();
                 let known = snapshot
                     .iter()
@@ -176,6 +177,7 @@ impl RootContext for Root {
             let s = shared.borrow();
             (s.config.admin_cluster.clone(), s.config.stats_interval_ms)
         };
+        shared.borrow_mut().refresh_snapshot();
         let Some(admin) = admin else { return };
         if !take_poll_lease(now_ms(), interval) {
             return;
