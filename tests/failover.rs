@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{chat_body, debug_config, served_by, system_prompt, Fleet};
+use common::{chat_body, debug_config, served_by, system_prompt, wait_for_fresh_poll, Fleet};
 use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -38,8 +38,8 @@ async fn killed_backend_is_avoided_once_unhealthy_and_no_request_fails() {
         .envoy
         .wait_for_pool(|h| h.get(&dead) == Some(&false), Duration::from_secs(30));
     marked.await.unwrap_or_else(|e| panic!("{e}"));
-    // One poll interval (200 ms) plus slack for kvroute to read the new health flags.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // kvroute reads the new health flags on its next poll of Envoy's /clusters.
+    wait_for_fresh_poll(&fleet).await;
     let connect_fails = || {
         fleet
             .envoy

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{chat_body, served_by, system_prompt, Fleet};
+use common::{chat_body, served_by, system_prompt, wait_for_fresh_poll, Fleet};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
@@ -60,7 +60,7 @@ async fn overloaded_backend_sheds_its_prefix_and_affinity_resumes_when_load_drop
     )
     .await;
     // Let kvroute's poll of Envoy's per-host load see the drained backend.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    wait_for_fresh_poll(&fleet).await;
     let mut back = Vec::new();
     for i in 0..8 {
         let reply = fleet

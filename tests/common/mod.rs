@@ -216,3 +216,15 @@ pub fn served_by(fleet: &Fleet, reply: &Reply) -> usize {
     );
     reply.backend.expect("x-backend header")
 }
+
+/// Waits until kvroute has finished two more polls of Envoy's `/clusters`, so its view of host
+/// health and load is newer than anything the test just changed.
+pub async fn wait_for_fresh_poll(fleet: &Fleet) {
+    let now = kv_stat(fleet, "stats_poll.ok").await;
+    let polled = fleet.envoy.wait_for_stat(
+        "kvroute.stats_poll.ok",
+        |v| v >= now + 2,
+        Duration::from_secs(30),
+    );
+    polled.await.unwrap_or_else(|e| panic!("{e}"));
+}
