@@ -55,6 +55,8 @@ impl Fleet {
         fleet
     }
 
+    /// Waits until kvroute's poller knows `n` healthy endpoints and every worker has picked that
+    /// up: workers re-read the poller's snapshot on their own tick, so wait two more polls.
     pub async fn wait_endpoints_known(&self, n: usize) {
         let known = self.envoy.wait_for_stat(
             "kvroute.endpoints_known",
@@ -62,6 +64,7 @@ impl Fleet {
             Duration::from_secs(30),
         );
         known.await.unwrap_or_else(|e| panic!("{e}"));
+        wait_for_fresh_poll(self).await;
     }
 
     /// POSTs `body` (JSON or raw bytes) to `path` with extra `headers`.
