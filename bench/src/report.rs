@@ -186,7 +186,7 @@ impl Results {
     /// Two horizontal bar charts side by side: TTFT p90 and prefix hit rate per router.
     pub fn svg(&self) -> String {
         let rows: Vec<&Measured> = self.measured().collect();
-        let (label_w, bar_w, row_h, top) = (190.0, 300.0, 26.0, 50.0);
+        let (label_w, bar_w, row_h, top) = (220.0, 300.0, 26.0, 50.0);
         let width = label_w + 2.0 * (bar_w + 90.0);
         let height = top + row_h * rows.len().max(1) as f64 + 20.0;
         let max_ttft = rows
