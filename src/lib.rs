@@ -19,5 +19,5 @@ pub mod request;
 pub mod router;
 pub mod store;
 
-#[cfg(all(target_arch = "wasm32", not(test)))]
+#[cfg(all(target_arch = "wasm32", feature = "filter", not(test)))]
 mod wasm;

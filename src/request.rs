@@ -5,8 +5,10 @@
 //! share their first chunk keys. It need not match the engine's chat template byte for byte.
 
 use std::borrow::Cow;
+use std::marker::PhantomData;
 
-use serde::Deserialize;
+use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer};
 use serde_json::value::RawValue;
 
 /// The two APIs kvroute routes.
@@ -76,20 +78,26 @@ struct Message<'a> {
     #[serde(borrow)]
     role: Option<Cow<'a, str>>,
     #[serde(borrow)]
-    content: Option<&'a RawValue>,
+    content: Option<Field<'a, Part<'a>>>,
     #[serde(borrow)]
     name: Option<Cow<'a, str>>,
     #[serde(borrow)]
     tool_calls: Option<&'a RawValue>,
 }
 
-/// A content part: text parts contribute their text, others (images, audio) their JSON.
+/// A content part: text parts contribute their text, others (images, audio, files) their data.
 #[derive(Deserialize)]
 struct Part<'a> {
     #[serde(borrow, rename = "type")]
     kind: Option<Cow<'a, str>>,
     #[serde(borrow)]
     text: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    image_url: Option<&'a RawValue>,
+    #[serde(borrow)]
+    input_audio: Option<&'a RawValue>,
+    #[serde(borrow)]
+    file: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -97,7 +105,67 @@ struct CompletionRequest<'a> {
     #[serde(borrow)]
     model: Option<Cow<'a, str>>,
     #[serde(borrow)]
-    prompt: Option<&'a RawValue>,
+    prompt: Option<Field<'a, &'a RawValue>>,
+}
+
+/// A field that is a string or a list (message content, completion prompt). Deserialised in one
+/// pass over the body: a string without escapes is borrowed, never scanned or copied again. This
+/// is most of the bytes of a request, so it is most of kvroute's time.
+enum Field<'a, T> {
+    Text(Cow<'a, str>),
+    List(Vec<T>),
+    Other,
+}
+
+impl<'de: 'a, 'a, T: Deserialize<'de>> Deserialize<'de> for Field<'a, T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct FieldVisitor<'a, T>(PhantomData<(&'a (), T)>);
+
+        impl<'de: 'a, 'a, T: Deserialize<'de>> Visitor<'de> for FieldVisitor<'a, T> {
+            type Value = Field<'a, T>;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string or a list")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Field::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Field::Text(Cow::Owned(v.to_string())))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Field::Text(Cow::Owned(v)))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element()? {
+                    items.push(item);
+                }
+                Ok(Field::List(items))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                IgnoredAny::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                Ok(Field::Other)
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(Field::Other)
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(Field::Other)
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(Field::Other)
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(Field::Other)
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(Field::Other)
+            }
+        }
+
+        d.deserialize_any(FieldVisitor(PhantomData))
+    }
 }
 
 /// Parses a request body of `api` into its [`Prompt`].
@@ -105,10 +173,14 @@ pub fn parse(api: Api, body: &[u8]) -> Result<Prompt, ParseError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Err(ParseError::Empty);
     }
-    let body = std::str::from_utf8(body).map_err(|_| ParseError::BadUtf8)?;
-    match api {
+    let prompt = match api {
         Api::Chat => parse_chat(body),
         Api::Completions => parse_completion(body),
+    };
+    // The parser checks UTF-8 as it goes; only a failure pays for telling bad UTF-8 from bad JSON.
+    match prompt {
+        Err(ParseError::BadJson) if std::str::from_utf8(body).is_err() => Err(ParseError::BadUtf8),
+        other => other,
     }
 }
 
@@ -119,8 +191,8 @@ fn model(model: Option<Cow<'_, str>>) -> Result<String, ParseError> {
     }
 }
 
-fn parse_chat(body: &str) -> Result<Prompt, ParseError> {
-    let req: ChatRequest = serde_json::from_str(body).map_err(|_| ParseError::BadJson)?;
+fn parse_chat(body: &[u8]) -> Result<Prompt, ParseError> {
+    let req: ChatRequest = serde_json::from_slice(body).map_err(|_| ParseError::BadJson)?;
     let model = model(req.model)?;
     let messages = req.messages.ok_or(ParseError::NoPrompt)?;
     let mut text = String::with_capacity(body.len());
@@ -136,8 +208,10 @@ fn parse_chat(body: &str) -> Result<Prompt, ParseError> {
             text.push_str(name);
             text.push(FIELD);
         }
-        if let Some(content) = m.content {
-            push_content(&mut text, content)?;
+        match &m.content {
+            Some(Field::Text(t)) => text.push_str(t),
+            Some(Field::List(parts)) => parts.iter().for_each(|part| push_part(&mut text, part)),
+            Some(Field::Other) | None => {}
         }
         if let Some(calls) = m.tool_calls {
             text.push(FIELD);
@@ -148,52 +222,30 @@ fn parse_chat(body: &str) -> Result<Prompt, ParseError> {
     Ok(Prompt { model, text })
 }
 
-/// Message content is a string, an array of parts (text parts contribute their text, others such as
-/// images their JSON), or null.
-fn push_content(text: &mut String, content: &RawValue) -> Result<(), ParseError> {
-    let raw = content.get();
-    match raw.as_bytes().first() {
-        Some(b'"') => text.push_str(&json_string(raw)?),
-        Some(b'[') => {
-            let parts: Vec<&RawValue> =
-                serde_json::from_str(raw).map_err(|_| ParseError::BadJson)?;
-            for part in parts {
-                let parsed: Part =
-                    serde_json::from_str(part.get()).map_err(|_| ParseError::BadJson)?;
-                match (parsed.kind.as_deref(), parsed.text) {
-                    (Some("text") | None, Some(t)) => text.push_str(&t),
-                    _ => text.push_str(part.get()),
-                }
-                text.push(FIELD);
-            }
-        }
-        _ => text.push_str(raw),
+fn push_part(text: &mut String, part: &Part) {
+    text.push_str(part.kind.as_deref().unwrap_or(""));
+    text.push(FIELD);
+    if let Some(t) = &part.text {
+        text.push_str(t);
     }
-    Ok(())
+    for data in [part.image_url, part.input_audio, part.file]
+        .into_iter()
+        .flatten()
+    {
+        text.push_str(data.get());
+    }
+    text.push(FIELD);
 }
 
-/// Decodes a raw JSON string. The common case, no escapes, borrows the text between the quotes
-/// without scanning it a second time.
-fn json_string(raw: &str) -> Result<Cow<'_, str>, ParseError> {
-    match raw.get(1..raw.len().saturating_sub(1)) {
-        Some(inner) if !inner.contains('\\') => Ok(Cow::Borrowed(inner)),
-        _ => serde_json::from_str(raw).map_err(|_| ParseError::BadJson),
-    }
-}
-
-fn parse_completion(body: &str) -> Result<Prompt, ParseError> {
-    let req: CompletionRequest = serde_json::from_str(body).map_err(|_| ParseError::BadJson)?;
+fn parse_completion(body: &[u8]) -> Result<Prompt, ParseError> {
+    let req: CompletionRequest = serde_json::from_slice(body).map_err(|_| ParseError::BadJson)?;
     let model = model(req.model)?;
-    let prompt = req.prompt.ok_or(ParseError::NoPrompt)?;
-    let raw = prompt.get();
-    let text = match raw.as_bytes().first() {
-        Some(b'"') => json_string(raw)?.into_owned(),
+    let text = match req.prompt.ok_or(ParseError::NoPrompt)? {
+        Field::Text(t) => t.into_owned(),
         // A batch of strings, or token ids: equal leading elements give an equal leading text
         // because each element is closed by a separator.
-        Some(b'[') => {
-            let items: Vec<&RawValue> =
-                serde_json::from_str(raw).map_err(|_| ParseError::BadJson)?;
-            let mut text = String::with_capacity(raw.len());
+        Field::List(items) => {
+            let mut text = String::with_capacity(body.len());
             for item in items {
                 match serde_json::from_str::<Cow<str>>(item.get()) {
                     Ok(s) => text.push_str(&s),
@@ -203,7 +255,7 @@ fn parse_completion(body: &str) -> Result<Prompt, ParseError> {
             }
             text
         }
-        _ => return Err(ParseError::NoPrompt),
+        Field::Other => return Err(ParseError::NoPrompt),
     };
     Ok(Prompt { model, text })
 }
