@@ -180,15 +180,24 @@ async fn spawn(name: &str, mut cmd: Command, port: u16) -> Result<PeerProcess, S
 }
 
 impl PeerProcess {
-    /// The last lines the peer logged, squeezed onto one line for a `skipped` reason.
+    /// What the peer logged, squeezed onto one line for a `skipped` reason: its last error line
+    /// if it logged one, else its last three lines.
     pub fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-        lines[lines.len().saturating_sub(3)..]
-            .join(" / ")
-            .chars()
-            .take(400)
-            .collect()
+        let lines: Vec<String> = text
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .filter(|l| !l.is_empty())
+            .collect();
+        let picked = match lines
+            .iter()
+            .rev()
+            .find(|l| l.to_lowercase().contains("error"))
+        {
+            Some(error) => error.clone(),
+            None => lines[lines.len().saturating_sub(3)..].join(" / "),
+        };
+        picked.chars().take(400).collect()
     }
 }
 
