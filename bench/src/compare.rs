@@ -29,7 +29,26 @@ pub async fn compare(
     let mut results = Vec::new();
     for (i, router) in routers.iter().enumerate() {
         eprintln!("== [{}/{}] {}", i + 1, routers.len(), router.name());
-        results.push(run_one(fleet_spec, workload, router).await?.result);
+        let run = run_one(fleet_spec, workload, router).await?;
+        if !run.decisions.is_empty() {
+            let d: Vec<String> = run
+                .decisions
+                .iter()
+                .filter(|(_, n)| *n > 0)
+                .map(|(k, n)| format!("{k}={n}"))
+                .collect();
+            eprintln!("   kvroute decisions: {}", d.join(" "));
+        }
+        if !run.per_replica.is_empty() {
+            let r: Vec<String> = run
+                .per_replica
+                .iter()
+                .enumerate()
+                .map(|(i, n)| format!("r{i}={n}"))
+                .collect();
+            eprintln!("   requests per replica: {}", r.join(" "));
+        }
+        results.push(run.result);
     }
     Ok(Results {
         workload: serde_json::to_value(workload).map_err(|e| e.to_string())?,
