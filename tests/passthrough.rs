@@ -45,10 +45,12 @@ async fn unparseable_bodies_pass_through_unchanged() {
     assert_passes_through(
         &fleet,
         chat,
-        b"{\"model\":\"m\",\"prompt\":\"\xff\xfe\xfd\"}".to_vec(),
+        b"{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}".to_vec(),
         "bad_utf8",
     )
     .await;
+    let body = b"{\"model\":\"m\",\"prompt\":\"caf\xe9\"}".to_vec();
+    assert_passes_through(&fleet, "/v1/completions", body, "bad_utf8").await;
     let deep = format!(
         "{{\"model\":\"m\",\"messages\":{}{}}}",
         "[".repeat(100_000),
