@@ -4,8 +4,8 @@
 //!
 //! - `inflight`: kvroute's own requests in flight per endpoint: current between stats polls,
 //!   where Envoy's `rq_active` is up to one poll interval old.
-//! - `placed`: new prefixes placed per endpoint, halved whenever one reaches [`PLACED_CAP`], so
-//!   recent placements break load ties and consecutive new prefixes spread over idle endpoints.
+//! - `placed`: new prefixes placed per endpoint, halved whenever one reaches [`PLACED_CAP`]: a
+//!   cheap stand-in for how many prefixes an endpoint caches, used to spread new prefixes.
 
 use crate::store::{self, SharedStore, Update};
 
@@ -21,9 +21,36 @@ pub struct Counts {
     pub placed: u32,
 }
 
+/// Every endpoint's counts, and the version they were read at.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Table {
+    pub counts: Vec<Counts>,
+    pub version: Option<u32>,
+}
+
+impl Table {
+    /// Endpoint `id`'s counts (zero when it has none).
+    pub fn get(&self, id: u32) -> Counts {
+        let zero = Counts {
+            id,
+            inflight: 0,
+            placed: 0,
+        };
+        self.counts
+            .iter()
+            .find(|c| c.id == id)
+            .copied()
+            .unwrap_or(zero)
+    }
+}
+
 /// Every endpoint's current counts.
-pub fn read<S: SharedStore + ?Sized>(store: &S) -> Vec<Counts> {
-    store.get(KEY).0.map(|v| decode(&v)).unwrap_or_default()
+pub fn read<S: SharedStore + ?Sized>(store: &S) -> Table {
+    let (value, version) = store.get(KEY);
+    Table {
+        counts: value.map(|v| decode(&v)).unwrap_or_default(),
+        version,
+    }
 }
 
 /// Adds `inflight` (never going below zero) and `placed` to endpoint `id`'s counts and returns
@@ -34,49 +61,65 @@ pub fn add<S: SharedStore + ?Sized>(
     inflight: i64,
     placed: u32,
 ) -> Option<Counts> {
-    let mut result = Counts {
-        id,
-        inflight: 0,
-        placed: 0,
-    };
+    let mut result = None;
     let outcome = store::update(store, KEY, |current| {
-        let mut table = current.map(decode).unwrap_or_default();
-        if placed > 0
-            && table
-                .iter()
-                .any(|c| c.placed.saturating_add(placed) > PLACED_CAP)
-        {
-            table.iter_mut().for_each(|c| c.placed /= 2);
-        }
-        let pos = match table.iter().position(|c| c.id == id) {
-            Some(p) => p,
-            None => {
-                table.push(Counts {
-                    id,
-                    inflight: 0,
-                    placed: 0,
-                });
-                table.len() - 1
-            }
-        };
-        let c = &mut table[pos];
-        // Saturating: a decrement whose increment was lost to a startup race heals instead of
-        // leaving a negative (and forever wrong) count.
-        c.inflight = (i64::from(c.inflight) + inflight).clamp(0, i64::from(u32::MAX)) as u32;
-        c.placed = c.placed.saturating_add(placed);
-        result = *c;
-        table.retain(|c| c.inflight > 0 || c.placed > 0);
-        Some(encode(&table))
+        let mut counts = current.map(decode).unwrap_or_default();
+        result = Some(apply(&mut counts, id, inflight, placed));
+        Some(encode(&counts))
     });
     match outcome {
-        Update::Created | Update::Written | Update::Declined => Some(result),
+        Update::Created | Update::Written | Update::Declined => result,
         Update::Failed => None,
     }
 }
 
-fn encode(table: &[Counts]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(table.len() * ENTRY_LEN);
-    for c in table {
+/// Like [`add`], but only if nobody changed the counts since `table` was read: a decision taken
+/// on `table` and its count then happen as one step. `None` when they changed (decide again).
+pub fn add_unchanged<S: SharedStore + ?Sized>(
+    store: &S,
+    table: &Table,
+    id: u32,
+    inflight: i64,
+    placed: u32,
+) -> Option<Counts> {
+    let mut counts = table.counts.clone();
+    let result = apply(&mut counts, id, inflight, placed);
+    store.set(KEY, &encode(&counts), table.version).ok()?;
+    Some(result)
+}
+
+fn apply(counts: &mut Vec<Counts>, id: u32, inflight: i64, placed: u32) -> Counts {
+    if placed > 0
+        && counts
+            .iter()
+            .any(|c| c.placed.saturating_add(placed) > PLACED_CAP)
+    {
+        counts.iter_mut().for_each(|c| c.placed /= 2);
+    }
+    let pos = match counts.iter().position(|c| c.id == id) {
+        Some(p) => p,
+        None => {
+            counts.push(Counts {
+                id,
+                inflight: 0,
+                placed: 0,
+            });
+            counts.len() - 1
+        }
+    };
+    let c = &mut counts[pos];
+    // Saturating: a decrement whose increment was lost to a startup race heals instead of
+    // leaving a negative (and forever wrong) count.
+    c.inflight = (i64::from(c.inflight) + inflight).clamp(0, i64::from(u32::MAX)) as u32;
+    c.placed = c.placed.saturating_add(placed);
+    let result = *c;
+    counts.retain(|c| c.inflight > 0 || c.placed > 0);
+    result
+}
+
+fn encode(counts: &[Counts]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(counts.len() * ENTRY_LEN);
+    for c in counts {
         out.extend_from_slice(&c.id.to_le_bytes());
         out.extend_from_slice(&c.inflight.to_le_bytes());
         out.extend_from_slice(&c.placed.to_le_bytes());
@@ -102,7 +145,9 @@ mod tests {
     use crate::store::MemoryStore;
 
     fn inflight(store: &MemoryStore) -> Vec<(u32, u32)> {
-        read(store)
+        let table = read(store);
+        table
+            .counts
             .iter()
             .filter(|c| c.inflight > 0)
             .map(|c| (c.id, c.inflight))
@@ -119,7 +164,10 @@ mod tests {
         add(&store, 1, -1, 0);
         add(&store, 1, -1, 0);
         add(&store, 2, -1, 0);
-        assert!(read(&store).is_empty(), "entries at zero are dropped");
+        assert!(
+            read(&store).counts.is_empty(),
+            "entries at zero are dropped"
+        );
     }
 
     #[test]
@@ -135,12 +183,12 @@ mod tests {
         add(&store, 1, 1, 1);
         add(&store, 1, -1, 0);
         assert_eq!(
-            read(&store),
-            vec![Counts {
+            read(&store).get(1),
+            Counts {
                 id: 1,
                 inflight: 0,
                 placed: 1
-            }]
+            }
         );
         for _ in 0..PLACED_CAP {
             add(&store, 2, 0, 1);
@@ -150,19 +198,34 @@ mod tests {
             Some(PLACED_CAP / 2 + 1)
         );
         assert_eq!(
-            read(&store).len(),
+            read(&store).counts.len(),
             1,
-            "endpoint 1's single placement halved to 0 and dropped"
+            "endpoint 1's placement halved to 0, dropped"
         );
     }
 
     #[test]
+    fn a_count_taken_on_a_stale_table_is_refused() {
+        let store = MemoryStore::new();
+        add(&store, 1, 1, 0);
+        let table = read(&store);
+        add(&store, 2, 1, 0); // another worker counts in between
+        assert_eq!(add_unchanged(&store, &table, 1, 1, 1), None);
+        let fresh = read(&store);
+        assert_eq!(
+            add_unchanged(&store, &fresh, 1, 1, 1).map(|c| c.inflight),
+            Some(2)
+        );
+        assert_eq!(read(&store).get(2).inflight, 1);
+    }
+
+    #[test]
     fn large_counts_survive_encoding() {
-        let table = vec![Counts {
+        let counts = vec![Counts {
             id: u32::MAX,
             inflight: u32::MAX - 1,
             placed: 7,
         }];
-        assert_eq!(decode(&encode(&table)), table);
+        assert_eq!(decode(&encode(&counts)), counts);
     }
 }

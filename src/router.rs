@@ -8,9 +8,9 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::affinity::{AffinityMap, Match};
 use crate::config::{Config, PolicyKind};
-use crate::counters;
+use crate::counters::{self, Counts};
 use crate::endpoints::Host;
-use crate::policy::{self, Candidate, Decision, Input, Thresholds};
+use crate::policy::{self, Candidate, Decision, Input, Pick, Thresholds};
 use crate::prefix::PrefixKeys;
 use crate::request::{self, Api};
 use crate::store::{self, SharedStore};
@@ -76,11 +76,6 @@ pub fn route<S: SharedStore + ?Sized>(
         config.chunk_size,
         config.max_chunks,
     );
-    let candidates = candidates(store, hosts);
-    if candidates.is_empty() {
-        return Err("no_healthy_endpoint");
-    }
-
     let affinity = AffinityMap::new(store, config.affinity_capacity);
     let matched = match config.policy {
         PolicyKind::CacheAware => affinity.longest_match(&keys.keys),
@@ -103,19 +98,13 @@ pub fn route<S: SharedStore + ?Sized>(
         session: req.session.map(|s| xxh3_64(s.as_bytes())),
         ticket,
     };
-    let pick = policy::pick(config.policy, &candidates, &input).ok_or("no_session")?;
+    let (candidates, pick, counted) = decide(config, store, hosts, &input)?;
     let chosen = &candidates[pick.index];
-
     let mut slots_created = 0;
     if config.policy == PolicyKind::CacheAware {
         let from = unchanged_prefix(matched.as_ref(), chosen.id, now_ms);
         slots_created = affinity.record(&keys.keys[from..], chosen.id, now_ms);
     }
-    let placed = u32::from(matches!(
-        pick.decision,
-        Decision::NewPrefix | Decision::Balance
-    ));
-    let inflight = counters::add(store, chosen.id, 1, placed).map_or(0, |c| c.inflight);
     let match_fraction = (config.policy == PolicyKind::CacheAware).then(|| {
         let depth = matched.as_ref().map_or(0, |m| m.depth);
         depth as f64 / keys.keys.len().max(1) as f64
@@ -127,8 +116,53 @@ pub fn route<S: SharedStore + ?Sized>(
         decision: pick.decision,
         match_fraction,
         slots_created,
-        inflight,
+        inflight: counted.inflight,
     })
+}
+
+/// How often a placement is decided again because another worker changed the counts meanwhile.
+const DECIDE_ATTEMPTS: usize = 4;
+
+/// Picks an endpoint and counts the request on it. A new prefix's placement and its count happen
+/// as one step: if another worker counted in between (two new prefixes at once would otherwise
+/// both see the same idle endpoint), the placement is decided again on the fresh counts.
+fn decide<S: SharedStore + ?Sized>(
+    config: &Config,
+    store: &S,
+    hosts: &[Host],
+    input: &Input,
+) -> Result<(Vec<Candidate>, Pick, Counts), Reason> {
+    let mut attempt = 1;
+    loop {
+        let table = counters::read(store);
+        let candidates = candidates(&table, hosts);
+        if candidates.is_empty() {
+            return Err("no_healthy_endpoint");
+        }
+        let pick = policy::pick(config.policy, &candidates, input).ok_or("no_session")?;
+        let id = candidates[pick.index].id;
+        let placed = u32::from(matches!(
+            pick.decision,
+            Decision::NewPrefix | Decision::Balance
+        ));
+        let counted = if placed > 0 && attempt < DECIDE_ATTEMPTS {
+            match counters::add_unchanged(store, &table, id, 1, placed) {
+                Some(c) => c,
+                None => {
+                    attempt += 1;
+                    continue;
+                }
+            }
+        } else {
+            let none = Counts {
+                id,
+                inflight: 0,
+                placed: 0,
+            };
+            counters::add(store, id, 1, placed).unwrap_or(none)
+        };
+        return Ok((candidates, pick, counted));
+    }
 }
 
 /// Ends a routed request: its endpoint has one request fewer in flight. Returns the new count.
@@ -139,16 +173,14 @@ pub fn finish<S: SharedStore + ?Sized>(store: &S, endpoint_id: u32) -> Option<u3
 /// Healthy hosts with their load: the larger of kvroute's own in-flight count (current) and Envoy's
 /// `rq_active` (which also sees requests kvroute did not route). Sorted by address, so that every
 /// worker and every proxy lists them alike.
-fn candidates<S: SharedStore + ?Sized>(store: &S, hosts: &[Host]) -> Vec<Candidate> {
-    let counts = counters::read(store);
+fn candidates(table: &counters::Table, hosts: &[Host]) -> Vec<Candidate> {
     let mut out: Vec<Candidate> = hosts
         .iter()
         .filter(|h| h.healthy)
         .map(|h| {
             let id = h.id();
-            let own = counts.iter().find(|c| c.id == id).copied();
-            let inflight = own.map_or(0, |c| u64::from(c.inflight));
-            let placed = own.map_or(0, |c| u64::from(c.placed));
+            let own = table.get(id);
+            let (inflight, placed) = (u64::from(own.inflight), u64::from(own.placed));
             Candidate {
                 addr: h.addr.clone(),
                 id,
@@ -298,7 +330,10 @@ mod tests {
         for r in &routed {
             assert_eq!(finish(&store, r.endpoint_id), Some(0));
         }
-        assert!(counters::read(&store).iter().all(|c| c.inflight == 0));
+        assert!(counters::read(&store)
+            .counts
+            .iter()
+            .all(|c| c.inflight == 0));
     }
 
     #[test]
@@ -328,7 +363,10 @@ mod tests {
         assert_eq!(routable("GET", "/v1/chat/completions"), Err("method"));
         assert_eq!(routable("POST", "/v1/embeddings"), Err("path"));
         assert!(
-            counters::read(&store).iter().all(|c| c.inflight == 0),
+            counters::read(&store)
+                .counts
+                .iter()
+                .all(|c| c.inflight == 0),
             "nothing counted for unrouted requests"
         );
     }

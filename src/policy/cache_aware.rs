@@ -4,11 +4,12 @@
 //!   (`affinity`); if even that one is overloaded, the first endpoint in the prefix's rendezvous
 //!   order that is not (`spread`), so a hot prefix grows onto a few replicas that then also keep
 //!   affinity, instead of scattering over all of them.
-//! - Otherwise the least-loaded endpoint, ties broken by rendezvous on the first chunk, so several
-//!   independent proxies place the same new prefix on the same replica (`new_prefix`, or `balance`
-//!   when the fleet is imbalanced).
+//! - Otherwise, on a balanced fleet, the endpoint with the fewest recently placed prefixes among
+//!   those not overloaded, then the least loaded, then rendezvous on the first chunk, so several
+//!   independent proxies place the same new prefix on the same replica (`new_prefix`); on an
+//!   imbalanced fleet the least-loaded endpoint (`balance`), as SGLang does.
 
-use super::load::{first_not_overloaded, least_loaded, min_load};
+use super::load::{fewest_placed, first_not_overloaded, least_loaded, min_load};
 use super::{Candidate, Decision, Input, Pick};
 
 pub fn pick(candidates: &[Candidate], input: &Input) -> Pick {
@@ -27,14 +28,17 @@ pub fn pick(candidates: &[Candidate], input: &Input) -> Pick {
             decision: Decision::Spread,
         };
     }
-    let decision = if input.thresholds.imbalanced(candidates) {
-        Decision::Balance
-    } else {
-        Decision::NewPrefix
-    };
+    if input.thresholds.imbalanced(candidates) {
+        let index = least_loaded(candidates, key);
+        return Pick {
+            index,
+            decision: Decision::Balance,
+        };
+    }
+    let index = fewest_placed(candidates, key, &input.thresholds);
     Pick {
-        index: least_loaded(candidates, key),
-        decision,
+        index,
+        decision: Decision::NewPrefix,
     }
 }
 
@@ -137,6 +141,30 @@ mod tests {
         assert_eq!(
             pick(&c, &input(&keys, Some(&m))).decision,
             Decision::NewPrefix
+        );
+    }
+
+    #[test]
+    fn a_new_prefix_prefers_the_endpoint_with_the_fewest_prefixes_unless_it_is_overloaded() {
+        let keys = PrefixKeys::new("m", "fresh", 10, 64);
+        let mut c = candidates(&[2, 0, 1, 0]);
+        for (cand, placed) in c.iter_mut().zip([0, 3, 2, 1]) {
+            cand.placed = placed;
+        }
+        assert_eq!(
+            pick(&c, &input(&keys, None)).index,
+            0,
+            "fewest prefixes, though busier"
+        );
+        c[0].load = 9; // now overloaded (abs 4 over the minimum, and over 1.5x)
+        let p = pick(&c, &input(&keys, None));
+        assert_eq!(
+            p,
+            Pick {
+                index: 3,
+                decision: Decision::Balance
+            },
+            "idle, fewer prefixes than 1"
         );
     }
 

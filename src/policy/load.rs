@@ -45,6 +45,20 @@ pub fn least_loaded(candidates: &[Candidate], key: u64) -> usize {
         .map_or(0, |(_, i)| i)
 }
 
+/// Where a new prefix goes on a balanced fleet: among the endpoints that are not overloaded, the
+/// one with the fewest recently placed prefixes (SGLang's "smallest tree": room in its cache),
+/// then the least loaded, then the first in `key`'s rendezvous order, so that independent
+/// proxies seeing the same state make the same choice.
+pub fn fewest_placed(candidates: &[Candidate], key: u64, t: &Thresholds) -> usize {
+    let min = min_load(candidates);
+    rendezvous_order(candidates, key)
+        .into_iter()
+        .enumerate()
+        .filter(|&(_, i)| !t.overloaded(candidates[i].load, min))
+        .min_by_key(|&(rank, i)| (candidates[i].placed, candidates[i].load, rank))
+        .map_or_else(|| least_loaded(candidates, key), |(_, i)| i)
+}
+
 /// The first candidate in `key`'s rendezvous order that is not overloaded (bounded-load hashing).
 pub fn first_not_overloaded(candidates: &[Candidate], key: u64, t: &Thresholds) -> usize {
     let min = min_load(candidates);
