@@ -83,7 +83,8 @@ fn check(path: &str) {
         "{path}: override_host reads kvroute's header"
     );
     assert!(
-        all.iter().any(|m| get(m, "remove") == Some(&Value::from(config.header.as_str()))),
+        all.iter()
+            .any(|m| get(m, "remove") == Some(&Value::from(config.header.as_str()))),
         "{path}: client-sent routing headers are removed before kvroute runs"
     );
     let admin = config.admin_cluster.as_deref().expect("admin_cluster set");

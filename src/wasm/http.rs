@@ -41,6 +41,10 @@ impl Stream {
             .flatten()
     }
 
+    fn content_length(&self) -> Option<usize> {
+        self.header("content-length")?.trim().parse().ok()
+    }
+
     fn fallback(&mut self, reason: Reason) -> Action {
         self.shared
             .borrow_mut()
@@ -64,7 +68,7 @@ impl Stream {
             .into_iter()
             .find_map(|path| hostcalls::get_property(path).ok().flatten())
             .and_then(|b| String::from_utf8(b).ok());
-        let shared = self.shared.borrow();
+        let mut shared = self.shared.borrow_mut();
         let Some(hosts) = shared.hosts(cluster.as_deref()) else {
             drop(shared);
             return self.fallback("no_cluster");
@@ -141,13 +145,21 @@ impl Context for Stream {
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
         // Whatever happens next, a client never chooses the upstream.
-        let header = self.shared.borrow().config.header.clone();
+        let (header, max_body) = {
+            let shared = self.shared.borrow();
+            (shared.config.header.clone(), shared.config.max_body_bytes)
+        };
         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, None);
         let method = self.header(":method").unwrap_or_default();
         let path = self.header(":path").unwrap_or_default();
         match router::routable(&method, &path) {
             Err(reason) => self.fallback(reason),
             Ok(_) if end_of_stream => self.fallback("empty_body"),
+            // Known to be too large: never start buffering it. Once a filter has buffered, Envoy
+            // answers 413 instead of applying back-pressure when the body outgrows its buffer.
+            Ok(_) if self.content_length().is_some_and(|n| n > max_body) => {
+                self.fallback("body_too_large")
+            }
             Ok(api) => {
                 self.api = Some(api);
                 // Hold the headers until the body is in: the routing header depends on it.

@@ -18,6 +18,8 @@ use crate::store::{self, SharedStore};
 
 const HOSTS_KEY: &str = "kvroute.hosts";
 const LEASE_KEY: &str = "kvroute.poll_lease";
+/// Tick and poll period until the first host snapshot: requests fall back to Envoy until then.
+const STARTUP_TICK_MS: u64 = 100;
 pub const FALLBACK_REASONS: [&str; 11] = [
     "method",
     "path",
@@ -43,7 +45,11 @@ pub struct Shared {
 impl Shared {
     /// The hosts a request to `cluster` may go to: the static list if configured (with health and
     /// load from the last poll where known), else the cluster's hosts from the last poll.
-    pub fn hosts(&self, cluster: Option<&str>) -> Option<Vec<Host>> {
+    pub fn hosts(&mut self, cluster: Option<&str>) -> Option<Vec<Host>> {
+        if self.snapshot_cas.is_none() {
+            // Until this worker's first tick: another worker may already have polled.
+            self.refresh_snapshot();
+        }
         if !self.config.endpoints.is_empty() {
             let polled: Vec<&Host> = self.snapshot.values().flatten().collect();
             return Some(
@@ -79,6 +85,8 @@ impl Shared {
 #[derive(Default)]
 pub struct Root {
     shared: Option<Rc<RefCell<Shared>>>,
+    /// Ticking at `stats_interval_ms`, now that a host snapshot exists.
+    steady: bool,
 }
 
 impl Context for Root {
@@ -159,7 +167,9 @@ impl RootContext for Root {
         metrics.define_counter("kvroute.stats_poll.ok");
         metrics.define_counter("kvroute.stats_poll.failed");
         if config.admin_cluster.is_some() {
-            let _ = hostcalls::set_tick_period(Duration::from_millis(config.stats_interval_ms));
+            // Fast until the first host snapshot is in, then every `stats_interval_ms`.
+            let startup = STARTUP_TICK_MS.min(config.stats_interval_ms);
+            let _ = hostcalls::set_tick_period(Duration::from_millis(startup));
         }
         self.shared = Some(Rc::new(RefCell::new(Shared {
             config,
@@ -177,9 +187,22 @@ impl RootContext for Root {
             let s = shared.borrow();
             (s.config.admin_cluster.clone(), s.config.stats_interval_ms)
         };
-        shared.borrow_mut().refresh_snapshot();
+        let has_snapshot = {
+            let mut s = shared.borrow_mut();
+            s.refresh_snapshot();
+            s.snapshot_cas.is_some()
+        };
         let Some(admin) = admin else { return };
-        if !take_poll_lease(now_ms(), interval) {
+        if has_snapshot && !self.steady {
+            let _ = hostcalls::set_tick_period(Duration::from_millis(interval));
+            self.steady = true;
+        }
+        let lease = if has_snapshot {
+            interval
+        } else {
+            STARTUP_TICK_MS.min(interval)
+        };
+        if !take_poll_lease(now_ms(), lease) {
             return;
         }
         let headers = vec![
