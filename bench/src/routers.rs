@@ -145,10 +145,17 @@ impl Running {
         let Process::Envoy(envoy) = &self.process else {
             return Vec::new();
         };
-        let stats = envoy.stats("kvroute.routed.").await.unwrap_or_default();
+        // Routed decisions, and the fallbacks that happened (requests kvroute left to Envoy).
+        let stats = envoy.stats("kvroute.").await.unwrap_or_default();
         let mut out: Vec<(String, u64)> = stats
             .into_iter()
-            .filter_map(|(name, v)| Some((name.rsplit_once("kvroute.routed.")?.1.to_string(), v)))
+            .filter_map(|(name, v)| {
+                if let Some((_, decision)) = name.rsplit_once("kvroute.routed.") {
+                    return Some((decision.to_string(), v));
+                }
+                let (_, reason) = name.rsplit_once("kvroute.fallback.")?;
+                (v > 0).then(|| (format!("fallback:{reason}"), v))
+            })
             .collect();
         out.sort();
         out
