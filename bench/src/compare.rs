@@ -3,7 +3,7 @@
 use crate::driver;
 use crate::report::{measure, Measured, Results, RouterResult};
 use crate::routers::{Router, Running};
-use crate::sim_process::{FleetState, SimFleet};
+use crate::sim_process::SimFleet;
 use crate::workload::{Api, Workload};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -91,24 +91,9 @@ pub async fn run_one(
     let measured: Measured = measure(&name, &outcome, &before, &after);
     Ok(RouterRun {
         result: RouterResult::Measured(measured),
-        per_replica: served(&before, &after),
+        per_replica: after.growth_since(&before, |r| r.requests),
         decisions,
     })
-}
-
-fn served(before: &FleetState, after: &FleetState) -> Vec<u64> {
-    after
-        .replicas
-        .iter()
-        .map(|a| {
-            let b = before
-                .replicas
-                .iter()
-                .find(|b| b.id == a.id)
-                .map_or(0, |b| b.requests);
-            a.requests.saturating_sub(b)
-        })
-        .collect()
 }
 
 /// Sends one tiny request until the router answers 200, so a peer that is up but has not yet

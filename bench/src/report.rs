@@ -64,24 +64,15 @@ pub fn measure(
     let ttft: Vec<f64> = ok.iter().filter_map(|s| s.ttft_ms).collect();
     let e2e: Vec<f64> = ok.iter().map(|s| s.e2e_ms).collect();
     let tokens: u64 = ok.iter().map(|s| s.output_tokens).sum();
-    let delta = |f: fn(&crate::sim_process::ReplicaState) -> u64| -> Vec<u64> {
-        after
-            .replicas
-            .iter()
-            .map(|a| {
-                let b = before
-                    .replicas
-                    .iter()
-                    .find(|b| b.id == a.id)
-                    .map(f)
-                    .unwrap_or(0);
-                f(a).saturating_sub(b)
-            })
-            .collect()
-    };
-    let hits: u64 = delta(|r| r.prefix_hits_tokens).iter().sum();
-    let queries: u64 = delta(|r| r.prefix_queries_tokens).iter().sum();
-    let per_replica = delta(|r| r.requests);
+    let hits: u64 = after
+        .growth_since(before, |r| r.prefix_hits_tokens)
+        .iter()
+        .sum();
+    let queries: u64 = after
+        .growth_since(before, |r| r.prefix_queries_tokens)
+        .iter()
+        .sum();
+    let per_replica = after.growth_since(before, |r| r.requests);
     let wall = run.wall_s.max(1e-9);
     let round = |x: f64| (x * 100.0).round() / 100.0;
     let pct = |v: &[f64], q| percentile(v, q).map(round);

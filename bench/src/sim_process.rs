@@ -44,6 +44,19 @@ pub struct FleetState {
     pub replicas: Vec<ReplicaState>,
 }
 
+impl FleetState {
+    /// How much counter `f` grew on each replica since `before` (replicas in `self`'s order).
+    pub fn growth_since(&self, before: &FleetState, f: fn(&ReplicaState) -> u64) -> Vec<u64> {
+        self.replicas
+            .iter()
+            .map(|a| {
+                let b = before.replicas.iter().find(|b| b.id == a.id).map_or(0, f);
+                f(a).saturating_sub(b)
+            })
+            .collect()
+    }
+}
+
 /// A replica's view of one prompt from `POST /fleet/match`.
 #[derive(Debug, Clone, Deserialize)]
 pub struct MatchReplica {

@@ -74,19 +74,8 @@ impl Fleet {
         body: impl Into<reqwest::Body>,
         headers: &[(&str, &str)],
     ) -> Reply {
-        let mut req = self
-            .client
-            .post(format!("{}{path}", self.envoy.url()))
-            .body(body);
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        read(
-            req.send()
-                .await
-                .unwrap_or_else(|e| panic!("request failed: {e}\n{}", self.envoy.log_tail())),
-        )
-        .await
+        let req = self.client.post(format!("{}{path}", self.envoy.url()));
+        self.send(req.body(body), headers).await
     }
 
     /// POSTs an OpenAI chat request.
@@ -100,16 +89,18 @@ impl Fleet {
     }
 
     pub async fn get(&self, path: &str, headers: &[(&str, &str)]) -> Reply {
-        let mut req = self.client.get(format!("{}{path}", self.envoy.url()));
+        let req = self.client.get(format!("{}{path}", self.envoy.url()));
+        self.send(req, headers).await
+    }
+
+    /// Sends `req` with extra `headers`; a transport failure fails the test with Envoy's log.
+    async fn send(&self, mut req: reqwest::RequestBuilder, headers: &[(&str, &str)]) -> Reply {
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
-        read(
-            req.send()
-                .await
-                .unwrap_or_else(|e| panic!("request failed: {e}\n{}", self.envoy.log_tail())),
-        )
-        .await
+        let resp = req.send().await;
+        read(resp.unwrap_or_else(|e| panic!("request failed: {e}\n{}", self.envoy.log_tail())))
+            .await
     }
 
     /// Sum of the stats whose names contain `filter`.
