@@ -10,9 +10,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 const CAPACITY: u64 = 1024;
-/// 50k, not 100k: on a 2-core machine a debug build of this test's client and backends costs
-/// twice Envoy's CPU, and 100k requests took 40-70 s; 50k is still ~50x the capacity.
-const FLOOD: usize = 50_000;
+/// Unique prompts sent: ~100x the capacity. The slowest integration test (about 40 s on 2 cores,
+/// most of it this test's own debug-built client and backends).
+const FLOOD: usize = 100_000;
 const CONCURRENCY: usize = 64;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
