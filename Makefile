@@ -50,9 +50,10 @@ include bench/bench.mk
 fmt:
 	$(CARGO) fmt --all
 
-lint:
+lint: .work/wasm-target
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy -p kvroute --target wasm32-wasip1 -- -D warnings
 
 clean:
 	$(CARGO) clean
