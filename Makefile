@@ -14,7 +14,7 @@ export KVROUTE_SIM := $(abspath target/release/kvroute-sim)
 # Unit tests compiled to wasm run under wasmtime (installed into the venv from PyPI).
 export CARGO_TARGET_WASM32_WASIP1_RUNNER := $(abspath $(VENV))/bin/python $(abspath tools/wasi-run.py)
 
-.PHONY: all build wasm bins deps test test-native test-wasm run bench bench-overhead fmt lint clean
+.PHONY: all build wasm bins deps test test-native test-wasm run bench bench-overhead bench-core fmt lint clean
 
 all: build
 
@@ -44,6 +44,12 @@ test-native:
 
 test-wasm: deps
 	$(CARGO) test --target wasm32-wasip1 -p kvroute --lib
+
+# The routing core's cost per request: natively (criterion), and compiled to wasm under wasmtime.
+bench-core: deps
+	$(CARGO) bench -p kvroute --bench route
+	$(CARGO) build --release --target wasm32-wasip1 -p kvroute --no-default-features --example core_cost
+	$(VENV)/bin/python tools/wasi-run.py target/wasm32-wasip1/release/examples/core_cost.wasm
 
 include bench/bench.mk
 
