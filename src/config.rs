@@ -46,6 +46,11 @@ pub struct Config {
     pub session_header: String,
     /// Envoy cluster pointing at the admin interface, polled for `/clusters` (`admin_cluster`).
     pub admin_cluster: Option<String>,
+    /// Cluster whose hosts' own metrics (requests running + waiting) are polled as load, through
+    /// Envoy with the routing header naming each host (`engine_metrics_cluster`).
+    pub engine_metrics_cluster: Option<String>,
+    /// Path of the engines' Prometheus metrics (`engine_metrics_path`).
+    pub engine_metrics_path: String,
     /// How often one worker polls the admin stats (`stats_interval_ms`).
     pub stats_interval_ms: u64,
     /// Static endpoints; when set they replace discovery from `/clusters` (`endpoints`).
@@ -72,6 +77,8 @@ impl Default for Config {
             balance_rel_threshold: 1.5,
             session_header: "x-session-id".to_string(),
             admin_cluster: None,
+            engine_metrics_cluster: None,
+            engine_metrics_path: "/metrics".to_string(),
             stats_interval_ms: 1000,
             endpoints: Vec::new(),
             max_body_bytes: 4 << 20,
@@ -148,9 +155,14 @@ impl Config {
                 "cache_threshold" => c.cache_threshold = float(f, v, 0.0, 1.0)?,
                 "balance_abs_threshold" => c.balance_abs_threshold = int(f, v, 0, 1 << 32)?,
                 "balance_rel_threshold" => c.balance_rel_threshold = float(f, v, 1.0, 1e6)?,
-                "admin_cluster" => {
-                    let name = string(f, v)?;
-                    c.admin_cluster = (!name.is_empty()).then(|| name.to_string());
+                "admin_cluster" => c.admin_cluster = optional_name(f, v)?,
+                "engine_metrics_cluster" => c.engine_metrics_cluster = optional_name(f, v)?,
+                "engine_metrics_path" => {
+                    let path = string(f, v)?;
+                    if !path.starts_with('/') {
+                        return Err(err(f, format!("{path:?} must start with '/'")));
+                    }
+                    c.engine_metrics_path = path.to_string();
                 }
                 "stats_interval_ms" => c.stats_interval_ms = int(f, v, 50, 3_600_000)?,
                 "endpoints" => c.endpoints = endpoints(f, v)?,
@@ -173,6 +185,12 @@ impl Config {
 fn string<'v>(field: &str, v: &'v Value) -> Result<&'v str, ConfigError> {
     v.as_str()
         .ok_or_else(|| err(field, format!("must be a string, got {v}")))
+}
+
+/// A cluster name; empty means none.
+fn optional_name(field: &str, v: &Value) -> Result<Option<String>, ConfigError> {
+    let name = string(field, v)?;
+    Ok((!name.is_empty()).then(|| name.to_string()))
 }
 
 fn int(field: &str, v: &Value, min: u64, max: u64) -> Result<u64, ConfigError> {
@@ -245,6 +263,7 @@ mod tests {
             br#"{"policy":"session","header":"x-dest","chunk_size":64,"max_chunks":8,
                 "cache_threshold":0.5,"balance_abs_threshold":4,"balance_rel_threshold":2,
                 "session_header":"x-user","admin_cluster":"admin","stats_interval_ms":200,
+                "engine_metrics_cluster":"pool","engine_metrics_path":"/m",
                 "endpoints":["127.0.0.1:8001"],"max_body_bytes":1000,"affinity_capacity":64,
                 "debug_header":true,"fallback_endpoints":0}"#,
         )
@@ -256,6 +275,8 @@ mod tests {
         );
         assert_eq!(c.endpoints, vec!["127.0.0.1:8001"]);
         assert_eq!(c.admin_cluster.as_deref(), Some("admin"));
+        assert_eq!(c.engine_metrics_cluster.as_deref(), Some("pool"));
+        assert_eq!(c.engine_metrics_path, "/m");
         assert!(c.debug_header);
     }
 
@@ -271,6 +292,10 @@ mod tests {
             (r#"{"header":"X Bad"}"#, "header"),
             (r#"{"typo_field":1}"#, "typo_field"),
             (r#"{"affinity_capacity":0}"#, "affinity_capacity"),
+            (
+                r#"{"engine_metrics_path":"metrics"}"#,
+                "engine_metrics_path",
+            ),
         ] {
             let e = Config::parse(json.as_bytes()).unwrap_err();
             assert_eq!(e.field, field, "{json}");

@@ -14,6 +14,10 @@ pub struct Host {
     pub healthy: bool,
     /// Envoy's active requests to this host at the last poll.
     pub rq_active: u64,
+    /// Requests the engine itself reports running or waiting (all routers' traffic), when its
+    /// metrics are polled (`engine_metrics_cluster`).
+    #[serde(default)]
+    pub engine_load: u64,
 }
 
 impl Host {
@@ -23,6 +27,7 @@ impl Host {
             addr: addr.to_string(),
             healthy: true,
             rq_active: 0,
+            engine_load: 0,
         }
     }
 
@@ -80,6 +85,7 @@ fn host(status: &Value) -> Option<Host> {
         addr,
         healthy: healthy(status.get("health_status")),
         rq_active,
+        engine_load: 0,
     })
 }
 
@@ -103,6 +109,45 @@ fn healthy(health: Option<&Value>) -> bool {
         Some(status) => matches!(status, "HEALTHY" | "UNKNOWN" | "DEGRADED"),
     };
     !failed && eds_ok
+}
+
+/// Engine loads by host address, as the last metrics polls found them.
+pub type EngineLoads = HashMap<String, u64>;
+
+/// Metric families whose samples add up to an engine's load: vLLM's and SGLang's names for
+/// requests running and waiting.
+const ENGINE_LOAD_METRICS: [&str; 4] = [
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+];
+
+/// Reads an engine's Prometheus `/metrics` text: its requests running plus waiting, summed over
+/// label sets (one per model). `None` when it exposes none of those metrics.
+pub fn parse_engine_metrics(text: &[u8]) -> Option<u64> {
+    let text = String::from_utf8_lossy(text);
+    let mut total = None;
+    for line in text.lines() {
+        let Some(name_end) = line.find(['{', ' ']) else {
+            continue;
+        };
+        if !ENGINE_LOAD_METRICS.contains(&&line[..name_end]) {
+            continue;
+        }
+        let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+        if let Some(v) = value.filter(|v| v.is_finite() && *v >= 0.0) {
+            *total.get_or_insert(0) += v.round() as u64;
+        }
+    }
+    total
+}
+
+/// Writes the latest engine loads into a snapshot's hosts.
+pub fn apply_engine_loads(snapshot: &mut Snapshot, loads: &EngineLoads) {
+    for host in snapshot.values_mut().flatten() {
+        host.engine_load = loads.get(&host.addr).copied().unwrap_or(0);
+    }
 }
 
 /// Serialises a snapshot for shared data (addresses and numbers only).
@@ -143,7 +188,8 @@ mod tests {
             Host {
                 addr: "127.0.0.1:8001".into(),
                 healthy: true,
-                rq_active: 5
+                rq_active: 5,
+                engine_load: 0
             }
         );
         assert!(!pool[1].healthy, "failed active health check");
@@ -151,6 +197,36 @@ mod tests {
         assert_eq!(pool[3].addr, "[::1]:8004");
         assert!(!pool[3].healthy, "draining");
         assert_eq!(s["kvroute_admin"].len(), 1);
+    }
+
+    #[test]
+    fn engine_load_is_running_plus_waiting_over_every_model() {
+        let text = "# HELP vllm:num_requests_running Number of requests running.\n\
+            # TYPE vllm:num_requests_running gauge\n\
+            vllm:num_requests_running{engine=\"0\",model_name=\"a\"} 3.0\n\
+            vllm:num_requests_running{engine=\"0\",model_name=\"b\"} 1.0\n\
+            vllm:num_requests_waiting{engine=\"0\",model_name=\"a\"} 12.0\n\
+            vllm:num_requests_waiting_by_reason{reason=\"x\"} 99.0\n\
+            vllm:kv_cache_usage_perc{engine=\"0\"} 0.5\n";
+        assert_eq!(parse_engine_metrics(text.as_bytes()), Some(16));
+        assert_eq!(
+            parse_engine_metrics(b"sglang:num_queue_reqs 4\nsglang:num_running_reqs 2\n"),
+            Some(6)
+        );
+        assert_eq!(parse_engine_metrics(b"up 1\n"), None);
+        assert_eq!(
+            parse_engine_metrics(b"vllm:num_requests_waiting NaN\n"),
+            None
+        );
+    }
+
+    #[test]
+    fn engine_loads_land_on_their_hosts() {
+        let mut s = parse_admin_clusters(ADMIN.as_bytes()).unwrap();
+        let loads = EngineLoads::from_iter([("127.0.0.1:8001".to_string(), 7)]);
+        apply_engine_loads(&mut s, &loads);
+        assert_eq!(s["inference_pool"][0].engine_load, 7);
+        assert_eq!(s["inference_pool"][2].engine_load, 0);
     }
 
     #[test]

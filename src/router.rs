@@ -170,8 +170,9 @@ pub fn finish<S: SharedStore + ?Sized>(store: &S, endpoint_id: u32) -> Option<u3
     counters::add(store, endpoint_id, -1, 0).map(|c| c.inflight)
 }
 
-/// Healthy hosts with their load: the larger of kvroute's own in-flight count (current) and Envoy's
-/// `rq_active` (which also sees requests kvroute did not route). Sorted by address, so that every
+/// Healthy hosts with their load: the largest of kvroute's own in-flight count (current), Envoy's
+/// `rq_active` (which also sees requests kvroute did not route) and the engine's own running +
+/// waiting count (which also sees other proxies' requests). Sorted by address, so that every
 /// worker and every proxy lists them alike.
 fn candidates(table: &counters::Table, hosts: &[Host]) -> Vec<Candidate> {
     let mut out: Vec<Candidate> = hosts
@@ -184,7 +185,7 @@ fn candidates(table: &counters::Table, hosts: &[Host]) -> Vec<Candidate> {
             Candidate {
                 addr: h.addr.clone(),
                 id,
-                load: inflight.max(h.rq_active),
+                load: inflight.max(h.rq_active).max(h.engine_load),
                 placed,
             }
         })
@@ -406,6 +407,18 @@ mod tests {
         hs[0].rq_active = 5;
         let r = send(&config, &store, &hs, &chat("s", "q")).unwrap();
         assert_eq!(r.endpoints[0], "127.0.0.1:8002");
+    }
+
+    #[test]
+    fn an_engine_busy_with_other_proxies_traffic_is_avoided() {
+        let (config, store) = (Config::default(), MemoryStore::new());
+        let mut hs = hosts(2);
+        hs[1].engine_load = 100;
+        for i in 0..5 {
+            let r = send(&config, &store, &hs, &chat(&format!("p{i}"), "q")).unwrap();
+            assert_eq!(r.endpoints[0], "127.0.0.1:8001");
+            assert_eq!(r.decision, Decision::Balance);
+        }
     }
 
     #[test]

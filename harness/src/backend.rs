@@ -1,7 +1,7 @@
 //! In-process OpenAI-style test backends on 127.0.0.1 that record what reached them.
 //!
 //! Each backend answers `POST /v1/chat/completions` and `POST /v1/completions` (JSON, or SSE when
-//! the body has `"stream": true`), `GET /health`, `GET /v1/models`, and 404 otherwise; every
+//! the body has `"stream": true`), `GET /health`, `GET /metrics`, `GET /v1/models`, and 404 otherwise; every
 //! response carries `x-backend: <index>`. Knobs: delay, failing, kill. Health checks are neither
 //! counted nor recorded, so counts are exactly the requests Envoy forwarded.
 
@@ -50,6 +50,8 @@ struct Shared {
     index: usize,
     delay_ms: AtomicU64,
     failing: AtomicBool,
+    /// What `/metrics` reports as `vllm:num_requests_waiting`.
+    engine_waiting: AtomicU64,
     not_recording: AtomicBool,
     received: AtomicU64,
     completed: AtomicU64,
@@ -112,6 +114,12 @@ impl Backend {
     /// When failing, `/health` answers 503 and every other request 500.
     pub fn set_failing(&self, failing: bool) {
         self.shared.failing.store(failing, Ordering::Relaxed);
+    }
+
+    /// Requests `GET /metrics` reports waiting (`vllm:num_requests_waiting`), as an engine busy
+    /// with other proxies' traffic would.
+    pub fn set_engine_waiting(&self, n: u64) {
+        self.shared.engine_waiting.store(n, Ordering::Relaxed);
     }
 
     /// Recording is on by default; floods turn it off to save memory.
@@ -255,6 +263,18 @@ async fn handle(
             StatusCode::OK
         };
         return Ok(reply(&shared, status, "text/plain", ReplyBody::full("ok")));
+    }
+    if req.uri().path() == "/metrics" {
+        let waiting = shared.engine_waiting.load(Ordering::Relaxed);
+        let text = format!(
+            "vllm:num_requests_running{{model_name=\"m\"}} 0\nvllm:num_requests_waiting{{model_name=\"m\"}} {waiting}\n"
+        );
+        return Ok(reply(
+            &shared,
+            StatusCode::OK,
+            "text/plain",
+            ReplyBody::full(text),
+        ));
     }
     shared.in_flight.fetch_add(1, Ordering::Relaxed);
     shared.received.fetch_add(1, Ordering::Relaxed);

@@ -3,6 +3,7 @@
 
 mod host;
 mod http;
+mod poll;
 mod root;
 
 proxy_wasm::main! {{

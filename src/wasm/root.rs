@@ -1,5 +1,5 @@
-//! The root context (one per worker VM): loads the config, polls Envoy's admin `/clusters` from one
-//! worker at a time, and hands each HTTP stream the shared view it needs.
+//! The root context (one per worker VM): loads the config, ticks the poller (one worker at a time
+//! polls), and hands each HTTP stream the shared view it needs.
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -11,13 +11,13 @@ use proxy_wasm::types::{ContextType, LogLevel};
 
 use super::host::{now_ms, HostStore, Metrics};
 use super::http::Stream;
+use super::poll::{self, Poller};
 use crate::config::Config;
 use crate::endpoints::{self, Host, Snapshot};
 use crate::policy::Decision;
-use crate::store::{self, SharedStore};
+use crate::store::SharedStore;
 
-const HOSTS_KEY: &str = "kvroute.hosts";
-const LEASE_KEY: &str = "kvroute.poll_lease";
+pub(super) const HOSTS_KEY: &str = "kvroute.hosts";
 /// Tick and poll period until the first host snapshot: requests fall back to Envoy until then.
 const STARTUP_TICK_MS: u64 = 100;
 pub const FALLBACK_REASONS: [&str; 11] = [
@@ -38,8 +38,8 @@ pub const FALLBACK_REASONS: [&str; 11] = [
 pub struct Shared {
     pub config: Config,
     pub metrics: Metrics,
-    snapshot: Snapshot,
-    snapshot_cas: Option<u32>,
+    pub(super) snapshot: Snapshot,
+    pub(super) snapshot_cas: Option<u32>,
 }
 
 impl Shared {
@@ -70,7 +70,7 @@ impl Shared {
 
     /// Re-reads the snapshot another worker's poll wrote, if it changed. Done on each tick rather
     /// than per request: requests then cost no host call for it.
-    fn refresh_snapshot(&mut self) {
+    pub(super) fn refresh_snapshot(&mut self) {
         let (value, cas) = HostStore.get(HOSTS_KEY);
         if cas == self.snapshot_cas {
             return;
@@ -85,6 +85,7 @@ impl Shared {
 #[derive(Default)]
 pub struct Root {
     shared: Option<Rc<RefCell<Shared>>>,
+    poller: Poller,
     /// Ticking at `stats_interval_ms`, now that a host snapshot exists.
     steady: bool,
 }
@@ -92,50 +93,13 @@ pub struct Root {
 impl Context for Root {
     fn on_http_call_response(
         &mut self,
-        _token: u32,
+        token: u32,
         _headers: usize,
-        body_size: usize,
+        body: usize,
         _trailers: usize,
     ) {
-        let Some(shared) = &self.shared else { return };
-        let mut shared = shared.borrow_mut();
-        let status = hostcalls::get_map_value(
-            proxy_wasm::types::MapType::HttpCallResponseHeaders,
-            ":status",
-        )
-        .ok()
-        .flatten();
-        let body = hostcalls::get_buffer(
-            proxy_wasm::types::BufferType::HttpCallResponseBody,
-            0,
-            body_size,
-        )
-        .ok()
-        .flatten();
-        let parsed = match (status.as_deref(), body) {
-            (Some("200"), Some(body)) => endpoints::parse_admin_clusters(&body),
-            (status, _) => Err(format!("admin answered status {status:?}")),
-        };
-        match parsed {
-            Ok(snapshot) => {
-                let _ = HostStore.set(HOSTS_KEY, &endpoints::encode_snapshot(&snapshot), None);
-                shared.refresh_snapshot();
-                let admin = shared.config.admin_cluster.clone();
-                let known = snapshot
-                    .iter()
-                    .filter(|(name, _)| Some(*name) != admin.as_ref())
-                    .flat_map(|(_, hosts)| hosts)
-                    .filter(|h| h.healthy)
-                    .count();
-                shared
-                    .metrics
-                    .gauge("kvroute.endpoints_known", known as u64);
-                shared.metrics.count("kvroute.stats_poll.ok");
-            }
-            Err(e) => {
-                let _ = hostcalls::log(LogLevel::Warn, &format!("kvroute: stats poll failed: {e}"));
-                shared.metrics.count("kvroute.stats_poll.failed");
-            }
+        if let Some(shared) = &self.shared {
+            self.poller.response(&mut shared.borrow_mut(), token, body);
         }
     }
 }
@@ -164,8 +128,10 @@ impl RootContext for Root {
         for reason in FALLBACK_REASONS {
             metrics.define_counter(&format!("kvroute.fallback.{reason}"));
         }
-        metrics.define_counter("kvroute.stats_poll.ok");
-        metrics.define_counter("kvroute.stats_poll.failed");
+        for poll in ["stats_poll", "engine_poll"] {
+            metrics.define_counter(&format!("kvroute.{poll}.ok"));
+            metrics.define_counter(&format!("kvroute.{poll}.failed"));
+        }
         if config.admin_cluster.is_some() {
             // Fast until the first host snapshot is in, then every `stats_interval_ms`.
             let startup = STARTUP_TICK_MS.min(config.stats_interval_ms);
@@ -202,20 +168,8 @@ impl RootContext for Root {
         } else {
             STARTUP_TICK_MS.min(interval)
         };
-        if !take_poll_lease(now_ms(), lease) {
-            return;
-        }
-        let headers = vec![
-            (":method", "GET"),
-            (":path", "/clusters?format=json"),
-            (":authority", admin.as_str()),
-        ];
-        let timeout = Duration::from_millis(interval.max(1000));
-        if hostcalls::dispatch_http_call(&admin, headers, None, vec![], timeout).is_err() {
-            shared
-                .borrow_mut()
-                .metrics
-                .count("kvroute.stats_poll.failed");
+        if poll::take_lease(now_ms(), lease) {
+            self.poller.poll(&mut shared.borrow_mut(), &admin);
         }
     }
 
@@ -226,19 +180,4 @@ impl RootContext for Root {
     fn get_type(&self) -> Option<ContextType> {
         Some(ContextType::HttpContext)
     }
-}
-
-/// One poll per interval across all workers: whoever first moves the shared deadline polls.
-fn take_poll_lease(now: u64, interval_ms: u64) -> bool {
-    let mut taken = false;
-    store::update(&HostStore, LEASE_KEY, |current| {
-        let deadline = current
-            .and_then(|v| v.try_into().ok())
-            .map(u64::from_le_bytes)
-            .unwrap_or(0);
-        taken = now >= deadline;
-        // A little under the interval, so tick jitter does not skip every other poll.
-        taken.then(|| (now + interval_ms * 9 / 10).to_le_bytes().to_vec())
-    });
-    taken
 }
