@@ -24,6 +24,21 @@ const TICKET_KEY: &str = "kvroute.ticket";
 /// Why a request is left to Envoy's fallback policy. Each is a counter; names are stable.
 pub type Reason = &'static str;
 
+/// Every [`Reason`], so each counter exists (at zero) before it first moves.
+pub const FALLBACK_REASONS: [Reason; 11] = [
+    "method",
+    "path",
+    "empty_body",
+    "body_too_large",
+    "bad_utf8",
+    "bad_json",
+    "no_model",
+    "no_prompt",
+    "no_cluster",
+    "no_healthy_endpoint",
+    "no_session",
+];
+
 /// The header-phase check: is this a request kvroute routes (and so buffers the body of)?
 pub fn routable(method: &str, path: &str) -> Result<Api, Reason> {
     if method != "POST" {
@@ -370,6 +385,14 @@ mod tests {
                 .all(|c| c.inflight == 0),
             "nothing counted for unrouted requests"
         );
+    }
+
+    #[test]
+    fn every_parse_failure_has_a_listed_reason() {
+        use crate::request::ParseError::*;
+        for e in [Empty, BadUtf8, BadJson, NoModel, NoPrompt] {
+            assert!(FALLBACK_REASONS.contains(&e.reason()), "{}", e.reason());
+        }
     }
 
     #[test]

@@ -15,24 +15,12 @@ use super::poll::{self, Poller};
 use crate::config::Config;
 use crate::endpoints::{self, Host, Snapshot};
 use crate::policy::Decision;
+use crate::router;
 use crate::store::SharedStore;
 
 pub(super) const HOSTS_KEY: &str = "kvroute.hosts";
 /// Tick and poll period until the first host snapshot: requests fall back to Envoy until then.
 const STARTUP_TICK_MS: u64 = 100;
-pub const FALLBACK_REASONS: [&str; 11] = [
-    "method",
-    "path",
-    "empty_body",
-    "body_too_large",
-    "bad_utf8",
-    "bad_json",
-    "no_model",
-    "no_prompt",
-    "no_cluster",
-    "no_healthy_endpoint",
-    "no_session",
-];
 
 /// What a worker VM's streams share: config, the last host snapshot, metrics.
 pub struct Shared {
@@ -125,7 +113,7 @@ impl RootContext for Root {
         for d in Decision::ALL {
             metrics.define_counter(&format!("kvroute.routed.{}", d.name()));
         }
-        for reason in FALLBACK_REASONS {
+        for reason in router::FALLBACK_REASONS {
             metrics.define_counter(&format!("kvroute.fallback.{reason}"));
         }
         for poll in ["stats_poll", "engine_poll"] {
