@@ -40,13 +40,10 @@ pub async fn compare(
             eprintln!("   kvroute decisions: {}", d.join(" "));
         }
         if !run.per_replica.is_empty() {
-            let r: Vec<String> = run
-                .per_replica
-                .iter()
-                .enumerate()
-                .map(|(i, n)| format!("r{i}={n}"))
-                .collect();
-            eprintln!("   requests per replica: {}", r.join(" "));
+            eprintln!(
+                "   requests per replica: {}",
+                replica_shares(&run.per_replica, " ")
+            );
         }
         results.push(run.result);
     }
@@ -134,4 +131,14 @@ async fn first_request(running: &Running, w: &Workload, model: &str) -> Result<(
     Err(format!(
         "no successful request within {FIRST_REQUEST_TIMEOUT:?} (last: {last})"
     ))
+}
+
+/// `r0=12 r1=9 ...`: requests each replica served, joined by `sep`.
+pub fn replica_shares(per_replica: &[u64], sep: &str) -> String {
+    let shares: Vec<String> = per_replica
+        .iter()
+        .enumerate()
+        .map(|(i, n)| format!("r{i}={n}"))
+        .collect();
+    shares.join(sep)
 }

@@ -1,7 +1,7 @@
 //! `demo` (what `make run` does): kvroute vs round robin on a small embedded fleet and workload,
 //! printing where requests went, how many followed cache affinity, and the hit rates.
 
-use crate::compare::{run_one, RouterRun};
+use crate::compare::{replica_shares, run_one, RouterRun};
 use crate::report::RouterResult;
 use crate::routers::Router;
 use crate::workload::Workload;
@@ -25,13 +25,8 @@ pub async fn demo() -> Result<(), String> {
     let kv = run_one(&fleet, &workload, &Router::Kvroute(None)).await?;
     println!();
     for (name, run) in [("round_robin", &rr), ("kvroute", &kv)] {
-        let shares: Vec<String> = run
-            .per_replica
-            .iter()
-            .enumerate()
-            .map(|(i, n)| format!("r{i}={n}"))
-            .collect();
-        println!("{name:>12}: requests per replica  {}", shares.join("  "));
+        let shares = replica_shares(&run.per_replica, "  ");
+        println!("{name:>12}: requests per replica  {shares}");
     }
     let total: u64 = kv.decisions.iter().map(|(_, n)| n).sum();
     if total > 0 {
