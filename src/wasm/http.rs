@@ -68,7 +68,8 @@ impl Stream {
             .into_iter()
             .find_map(|path| hostcalls::get_property(path).ok().flatten())
             .and_then(|b| String::from_utf8(b).ok());
-        let mut shared = self.shared.borrow_mut();
+        self.shared.borrow_mut().ensure_snapshot();
+        let shared = self.shared.borrow();
         let Some(hosts) = shared.hosts(cluster.as_deref()) else {
             drop(shared);
             return self.fallback("no_cluster");

@@ -1,6 +1,7 @@
 //! The root context (one per worker VM): loads the config, ticks the poller (one worker at a time
 //! polls), and hands each HTTP stream the shared view it needs.
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
@@ -33,14 +34,11 @@ pub struct Shared {
 impl Shared {
     /// The hosts a request to `cluster` may go to: the static list if configured (with health and
     /// load from the last poll where known), else the cluster's hosts from the last poll.
-    pub fn hosts(&mut self, cluster: Option<&str>) -> Option<Vec<Host>> {
-        if self.snapshot_cas.is_none() {
-            // Until this worker's first tick: another worker may already have polled.
-            self.refresh_snapshot();
-        }
+    /// Borrowed from the snapshot in the common case: nothing is copied per request.
+    pub fn hosts(&self, cluster: Option<&str>) -> Option<Cow<'_, [Host]>> {
         if !self.config.endpoints.is_empty() {
             let polled: Vec<&Host> = self.snapshot.values().flatten().collect();
-            return Some(
+            return Some(Cow::Owned(
                 self.config
                     .endpoints
                     .iter()
@@ -51,9 +49,19 @@ impl Shared {
                             .map_or_else(|| Host::fixed(addr), |h| (*h).clone())
                     })
                     .collect(),
-            );
+            ));
         }
-        self.snapshot.get(cluster?).cloned()
+        self.snapshot
+            .get(cluster?)
+            .map(|hosts| Cow::Borrowed(hosts.as_slice()))
+    }
+
+    /// Until this worker's first tick has read a snapshot, looks for one on every request:
+    /// another worker may already have polled.
+    pub fn ensure_snapshot(&mut self) {
+        if self.snapshot_cas.is_none() {
+            self.refresh_snapshot();
+        }
     }
 
     /// Re-reads the snapshot another worker's poll wrote, if it changed. Done on each tick rather
