@@ -63,12 +63,15 @@ impl Stream {
             .ok()
             .flatten()
             .unwrap_or_default();
-        // Which cluster's hosts are candidates: the one the route chose.
-        let cluster = [vec!["cluster_name"], vec!["xds", "cluster_name"]]
-            .into_iter()
-            .find_map(|path| hostcalls::get_property(path).ok().flatten())
-            .and_then(|b| String::from_utf8(b).ok());
         self.shared.borrow_mut().ensure_snapshot();
+        // Which cluster's hosts are candidates: the one the route chose. A static endpoint list
+        // does not depend on it, so it costs no host call then.
+        let static_endpoints = !self.shared.borrow().config.endpoints.is_empty();
+        let cluster = if static_endpoints {
+            None
+        } else {
+            route_cluster()
+        };
         let shared = self.shared.borrow();
         let Some(hosts) = shared.hosts(cluster.as_deref()) else {
             drop(shared);
@@ -134,6 +137,14 @@ impl Stream {
                 .gauge(&inflight_gauge(&addr), u64::from(left));
         }
     }
+}
+
+/// The upstream cluster of the request's route.
+fn route_cluster() -> Option<String> {
+    [vec!["cluster_name"], vec!["xds", "cluster_name"]]
+        .into_iter()
+        .find_map(|path| hostcalls::get_property(path).ok().flatten())
+        .and_then(|b| String::from_utf8(b).ok())
 }
 
 impl Context for Stream {
