@@ -38,13 +38,7 @@ async fn overloaded_backend_sheds_its_prefix_and_affinity_resumes_when_load_drop
         "home backend never got loaded",
     )
     .await;
-    let mut shed = Vec::new();
-    for i in 0..8 {
-        let reply = fleet
-            .chat(&chat_body(&prompt, &format!("while loaded {i}"), false))
-            .await;
-        shed.push((served_by(&fleet, &reply), reply.decision));
-    }
+    let shed = ask_eight(&fleet, &prompt, "while loaded").await;
     assert!(
         shed.iter().all(|(b, _)| *b != home),
         "overloaded backend {home} still chosen: {shed:?}"
@@ -61,13 +55,7 @@ async fn overloaded_backend_sheds_its_prefix_and_affinity_resumes_when_load_drop
     .await;
     // Let kvroute's poll of Envoy's per-host load see the drained backend.
     wait_for_fresh_poll(&fleet).await;
-    let mut back = Vec::new();
-    for i in 0..8 {
-        let reply = fleet
-            .chat(&chat_body(&prompt, &format!("after load {i}"), false))
-            .await;
-        back.push((served_by(&fleet, &reply), reply.decision));
-    }
+    let back = ask_eight(&fleet, &prompt, "after load").await;
     assert!(
         back.iter().all(|(b, _)| *b == home),
         "affinity to {home} did not resume: {back:?}"
@@ -83,4 +71,16 @@ async fn wait_until(cond: impl Fn() -> bool, what: &str) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     panic!("{what}");
+}
+
+/// Eight questions on `prompt`, one at a time: (backend that served, kvroute's decision) each.
+async fn ask_eight(fleet: &Fleet, prompt: &str, label: &str) -> Vec<(usize, Option<String>)> {
+    let mut out = Vec::new();
+    for i in 0..8 {
+        let reply = fleet
+            .chat(&chat_body(prompt, &format!("{label} {i}"), false))
+            .await;
+        out.push((served_by(fleet, &reply), reply.decision));
+    }
+    out
 }
