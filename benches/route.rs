@@ -5,9 +5,9 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvroute::config::Config;
 use kvroute::endpoints::Host;
-use kvroute::prefix::PrefixKeys;
+use kvroute::prefix::{PrefixKeys, Shape};
 use kvroute::request::{self, Api};
-use kvroute::router::{self, RequestInfo};
+use kvroute::router::{self, RequestInfo, Router};
 use kvroute::store::MemoryStore;
 
 fn body(prompt_bytes: usize, question: usize) -> String {
@@ -30,9 +30,16 @@ fn bench(c: &mut Criterion) {
         c.bench_with_input(
             BenchmarkId::new("prefix_keys", size),
             &prompt,
-            |bench, p| bench.iter(|| PrefixKeys::new(&p.model, &p.text, 512, 256)),
+            |bench, p| {
+                let shape = Shape {
+                    chunk_size: 512,
+                    max_chunks: 256,
+                    group_bytes: 4096,
+                };
+                bench.iter(|| PrefixKeys::new(&p.model, &p.text, p.head, shape))
+            },
         );
-        let config = Config::default();
+        let router = Router::new(Config::default());
         let store = MemoryStore::new();
         let mut n = 0u64;
         c.bench_with_input(
@@ -48,7 +55,7 @@ fn bench(c: &mut Criterion) {
                         session: None,
                         request_id: None,
                     };
-                    let r = router::route(&config, &store, &hosts, &req, n);
+                    let r = router.route(&store, &hosts, &req, n);
                     if let Ok(r) = r {
                         router::finish(&store, r.endpoint_id);
                     }

@@ -5,7 +5,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use kvroute::prefix::PrefixKeys;
+use kvroute::prefix::{PrefixKeys, Shape};
 use kvroute::request::{self, Api};
 
 const ROUNDS: u32 = 2000;
@@ -32,11 +32,16 @@ fn main() {
             black_box(request::parse(Api::Chat, black_box(body.as_bytes())).ok());
         });
         let keys = per_call(|| {
+            let shape = Shape {
+                chunk_size: 512,
+                max_chunks: 256,
+                group_bytes: 4096,
+            };
             black_box(PrefixKeys::new(
                 &prompt.model,
                 black_box(&prompt.text),
-                512,
-                256,
+                prompt.head,
+                shape,
             ));
         });
         println!(

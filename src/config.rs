@@ -35,12 +35,16 @@ pub struct Config {
     pub chunk_size: usize,
     /// Chunks hashed per request at most; longer prompts are matched on their first part (`max_chunks`).
     pub max_chunks: usize,
+    /// Bytes of a request's head (tools and system prompt, or first message) that key its group,
+    /// at most (`group_bytes`). Groups that share a longer preamble share a home.
+    pub group_bytes: usize,
     /// Fraction of a request's chunks an endpoint must hold for affinity to apply (`cache_threshold`).
     pub cache_threshold: f64,
-    /// Load gap (requests) above the least-loaded endpoint that makes an endpoint overloaded,
-    /// together with `balance_rel_threshold` (`balance_abs_threshold`).
+    /// Requests above `balance_rel_threshold` × the fleet's mean load that make an endpoint
+    /// overloaded (`balance_abs_threshold`). An engine that queues is overloaded regardless.
     pub balance_abs_threshold: u64,
-    /// Load ratio over the least-loaded endpoint that makes an endpoint overloaded (`balance_rel_threshold`).
+    /// Multiple of the fleet's mean load an endpoint may carry, plus `balance_abs_threshold`,
+    /// before its groups spill to their next endpoint (`balance_rel_threshold`).
     pub balance_rel_threshold: f64,
     /// Header whose value keys the `session` policy (`session_header`).
     pub session_header: String,
@@ -72,8 +76,9 @@ impl Default for Config {
             header: "x-gateway-destination-endpoint".to_string(),
             chunk_size: 512,
             max_chunks: 256,
+            group_bytes: 4096,
             cache_threshold: 0.3,
-            balance_abs_threshold: 64,
+            balance_abs_threshold: 4,
             balance_rel_threshold: 1.5,
             session_header: "x-session-id".to_string(),
             admin_cluster: None,
@@ -152,6 +157,7 @@ impl Config {
                 "session_header" => c.session_header = header_name(f, v)?,
                 "chunk_size" => c.chunk_size = int(f, v, 16, 1 << 20)? as usize,
                 "max_chunks" => c.max_chunks = int(f, v, 1, 4096)? as usize,
+                "group_bytes" => c.group_bytes = int(f, v, 1, 1 << 20)? as usize,
                 "cache_threshold" => c.cache_threshold = float(f, v, 0.0, 1.0)?,
                 "balance_abs_threshold" => c.balance_abs_threshold = int(f, v, 0, 1 << 32)?,
                 "balance_rel_threshold" => c.balance_rel_threshold = float(f, v, 1.0, 1e6)?,
@@ -252,7 +258,8 @@ mod tests {
         assert_eq!(c, Config::default());
         assert_eq!(c.policy, PolicyKind::CacheAware);
         assert_eq!(c.cache_threshold, 0.3);
-        assert_eq!(c.balance_abs_threshold, 64);
+        assert_eq!(c.balance_abs_threshold, 4);
+        assert_eq!(c.group_bytes, 4096);
         assert_eq!(c.balance_rel_threshold, 1.5);
         assert_eq!(c.header, "x-gateway-destination-endpoint");
     }
@@ -260,7 +267,7 @@ mod tests {
     #[test]
     fn every_field_is_read() {
         let c = Config::parse(
-            br#"{"policy":"session","header":"x-dest","chunk_size":64,"max_chunks":8,
+            br#"{"policy":"session","header":"x-dest","chunk_size":64,"max_chunks":8,"group_bytes":100,
                 "cache_threshold":0.5,"balance_abs_threshold":4,"balance_rel_threshold":2,
                 "session_header":"x-user","admin_cluster":"admin","stats_interval_ms":200,
                 "engine_metrics_cluster":"pool","engine_metrics_path":"/m",
@@ -273,6 +280,7 @@ mod tests {
             (c.chunk_size, c.max_chunks, c.affinity_capacity),
             (64, 8, 64)
         );
+        assert_eq!(c.group_bytes, 100);
         assert_eq!(c.endpoints, vec!["127.0.0.1:8001"]);
         assert_eq!(c.admin_cluster.as_deref(), Some("admin"));
         assert_eq!(c.engine_metrics_cluster.as_deref(), Some("pool"));
@@ -285,6 +293,7 @@ mod tests {
         for (json, field) in [
             (r#"{"chunk_size":0}"#, "chunk_size"),
             (r#"{"chunk_size":"big"}"#, "chunk_size"),
+            (r#"{"group_bytes":0}"#, "group_bytes"),
             (r#"{"cache_threshold":1.5}"#, "cache_threshold"),
             (r#"{"balance_rel_threshold":0.5}"#, "balance_rel_threshold"),
             (r#"{"policy":"random"}"#, "policy"),

@@ -14,10 +14,56 @@ pub struct Host {
     pub healthy: bool,
     /// Envoy's active requests to this host at the last poll.
     pub rq_active: u64,
-    /// Requests the engine itself reports running or waiting (all routers' traffic), when its
-    /// metrics are polled (`engine_metrics_cluster`).
+    /// What the engine itself reported at the last poll (all routers' traffic), when its metrics
+    /// are polled (`engine_metrics_cluster`).
     #[serde(default)]
-    pub engine_load: u64,
+    pub engine: Option<EngineLoad>,
+}
+
+/// An engine's own report of its load, as the last poll of its `/metrics` found it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineLoad {
+    /// Requests running (in the batch, prefilling or decoding).
+    pub running: u64,
+    /// Requests queued for admission: the engine is full (max_num_seqs or KV space).
+    pub waiting: u64,
+    /// The most requests it runs at once, learnt from what it ran when it last queued (its
+    /// max_num_seqs, or what its KV space allowed); `None` until it has been seen full.
+    pub capacity: Option<u64>,
+    /// kvroute's own in-flight count to it when the metrics were read: requests sent since
+    /// then are on top of what it reported.
+    pub own_at_poll: u32,
+}
+
+impl EngineLoad {
+    /// The engine's new report, learning its capacity from the previous ones: once it has queued,
+    /// the most it was ever seen running. (A queue with nothing running is a stall, not a limit.)
+    pub fn observe(previous: Option<&EngineLoad>, running: u64, waiting: u64, own: u32) -> Self {
+        let known = previous.and_then(|p| p.capacity);
+        let capacity = match known {
+            Some(c) => Some(c.max(running)),
+            None => (waiting > 0 && running > 0).then_some(running),
+        };
+        EngineLoad {
+            running,
+            waiting,
+            capacity,
+            own_at_poll: own,
+        }
+    }
+
+    /// Requests at the engine now: what it reported, corrected by kvroute's own requests sent or
+    /// finished since (other proxies' changes show at the next poll).
+    pub fn estimate(&self, own_now: u32) -> u64 {
+        let reported = (self.running + self.waiting) as i64;
+        let since = i64::from(own_now) - i64::from(self.own_at_poll);
+        (reported + since).max(i64::from(own_now)).max(0) as u64
+    }
+
+    /// Whether the engine queues new requests: it said so, or it has more than it can run.
+    pub fn queueing(&self, estimate: u64) -> bool {
+        self.waiting > 0 || self.capacity.is_some_and(|c| estimate > c)
+    }
 }
 
 impl Host {
@@ -27,7 +73,7 @@ impl Host {
             addr: addr.to_string(),
             healthy: true,
             rq_active: 0,
-            engine_load: 0,
+            engine: None,
         }
     }
 
@@ -85,7 +131,7 @@ fn host(status: &Value) -> Option<Host> {
         addr,
         healthy: healthy(status.get("health_status")),
         rq_active,
-        engine_load: 0,
+        engine: None,
     })
 }
 
@@ -112,41 +158,42 @@ fn healthy(health: Option<&Value>) -> bool {
 }
 
 /// Engine loads by host address, as the last metrics polls found them.
-pub type EngineLoads = HashMap<String, u64>;
+pub type EngineLoads = HashMap<String, EngineLoad>;
 
-/// Metric families whose samples add up to an engine's load: vLLM's and SGLang's names for
-/// requests running and waiting.
-const ENGINE_LOAD_METRICS: [&str; 4] = [
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "sglang:num_running_reqs",
-    "sglang:num_queue_reqs",
-];
+/// vLLM's and SGLang's metric families for requests running, then waiting.
+const RUNNING: [&str; 2] = ["vllm:num_requests_running", "sglang:num_running_reqs"];
+const WAITING: [&str; 2] = ["vllm:num_requests_waiting", "sglang:num_queue_reqs"];
 
-/// Reads an engine's Prometheus `/metrics` text: its requests running plus waiting, summed over
+/// Reads an engine's Prometheus `/metrics` text: its requests (running, waiting), each summed over
 /// label sets (one per model). `None` when it exposes none of those metrics.
-pub fn parse_engine_metrics(text: &[u8]) -> Option<u64> {
+pub fn parse_engine_metrics(text: &[u8]) -> Option<(u64, u64)> {
     let text = String::from_utf8_lossy(text);
-    let mut total = None;
+    let (mut running, mut waiting, mut seen) = (0, 0, false);
     for line in text.lines() {
         let Some(name_end) = line.find(['{', ' ']) else {
             continue;
         };
-        if !ENGINE_LOAD_METRICS.contains(&&line[..name_end]) {
+        let name = &line[..name_end];
+        let total = if RUNNING.contains(&name) {
+            &mut running
+        } else if WAITING.contains(&name) {
+            &mut waiting
+        } else {
             continue;
-        }
+        };
         let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
         if let Some(v) = value.filter(|v| v.is_finite() && *v >= 0.0) {
-            *total.get_or_insert(0) += v.round() as u64;
+            *total += v.round() as u64;
+            seen = true;
         }
     }
-    total
+    seen.then_some((running, waiting))
 }
 
 /// Writes the latest engine loads into a snapshot's hosts.
 pub fn apply_engine_loads(snapshot: &mut Snapshot, loads: &EngineLoads) {
     for host in snapshot.values_mut().flatten() {
-        host.engine_load = loads.get(&host.addr).copied().unwrap_or(0);
+        host.engine = loads.get(&host.addr).copied();
     }
 }
 
@@ -189,7 +236,7 @@ mod tests {
                 addr: "127.0.0.1:8001".into(),
                 healthy: true,
                 rq_active: 5,
-                engine_load: 0
+                engine: None
             }
         );
         assert!(!pool[1].healthy, "failed active health check");
@@ -200,7 +247,7 @@ mod tests {
     }
 
     #[test]
-    fn engine_load_is_running_plus_waiting_over_every_model() {
+    fn engine_load_is_running_and_waiting_over_every_model() {
         let text = "# HELP vllm:num_requests_running Number of requests running.\n\
             # TYPE vllm:num_requests_running gauge\n\
             vllm:num_requests_running{engine=\"0\",model_name=\"a\"} 3.0\n\
@@ -208,10 +255,10 @@ mod tests {
             vllm:num_requests_waiting{engine=\"0\",model_name=\"a\"} 12.0\n\
             vllm:num_requests_waiting_by_reason{reason=\"x\"} 99.0\n\
             vllm:kv_cache_usage_perc{engine=\"0\"} 0.5\n";
-        assert_eq!(parse_engine_metrics(text.as_bytes()), Some(16));
+        assert_eq!(parse_engine_metrics(text.as_bytes()), Some((4, 12)));
         assert_eq!(
             parse_engine_metrics(b"sglang:num_queue_reqs 4\nsglang:num_running_reqs 2\n"),
-            Some(6)
+            Some((2, 4))
         );
         assert_eq!(parse_engine_metrics(b"up 1\n"), None);
         assert_eq!(
@@ -223,10 +270,39 @@ mod tests {
     #[test]
     fn engine_loads_land_on_their_hosts() {
         let mut s = parse_admin_clusters(ADMIN.as_bytes()).unwrap();
-        let loads = EngineLoads::from_iter([("127.0.0.1:8001".to_string(), 7)]);
+        let load = EngineLoad::observe(None, 7, 0, 0);
+        let loads = EngineLoads::from_iter([("127.0.0.1:8001".to_string(), load)]);
         apply_engine_loads(&mut s, &loads);
-        assert_eq!(s["inference_pool"][0].engine_load, 7);
-        assert_eq!(s["inference_pool"][2].engine_load, 0);
+        assert_eq!(s["inference_pool"][0].engine, Some(load));
+        assert_eq!(s["inference_pool"][2].engine, None);
+    }
+
+    #[test]
+    fn an_engine_that_queues_teaches_its_capacity() {
+        let idle = EngineLoad::observe(None, 3, 0, 0);
+        assert_eq!(idle.capacity, None);
+        assert!(!idle.queueing(idle.estimate(0)));
+        let full = EngineLoad::observe(Some(&idle), 16, 5, 2);
+        assert_eq!(full.capacity, Some(16));
+        assert!(full.queueing(full.estimate(2)), "it reported a queue");
+        let drained = EngineLoad::observe(Some(&full), 10, 0, 0);
+        assert_eq!(drained.capacity, Some(16), "capacity is remembered");
+        assert_eq!(EngineLoad::observe(None, 0, 9, 0).capacity, None, "a stall");
+        assert!(!drained.queueing(drained.estimate(0)));
+        assert!(
+            drained.queueing(drained.estimate(7)),
+            "7 more sent since the poll make 17 > 16"
+        );
+    }
+
+    #[test]
+    fn the_estimate_adds_what_kvroute_sent_since_the_poll() {
+        let load = EngineLoad::observe(None, 4, 2, 3);
+        assert_eq!(load.estimate(3), 6);
+        assert_eq!(load.estimate(5), 8, "two more sent");
+        assert_eq!(load.estimate(0), 3, "three of ours finished");
+        let stale = EngineLoad::observe(None, 0, 0, 9);
+        assert_eq!(stale.estimate(2), 2, "never below our own count");
     }
 
     #[test]

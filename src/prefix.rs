@@ -3,32 +3,52 @@
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-/// The chained keys of one prompt, namespaced by model.
+/// How a prompt is cut into keys (from the config).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// Bytes per chunk.
+    pub chunk_size: usize,
+    /// Chunks hashed at most; longer prompts are keyed by their first part.
+    pub max_chunks: usize,
+    /// Bytes of the head that make the group key at most.
+    pub group_bytes: usize,
+}
+
+/// The chained keys of one prompt, namespaced by model, and the key of its group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrefixKeys {
-    /// Hash of the model name: seeds the chain and keys requests without prompt text.
+    /// Hash of the model name: seeds the chain and the group key.
     pub model: u64,
     /// One key per chunk (the last chunk may be partial), at most `max_chunks`.
     pub keys: Vec<u64>,
+    /// Hash of the prompt's head, at most `group_bytes` of it: where the request's group lives.
+    /// Every gateway computes it from the request alone, so all place a group alike.
+    pub group: u64,
+    /// Keys that cover some of the head: a match deeper than this reaches into what follows it
+    /// (a conversation's history), which only the endpoints that served it hold.
+    pub head_chunks: usize,
 }
 
 impl PrefixKeys {
-    /// Splits `text` into `chunk_size`-byte chunks (the last may be shorter) and chains their hashes.
-    pub fn new(model: &str, text: &str, chunk_size: usize, max_chunks: usize) -> PrefixKeys {
+    /// Splits `text` into chunks (the last may be shorter) and chains their hashes; the group
+    /// key hashes the first `head` bytes (capped at `group_bytes`).
+    pub fn new(model: &str, text: &str, head: usize, shape: Shape) -> PrefixKeys {
         let model = xxh3_64(model.as_bytes());
-        let mut keys = Vec::with_capacity(text.len().div_ceil(chunk_size.max(1)).min(max_chunks));
+        let chunk_size = shape.chunk_size.max(1);
+        let head = head.min(text.len());
+        let group = xxh3_64_with_seed(&text.as_bytes()[..head.min(shape.group_bytes)], model);
+        let mut keys = Vec::with_capacity(text.len().div_ceil(chunk_size).min(shape.max_chunks));
         let mut previous = model;
-        for chunk in text.as_bytes().chunks(chunk_size.max(1)).take(max_chunks) {
+        for chunk in text.as_bytes().chunks(chunk_size).take(shape.max_chunks) {
             previous = xxh3_64_with_seed(chunk, previous);
             keys.push(previous);
         }
-        PrefixKeys { model, keys }
-    }
-
-    /// The key that places a new prefix: its first chunk (what requests of a group share first),
-    /// or the model for an empty prompt.
-    pub fn placement_key(&self) -> u64 {
-        self.keys.first().copied().unwrap_or(self.model)
+        PrefixKeys {
+            model,
+            keys,
+            group,
+            head_chunks: head.div_ceil(chunk_size),
+        }
     }
 }
 
@@ -36,11 +56,19 @@ impl PrefixKeys {
 mod tests {
     use super::*;
 
+    fn shape(chunk_size: usize, max_chunks: usize) -> Shape {
+        Shape {
+            chunk_size,
+            max_chunks,
+            group_bytes: 4096,
+        }
+    }
+
     #[test]
     fn equal_prefixes_give_equal_leading_keys_and_then_diverge() {
         let shared = "s".repeat(100);
-        let a = PrefixKeys::new("m", &format!("{shared}aaaa"), 16, 64);
-        let b = PrefixKeys::new("m", &format!("{shared}bbbb"), 16, 64);
+        let a = PrefixKeys::new("m", &format!("{shared}aaaa"), 0, shape(16, 64));
+        let b = PrefixKeys::new("m", &format!("{shared}bbbb"), 0, shape(16, 64));
         assert_eq!(a.keys.len(), 7);
         assert_eq!(a.keys[..6], b.keys[..6]);
         assert_ne!(a.keys[6], b.keys[6]);
@@ -48,8 +76,8 @@ mod tests {
 
     #[test]
     fn a_key_depends_on_every_chunk_before_it() {
-        let a = PrefixKeys::new("m", "xxxxyyyy", 4, 8);
-        let b = PrefixKeys::new("m", "zzzzyyyy", 4, 8);
+        let a = PrefixKeys::new("m", "xxxxyyyy", 0, shape(4, 8));
+        let b = PrefixKeys::new("m", "zzzzyyyy", 0, shape(4, 8));
         assert_ne!(
             a.keys[1], b.keys[1],
             "same second chunk, different first chunk"
@@ -58,27 +86,59 @@ mod tests {
 
     #[test]
     fn the_model_namespaces_keys() {
-        let a = PrefixKeys::new("m1", "same text", 4, 8);
-        let b = PrefixKeys::new("m2", "same text", 4, 8);
+        let a = PrefixKeys::new("m1", "same text", 9, shape(4, 8));
+        let b = PrefixKeys::new("m2", "same text", 9, shape(4, 8));
         assert!(a.keys.iter().zip(&b.keys).all(|(x, y)| x != y));
+        assert_ne!(a.group, b.group);
     }
 
     #[test]
-    fn keys_stop_at_max_chunks_and_empty_text_places_by_model() {
-        assert_eq!(PrefixKeys::new("m", &"x".repeat(1000), 10, 8).keys.len(), 8);
-        let empty = PrefixKeys::new("m", "", 10, 8);
+    fn keys_stop_at_max_chunks_and_empty_text_has_no_keys() {
+        assert_eq!(
+            PrefixKeys::new("m", &"x".repeat(1000), 0, shape(10, 8))
+                .keys
+                .len(),
+            8
+        );
+        let empty = PrefixKeys::new("m", "", 4096, shape(10, 8));
         assert!(empty.keys.is_empty());
-        assert_eq!(empty.placement_key(), empty.model);
+        assert_eq!(empty.group, PrefixKeys::new("m", "", 0, shape(10, 8)).group);
+    }
+
+    #[test]
+    fn the_group_is_the_head_up_to_its_cap_whatever_follows() {
+        let house = "house rules. ".repeat(80); // about 1 KB every group shares
+        let doc = |d: usize| format!("{house}document {d}: {}", "text ".repeat(600));
+        let (a, b) = (doc(1), doc(2));
+        let group = |text: &str, head: usize| PrefixKeys::new("m", text, head, shape(512, 64));
+        assert_ne!(
+            group(&a, a.len()).group,
+            group(&b, b.len()).group,
+            "a 1 KB shared preamble does not make one group of different documents"
+        );
+        let question = |q: &str| format!("{a}{q}");
+        assert_eq!(
+            group(&question("why?"), a.len()).group,
+            group(&question("how?"), a.len()).group,
+            "what follows the head does not change the group"
+        );
+        assert_eq!(
+            group(&a, 1000).group,
+            group(&b, 1000).group,
+            "capped within the shared part, they are one group"
+        );
     }
 
     #[test]
     fn keys_are_the_same_on_every_platform() {
         // Pinned values: a wasm32 build must agree with a native one, or two Envoys on different
         // hosts (and this test under wasm) would disagree on placement.
-        let k = PrefixKeys::new("m", "hello world", 4, 8);
+        let k = PrefixKeys::new("m", "hello world", 5, shape(4, 8));
         assert_eq!(k.keys.len(), 3);
         assert_eq!(k.model, xxh3_64(b"m"));
         assert_eq!(k.keys[0], xxh3_64_with_seed(b"hell", xxh3_64(b"m")));
         assert_eq!(k.model, 0xf090_4807_418c_57fc_u64, "{:#x}", k.model);
+        assert_eq!(k.group, xxh3_64_with_seed(b"hello", k.model));
+        assert_eq!(k.head_chunks, 2, "the head's 5 bytes touch chunks 0 and 1");
     }
 }

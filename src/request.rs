@@ -34,6 +34,10 @@ impl Api {
 pub struct Prompt {
     pub model: String,
     pub text: String,
+    /// Bytes of `text` that make the request's head: the tools and the system (or developer)
+    /// messages that open a chat, or its first message when none does; a whole completion prompt.
+    /// Requests of one group (one app, one document, one conversation) share it; it keys placement.
+    pub head: usize,
 }
 
 /// Why a body cannot be routed. Each reason is a counter, so these names are stable.
@@ -201,7 +205,14 @@ fn parse_chat(body: &[u8]) -> Result<Prompt, ParseError> {
         text.push_str(tools.get());
         text.push(RECORD);
     }
-    for m in &messages {
+    // The head ends after the leading instructions, or after the first message if there are none.
+    let lead = messages
+        .iter()
+        .take_while(|m| matches!(m.role.as_deref(), Some("system" | "developer")))
+        .count()
+        .max(1);
+    let mut head = None;
+    for (i, m) in messages.iter().enumerate() {
         text.push_str(m.role.as_deref().unwrap_or(""));
         text.push(FIELD);
         if let Some(name) = &m.name {
@@ -218,8 +229,12 @@ fn parse_chat(body: &[u8]) -> Result<Prompt, ParseError> {
             text.push_str(calls.get());
         }
         text.push(RECORD);
+        if i + 1 == lead {
+            head = Some(text.len());
+        }
     }
-    Ok(Prompt { model, text })
+    let head = head.unwrap_or(text.len());
+    Ok(Prompt { model, text, head })
 }
 
 fn push_part(text: &mut String, part: &Part) {
@@ -257,7 +272,8 @@ fn parse_completion(body: &[u8]) -> Result<Prompt, ParseError> {
         }
         Field::Other => return Err(ParseError::NoPrompt),
     };
-    Ok(Prompt { model, text })
+    let head = text.len();
+    Ok(Prompt { model, text, head })
 }
 
 #[cfg(test)]
@@ -292,6 +308,20 @@ mod tests {
         assert!(a.text[..common].contains("You are kind."));
         assert_ne!(a.text, b.text);
         assert_eq!(a.model, "m");
+    }
+
+    #[test]
+    fn the_head_is_the_leading_instructions_or_else_the_first_message() {
+        let with_system = chat(r#"{"model":"m","messages":[{"role":"system","content":"S1"},{"role":"developer","content":"S2"},{"role":"user","content":"question"}]}"#).unwrap();
+        let head = &with_system.text[..with_system.head];
+        assert!(head.contains("S1") && head.contains("S2") && !head.contains("question"));
+        let later_turn = chat(r#"{"model":"m","messages":[{"role":"system","content":"S1"},{"role":"developer","content":"S2"},{"role":"user","content":"other"},{"role":"assistant","content":"a"},{"role":"user","content":"b"}]}"#).unwrap();
+        assert_eq!(later_turn.text[..later_turn.head], *head);
+        let no_system = chat(r#"{"model":"m","messages":[{"role":"user","content":"first"},{"role":"assistant","content":"reply"}]}"#).unwrap();
+        let head = &no_system.text[..no_system.head];
+        assert!(head.contains("first") && !head.contains("reply"));
+        let completion = parse(Api::Completions, br#"{"model":"m","prompt":"all of it"}"#).unwrap();
+        assert_eq!(completion.head, completion.text.len());
     }
 
     #[test]

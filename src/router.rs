@@ -1,4 +1,4 @@
-//! One request through the pipeline: parse → prefix keys → candidates → policy → record.
+//! One request through the pipeline: parse → prefix keys → candidates → policy → count.
 //!
 //! Everything here is host-agnostic: the adapter hands in the body, the known hosts and the clock,
 //! and gets back either the endpoints to write into the routing header or the reason it leaves the
@@ -6,45 +6,81 @@
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::affinity::{AffinityMap, Match};
-use crate::config::{Config, PolicyKind};
-use crate::counters::{self, Counts};
+use crate::config::Config;
+use crate::counters::{self, Table};
 use crate::endpoints::Host;
-use crate::policy::{self, Candidate, Decision, Input, Pick, Thresholds};
-use crate::prefix::PrefixKeys;
-use crate::request::{self, Api};
-use crate::store::{self, SharedStore};
-
-/// A prefix record younger than this is not rewritten when a request follows it: it keeps hot
-/// prefixes' writes to a handful per second instead of one per chunk per request.
-pub const REFRESH_MS: u64 = 1000;
-
-const TICKET_KEY: &str = "kvroute.ticket";
+use crate::policy::{self, Candidate, Decision, Input, Policy};
+use crate::prefix::{PrefixKeys, Shape};
+use crate::request::{self, Api, ParseError};
+use crate::store::SharedStore;
 
 /// Why a request is left to Envoy's fallback policy. Each is a counter; names are stable.
-pub type Reason = &'static str;
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallback {
+    Method,
+    Path,
+    EmptyBody,
+    BodyTooLarge,
+    BadUtf8,
+    BadJson,
+    NoModel,
+    NoPrompt,
+    NoCluster,
+    NoHealthyEndpoint,
+    NoSession,
+}
 
-/// Every [`Reason`], so each counter exists (at zero) before it first moves.
-pub const FALLBACK_REASONS: [Reason; 11] = [
-    "method",
-    "path",
-    "empty_body",
-    "body_too_large",
-    "bad_utf8",
-    "bad_json",
-    "no_model",
-    "no_prompt",
-    "no_cluster",
-    "no_healthy_endpoint",
-    "no_session",
-];
+impl Fallback {
+    /// Every reason, so each counter exists (at zero) before it first moves.
+    pub const ALL: [Fallback; 11] = [
+        Fallback::Method,
+        Fallback::Path,
+        Fallback::EmptyBody,
+        Fallback::BodyTooLarge,
+        Fallback::BadUtf8,
+        Fallback::BadJson,
+        Fallback::NoModel,
+        Fallback::NoPrompt,
+        Fallback::NoCluster,
+        Fallback::NoHealthyEndpoint,
+        Fallback::NoSession,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Fallback::Method => "method",
+            Fallback::Path => "path",
+            Fallback::EmptyBody => "empty_body",
+            Fallback::BodyTooLarge => "body_too_large",
+            Fallback::BadUtf8 => "bad_utf8",
+            Fallback::BadJson => "bad_json",
+            Fallback::NoModel => "no_model",
+            Fallback::NoPrompt => "no_prompt",
+            Fallback::NoCluster => "no_cluster",
+            Fallback::NoHealthyEndpoint => "no_healthy_endpoint",
+            Fallback::NoSession => "no_session",
+        }
+    }
+}
+
+impl From<ParseError> for Fallback {
+    fn from(e: ParseError) -> Fallback {
+        match e {
+            ParseError::Empty => Fallback::EmptyBody,
+            ParseError::BadUtf8 => Fallback::BadUtf8,
+            ParseError::BadJson => Fallback::BadJson,
+            ParseError::NoModel => Fallback::NoModel,
+            ParseError::NoPrompt => Fallback::NoPrompt,
+        }
+    }
+}
 
 /// The header-phase check: is this a request kvroute routes (and so buffers the body of)?
-pub fn routable(method: &str, path: &str) -> Result<Api, Reason> {
+pub fn routable(method: &str, path: &str) -> Result<Api, Fallback> {
     if method != "POST" {
-        return Err("method");
+        return Err(Fallback::Method);
     }
-    Api::from_path(path).ok_or("path")
+    Api::from_path(path).ok_or(Fallback::Path)
 }
 
 /// A request as the router sees it once its body is complete.
@@ -73,167 +109,109 @@ pub struct Routed {
     pub inflight: u32,
 }
 
-/// Routes one request whose body is complete. `hosts` are the hosts of the request's cluster.
-pub fn route<S: SharedStore + ?Sized>(
-    config: &Config,
-    store: &S,
-    hosts: &[Host],
-    req: &RequestInfo,
-    now_ms: u64,
-) -> Result<Routed, Reason> {
-    if req.body.len() > config.max_body_bytes {
-        return Err("body_too_large");
-    }
-    let prompt = request::parse(req.api, req.body).map_err(|e| e.reason())?;
-    let keys = PrefixKeys::new(
-        &prompt.model,
-        &prompt.text,
-        config.chunk_size,
-        config.max_chunks,
-    );
-    let affinity = AffinityMap::new(store, config.affinity_capacity);
-    let matched = match config.policy {
-        PolicyKind::CacheAware => affinity.longest_match(&keys.keys),
-        _ => None,
-    };
-    let ticket = match config.policy {
-        PolicyKind::RoundRobin => next_ticket(store),
-        PolicyKind::LeastRequest => req.request_id.map_or(now_ms, |id| xxh3_64(id.as_bytes())),
-        // Fallback addresses follow the prefix: the endpoints it would spread to next.
-        _ => keys.placement_key(),
-    };
-    let input = Input {
-        keys: &keys,
-        matched: matched.as_ref(),
-        cache_threshold: config.cache_threshold,
-        thresholds: Thresholds {
-            abs: config.balance_abs_threshold,
-            rel: config.balance_rel_threshold,
-        },
-        session: req.session.map(|s| xxh3_64(s.as_bytes())),
-        ticket,
-    };
-    let (candidates, pick, counted) = decide(config, store, hosts, &input)?;
-    let chosen = &candidates[pick.index];
-    let mut slots_created = 0;
-    if config.policy == PolicyKind::CacheAware {
-        let from = unchanged_prefix(matched.as_ref(), chosen.id, now_ms);
-        slots_created = affinity.record(&keys.keys[from..], chosen.id, now_ms);
-    }
-    let match_fraction = (config.policy == PolicyKind::CacheAware).then(|| {
-        let depth = matched.as_ref().map_or(0, |m| m.depth);
-        depth as f64 / keys.keys.len().max(1) as f64
-    });
-
-    Ok(Routed {
-        endpoints: endpoint_list(&candidates, pick.index, ticket, config.fallback_endpoints),
-        endpoint_id: chosen.id,
-        decision: pick.decision,
-        match_fraction,
-        slots_created,
-        inflight: counted.inflight,
-    })
+/// The configured pipeline: built once per VM, then used for every request.
+pub struct Router {
+    pub config: Config,
+    policy: Box<dyn Policy>,
 }
 
-/// How often a placement is decided again because another worker changed the counts meanwhile.
-const DECIDE_ATTEMPTS: usize = 4;
+impl Router {
+    pub fn new(config: Config) -> Router {
+        let policy = policy::build(&config);
+        Router { config, policy }
+    }
 
-/// Picks an endpoint and counts the request on it. A new prefix's placement and its count happen
-/// as one step: if another worker counted in between (two new prefixes at once would otherwise
-/// both see the same idle endpoint), the placement is decided again on the fresh counts.
-fn decide<S: SharedStore + ?Sized>(
-    config: &Config,
-    store: &S,
-    hosts: &[Host],
-    input: &Input,
-) -> Result<(Vec<Candidate>, Pick, Counts), Reason> {
-    let mut attempt = 1;
-    loop {
-        let table = counters::read(store);
-        let candidates = candidates(&table, hosts);
-        if candidates.is_empty() {
-            return Err("no_healthy_endpoint");
+    /// Routes one request whose body is complete. `hosts` are the hosts of the request's cluster.
+    pub fn route(
+        &self,
+        store: &dyn SharedStore,
+        hosts: &[Host],
+        req: &RequestInfo,
+        now_ms: u64,
+    ) -> Result<Routed, Fallback> {
+        let config = &self.config;
+        if req.body.len() > config.max_body_bytes {
+            return Err(Fallback::BodyTooLarge);
         }
-        let pick = policy::pick(config.policy, &candidates, input).ok_or("no_session")?;
-        let id = candidates[pick.index].id;
-        let placed = u32::from(matches!(
-            pick.decision,
-            Decision::NewPrefix | Decision::Balance
-        ));
-        let counted = if placed > 0 && attempt < DECIDE_ATTEMPTS {
-            match counters::add_unchanged(store, &table, id, 1, placed) {
-                Some(c) => c,
-                None => {
-                    attempt += 1;
-                    continue;
-                }
-            }
-        } else {
-            let none = Counts {
-                id,
-                inflight: 0,
-                placed: 0,
-            };
-            counters::add(store, id, 1, placed).unwrap_or(none)
+        let prompt = request::parse(req.api, req.body)?;
+        let shape = Shape {
+            chunk_size: config.chunk_size,
+            max_chunks: config.max_chunks,
+            group_bytes: config.group_bytes,
         };
-        return Ok((candidates, pick, counted));
+        let keys = PrefixKeys::new(&prompt.model, &prompt.text, prompt.head, shape);
+        let candidates = candidates(&counters::read(store), hosts);
+        if candidates.is_empty() {
+            return Err(Fallback::NoHealthyEndpoint);
+        }
+        let input = Input {
+            keys: &keys,
+            session: req.session.map(|s| xxh3_64(s.as_bytes())),
+            nonce: req.request_id.map_or(now_ms, |id| xxh3_64(id.as_bytes())),
+            store,
+            now_ms,
+        };
+        let pick = self
+            .policy
+            .pick(&candidates, &input)
+            .ok_or(Fallback::NoSession)?;
+        let chosen = &candidates[pick.index];
+        let inflight = counters::add(store, chosen.id, 1).unwrap_or(0);
+        let slots_created = self.policy.routed(&candidates, &input, &pick);
+        let match_fraction = pick
+            .matched
+            .as_ref()
+            .map(|m| m.depth as f64 / keys.keys.len().max(1) as f64);
+        Ok(Routed {
+            endpoints: endpoint_list(
+                &candidates,
+                pick.index,
+                keys.group,
+                config.fallback_endpoints,
+            ),
+            endpoint_id: chosen.id,
+            decision: pick.decision,
+            match_fraction,
+            slots_created,
+            inflight,
+        })
     }
 }
 
 /// Ends a routed request: its endpoint has one request fewer in flight. Returns the new count.
-pub fn finish<S: SharedStore + ?Sized>(store: &S, endpoint_id: u32) -> Option<u32> {
-    counters::add(store, endpoint_id, -1, 0).map(|c| c.inflight)
+pub fn finish(store: &dyn SharedStore, endpoint_id: u32) -> Option<u32> {
+    counters::add(store, endpoint_id, -1)
 }
 
-/// Healthy hosts with their load: the largest of kvroute's own in-flight count (current), Envoy's
-/// `rq_active` (which also sees requests kvroute did not route) and the engine's own running +
-/// waiting count (which also sees other proxies' requests). Sorted by address, so that every
-/// worker and every proxy lists them alike.
-fn candidates(table: &counters::Table, hosts: &[Host]) -> Vec<Candidate> {
+/// Healthy hosts with their load, sorted by address so that every worker and every gateway lists
+/// them alike. With engine metrics, the load is what the engine reported (every gateway's
+/// traffic) plus kvroute's own requests since; without, the larger of kvroute's own count and
+/// Envoy's `rq_active` (which also sees requests kvroute did not route).
+fn candidates<'h>(table: &Table, hosts: &'h [Host]) -> Vec<Candidate<'h>> {
     let mut out: Vec<Candidate> = hosts
         .iter()
         .filter(|h| h.healthy)
         .map(|h| {
             let id = h.id();
-            let own = table.get(id);
-            let (inflight, placed) = (u64::from(own.inflight), u64::from(own.placed));
+            let own = table.inflight(id);
+            let (load, queueing) = match &h.engine {
+                Some(engine) => {
+                    let estimate = engine.estimate(own);
+                    (estimate, engine.queueing(estimate))
+                }
+                None => (u64::from(own).max(h.rq_active), false),
+            };
             Candidate {
-                addr: h.addr.clone(),
+                addr: &h.addr,
                 id,
-                load: inflight.max(h.rq_active).max(h.engine_load),
-                placed,
+                load,
+                queueing,
             }
         })
         .collect();
-    out.sort_by(|a, b| a.addr.cmp(&b.addr));
+    out.sort_by(|a, b| a.addr.cmp(b.addr));
     out.dedup_by(|a, b| a.addr == b.addr);
     out
-}
-
-/// How many leading keys already record `endpoint` freshly, so need no rewrite.
-fn unchanged_prefix(matched: Option<&Match>, endpoint: u32, now_ms: u64) -> usize {
-    match matched {
-        Some(m)
-            if m.record.holders.contains(&endpoint)
-                && now_ms.saturating_sub(m.record.stamp_ms) < REFRESH_MS =>
-        {
-            m.depth
-        }
-        _ => 0,
-    }
-}
-
-fn next_ticket<S: SharedStore + ?Sized>(store: &S) -> u64 {
-    let mut ticket = 0;
-    store::update(store, TICKET_KEY, |current| {
-        ticket = current
-            .and_then(|v| v.try_into().ok())
-            .map(u64::from_le_bytes)
-            .unwrap_or(0)
-            .wrapping_add(1);
-        Some(ticket.to_le_bytes().to_vec())
-    });
-    ticket
 }
 
 /// The chosen endpoint, then up to `fallbacks` others in the request's rendezvous order: where
@@ -252,13 +230,15 @@ fn endpoint_list(
                 .filter(|&i| i != chosen)
                 .take(fallbacks),
         )
-        .map(|i| candidates[i].addr.clone())
+        .map(|i| candidates[i].addr.to_string())
         .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::PolicyKind;
+    use crate::endpoints::EngineLoad;
     use crate::store::MemoryStore;
 
     fn hosts(n: usize) -> Vec<Host> {
@@ -273,116 +253,137 @@ mod tests {
         )
     }
 
+    fn router(policy: PolicyKind) -> Router {
+        Router::new(Config {
+            policy,
+            ..Config::default()
+        })
+    }
+
     fn send(
-        config: &Config,
+        router: &Router,
         store: &MemoryStore,
         hosts: &[Host],
         body: &str,
-    ) -> Result<Routed, Reason> {
+    ) -> Result<Routed, Fallback> {
         let req = RequestInfo {
             api: Api::Chat,
             body: body.as_bytes(),
             session: None,
             request_id: None,
         };
-        route(config, store, hosts, &req, 1)
+        router.route(store, hosts, &req, 1)
+    }
+
+    fn system(group: usize) -> String {
+        format!("You are assistant {group}. ").repeat(100)
     }
 
     #[test]
-    fn requests_of_one_prefix_group_follow_the_first_one() {
-        let (config, store, hosts) = (Config::default(), MemoryStore::new(), hosts(4));
-        let system = "You are a helpful assistant. ".repeat(100);
-        let first = send(&config, &store, &hosts, &chat(&system, "question 0")).unwrap();
-        assert_eq!(first.decision, Decision::NewPrefix);
+    fn requests_of_one_group_go_to_its_home() {
+        let (r, store, hosts) = (router(PolicyKind::CacheAware), MemoryStore::new(), hosts(4));
+        let first = send(&r, &store, &hosts, &chat(&system(0), "question 0")).unwrap();
+        assert_eq!(first.decision, Decision::Home);
         for i in 1..20 {
-            let r = send(
-                &config,
+            let next = send(
+                &r,
                 &store,
                 &hosts,
-                &chat(&system, &format!("question {i}")),
-            )
-            .unwrap();
-            assert_eq!(r.decision, Decision::Affinity);
-            assert_eq!(r.endpoints[0], first.endpoints[0]);
-            assert!(r.match_fraction.unwrap() > 0.8);
+                &chat(&system(0), &format!("question {i}")),
+            );
+            let next = next.unwrap();
+            finish(&store, next.endpoint_id);
+            assert_eq!(next.endpoints[0], first.endpoints[0]);
+            assert!(next.match_fraction.unwrap() >= 0.75);
         }
     }
 
     #[test]
-    fn consecutive_new_prefixes_spread_over_idle_endpoints() {
-        let (config, store, hosts) = (Config::default(), MemoryStore::new(), hosts(4));
-        let mut used = std::collections::HashSet::new();
-        for g in 0..4 {
-            let r = send(
-                &config,
-                &store,
-                &hosts,
-                &chat(&format!("group {g} ").repeat(200), "q"),
-            )
-            .unwrap();
-            finish(&store, r.endpoint_id);
-            used.insert(r.endpoints[0].clone());
+    fn gateways_with_different_histories_place_every_group_alike() {
+        let r = router(PolicyKind::CacheAware);
+        let (a, b) = (MemoryStore::new(), MemoryStore::new());
+        let hosts = hosts(4);
+        // Gateway a has seen other traffic and has requests in flight; b is fresh.
+        for g in 100..120 {
+            send(&r, &a, &hosts, &chat(&system(g), "warm-up")).unwrap();
         }
-        assert_eq!(used.len(), 4);
+        let mut homes = std::collections::HashSet::new();
+        for g in 0..40 {
+            let body = chat(&system(g), "hello");
+            let on_a = send(&r, &a, &hosts, &body).unwrap();
+            let on_b = send(&r, &b, &hosts, &body).unwrap();
+            assert_eq!(on_a.endpoints[0], on_b.endpoints[0], "group {g}");
+            finish(&a, on_a.endpoint_id);
+            finish(&b, on_b.endpoint_id);
+            homes.insert(on_a.endpoints[0].clone());
+        }
+        assert_eq!(homes.len(), 4, "groups spread over every endpoint");
     }
 
     #[test]
-    fn in_flight_counts_steer_new_prefixes_and_return_to_zero() {
-        let (config, store, hosts) = (Config::default(), MemoryStore::new(), hosts(4));
-        let routed: Vec<Routed> = (0..4)
-            .map(|g| {
-                send(
-                    &config,
-                    &store,
-                    &hosts,
-                    &chat(&format!("group {g} ").repeat(200), "q"),
-                )
-                .unwrap()
+    fn documents_behind_a_short_common_preamble_are_different_groups() {
+        let (r, store, hosts) = (router(PolicyKind::CacheAware), MemoryStore::new(), hosts(4));
+        let house = "House rules: be brief, cite sources, never guess. ".repeat(20);
+        assert!((900..1100).contains(&house.len()));
+        let homes: std::collections::HashSet<String> = (0..24)
+            .map(|d| {
+                let doc = format!("{house}Document {d}: {}", format!("fact {d}. ").repeat(300));
+                let routed = send(&r, &store, &hosts, &chat(&doc, "summarise")).unwrap();
+                finish(&store, routed.endpoint_id);
+                routed.endpoints[0].clone()
             })
             .collect();
-        let used: std::collections::HashSet<&String> =
-            routed.iter().map(|r| &r.endpoints[0]).collect();
-        assert_eq!(used.len(), 4, "each new prefix went to an idle endpoint");
-        for r in &routed {
-            assert_eq!(finish(&store, r.endpoint_id), Some(0));
+        assert_eq!(homes.len(), 4, "24 documents all on {homes:?}");
+    }
+
+    #[test]
+    fn in_flight_counts_go_up_per_request_and_return_to_zero() {
+        let (r, store, hosts) = (router(PolicyKind::CacheAware), MemoryStore::new(), hosts(4));
+        let routed: Vec<Routed> = (0..3)
+            .map(|i| send(&r, &store, &hosts, &chat(&system(0), &format!("q{i}"))).unwrap())
+            .collect();
+        assert_eq!(
+            routed.iter().map(|r| r.inflight).collect::<Vec<_>>(),
+            vec![1, 2, 3]
+        );
+        for (i, r) in routed.iter().enumerate() {
+            assert_eq!(finish(&store, r.endpoint_id), Some(2 - i as u32));
         }
-        assert!(counters::read(&store)
-            .counts
-            .iter()
-            .all(|c| c.inflight == 0));
+        assert!(counters::read(&store).counts.is_empty());
     }
 
     #[test]
     fn unroutable_requests_say_why() {
-        let (config, store, hosts) = (Config::default(), MemoryStore::new(), hosts(2));
-        assert_eq!(send(&config, &store, &hosts, "nope"), Err("bad_json"));
+        let (r, store, hosts) = (router(PolicyKind::CacheAware), MemoryStore::new(), hosts(2));
+        assert_eq!(send(&r, &store, &hosts, "nope"), Err(Fallback::BadJson));
         assert_eq!(
-            send(&config, &store, &[], &chat("a", "b")),
-            Err("no_healthy_endpoint")
+            send(&r, &store, &[], &chat("a", "b")),
+            Err(Fallback::NoHealthyEndpoint)
         );
-        let small = Config {
+        let small = Router::new(Config {
             max_body_bytes: 10,
             ..Config::default()
-        };
+        });
         assert_eq!(
             send(&small, &store, &hosts, &chat("a", "b")),
-            Err("body_too_large")
+            Err(Fallback::BodyTooLarge)
         );
-        let session = Config {
-            policy: PolicyKind::Session,
-            ..Config::default()
-        };
         assert_eq!(
-            send(&session, &store, &hosts, &chat("a", "b")),
-            Err("no_session")
+            send(
+                &router(PolicyKind::Session),
+                &store,
+                &hosts,
+                &chat("a", "b")
+            ),
+            Err(Fallback::NoSession)
         );
-        assert_eq!(routable("GET", "/v1/chat/completions"), Err("method"));
-        assert_eq!(routable("POST", "/v1/embeddings"), Err("path"));
+        assert_eq!(
+            routable("GET", "/v1/chat/completions"),
+            Err(Fallback::Method)
+        );
+        assert_eq!(routable("POST", "/v1/embeddings"), Err(Fallback::Path));
         assert!(
-            counters::read(&store)
-                .counts
-                .iter()
-                .all(|c| c.inflight == 0),
+            counters::read(&store).counts.is_empty(),
             "nothing counted for unrouted requests"
         );
     }
@@ -391,67 +392,73 @@ mod tests {
     fn every_parse_failure_has_a_listed_reason() {
         use crate::request::ParseError::*;
         for e in [Empty, BadUtf8, BadJson, NoModel, NoPrompt] {
-            assert!(FALLBACK_REASONS.contains(&e.reason()), "{}", e.reason());
+            assert!(Fallback::ALL.contains(&Fallback::from(e)), "{e:?}");
         }
+        let names: std::collections::HashSet<_> = Fallback::ALL.iter().map(|f| f.name()).collect();
+        assert_eq!(names.len(), Fallback::ALL.len(), "names are distinct");
     }
 
     #[test]
     fn unhealthy_hosts_are_never_chosen_nor_listed_as_fallback() {
-        let (config, store) = (Config::default(), MemoryStore::new());
+        let (r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
         let mut hs = hosts(3);
         hs[0].healthy = false;
         hs[2].healthy = false;
         for i in 0..10 {
-            let r = send(&config, &store, &hs, &chat(&format!("p{i}"), "q")).unwrap();
-            assert_eq!(r.endpoints, vec!["127.0.0.1:8002".to_string()]);
+            let routed = send(&r, &store, &hs, &chat(&format!("p{i}"), "q")).unwrap();
+            assert_eq!(routed.endpoints, vec!["127.0.0.1:8002".to_string()]);
         }
     }
 
     #[test]
     fn the_chosen_endpoint_comes_first_then_distinct_fallbacks() {
-        let (config, store, hosts) = (
-            Config {
-                fallback_endpoints: 2,
-                ..Config::default()
-            },
-            MemoryStore::new(),
-            hosts(4),
-        );
-        let r = send(&config, &store, &hosts, &chat("s", "q")).unwrap();
-        assert_eq!(r.endpoints.len(), 3);
-        let unique: std::collections::HashSet<&String> = r.endpoints.iter().collect();
+        let r = Router::new(Config {
+            fallback_endpoints: 2,
+            ..Config::default()
+        });
+        let routed = send(&r, &MemoryStore::new(), &hosts(4), &chat("s", "q")).unwrap();
+        assert_eq!(routed.endpoints.len(), 3);
+        let unique: std::collections::HashSet<&String> = routed.endpoints.iter().collect();
         assert_eq!(unique.len(), 3);
+    }
+
+    /// The group of `system(g)` whose home is host `want` among `hosts`.
+    fn group_homed_on(r: &Router, hosts: &[Host], want: usize) -> usize {
+        (0..)
+            .find(|&g| {
+                let routed = send(r, &MemoryStore::new(), hosts, &chat(&system(g), "q"));
+                routed.unwrap().endpoints[0] == hosts[want].addr
+            })
+            .unwrap()
     }
 
     #[test]
     fn envoy_load_counts_even_for_requests_kvroute_did_not_route() {
-        let (config, store) = (Config::default(), MemoryStore::new());
+        let (r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
         let mut hs = hosts(2);
-        hs[0].rq_active = 5;
-        let r = send(&config, &store, &hs, &chat("s", "q")).unwrap();
-        assert_eq!(r.endpoints[0], "127.0.0.1:8002");
+        let g = group_homed_on(&r, &hs, 0);
+        hs[0].rq_active = 50;
+        let routed = send(&r, &store, &hs, &chat(&system(g), "q")).unwrap();
+        assert_eq!(routed.endpoints[0], "127.0.0.1:8002");
+        assert_eq!(routed.decision, Decision::Spread);
     }
 
     #[test]
-    fn an_engine_busy_with_other_proxies_traffic_is_avoided() {
-        let (config, store) = (Config::default(), MemoryStore::new());
+    fn an_engine_that_queues_other_gateways_traffic_takes_no_group() {
+        let (r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
         let mut hs = hosts(2);
-        hs[1].engine_load = 100;
-        for i in 0..5 {
-            let r = send(&config, &store, &hs, &chat(&format!("p{i}"), "q")).unwrap();
-            assert_eq!(r.endpoints[0], "127.0.0.1:8001");
-            assert_eq!(r.decision, Decision::Balance);
+        hs[1].engine = Some(EngineLoad::observe(None, 16, 3, 0));
+        hs[0].engine = Some(EngineLoad::observe(None, 2, 0, 0));
+        for g in 0..10 {
+            let routed = send(&r, &store, &hs, &chat(&system(g), "q")).unwrap();
+            assert_eq!(routed.endpoints[0], "127.0.0.1:8001");
         }
     }
 
     #[test]
     fn round_robin_cycles_and_other_baselines_route() {
-        let store = MemoryStore::new();
-        let hosts = hosts(3);
-        let rr = Config {
-            policy: PolicyKind::RoundRobin,
-            ..Config::default()
-        };
+        let (store, hosts) = (MemoryStore::new(), hosts(3));
+        let rr = router(PolicyKind::RoundRobin);
         let firsts: Vec<String> = (0..6)
             .map(|_| {
                 send(&rr, &store, &hosts, &chat("s", "q"))
@@ -463,11 +470,7 @@ mod tests {
         assert_eq!(firsts[0..3], firsts[3..6]);
         assert_ne!(firsts[0], firsts[1]);
         for policy in [PolicyKind::LeastRequest, PolicyKind::PrefixHash] {
-            let c = Config {
-                policy,
-                ..Config::default()
-            };
-            assert!(send(&c, &store, &hosts, &chat("s", "q")).is_ok());
+            assert!(send(&router(policy), &store, &hosts, &chat("s", "q")).is_ok());
         }
     }
 }

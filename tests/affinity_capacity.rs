@@ -62,8 +62,7 @@ async fn flood_of_unique_prefixes_stays_within_affinity_capacity() {
         "requests failed during the flood\n{}",
         fleet.envoy.log_tail()
     );
-    let routed =
-        kv_stat(&fleet, "routed.new_prefix").await + kv_stat(&fleet, "routed.affinity").await;
+    let routed = fleet.stat_sum("kvroute.routed.").await;
     assert!(
         routed as usize >= FLOOD * 9 / 10,
         "the flood was not routed by kvroute: {routed}"

@@ -1,66 +1,85 @@
 #![cfg(not(target_arch = "wasm32"))]
-//! An engine that reports a long queue in its own `/metrics` (traffic from other proxies, which
-//! this Envoy cannot see) gets no new prefixes until the queue drains.
+//! An engine that reports a queue in its own `/metrics` (traffic from other gateways, which this
+//! Envoy cannot see) is full: the groups homed on it go to their next replica until it drains,
+//! then come back, and no other group moves.
 
 mod common;
 
 use common::{chat_body, debug_config, served_by, system_prompt, wait_for_fresh_poll, Fleet};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-/// Sends new-prefix requests until one is decided `want`, proving every worker's view changed.
-async fn until_decision(fleet: &Fleet, want: &str, tag: &str) {
+/// Where each group goes now, one request each, with kvroute's decision.
+async fn placements(
+    fleet: &Fleet,
+    groups: &[usize],
+    tag: &str,
+) -> BTreeMap<usize, (usize, String)> {
+    let mut out = BTreeMap::new();
+    for &g in groups {
+        let reply = fleet.chat(&chat_body(&system_prompt(g), tag, false)).await;
+        let decision = reply.decision.clone().unwrap_or_default();
+        out.insert(g, (served_by(fleet, &reply), decision));
+    }
+    out
+}
+
+/// Asks `group` until it is decided `want` (every worker's view changed), then two more polls.
+async fn until_decision(fleet: &Fleet, group: usize, want: &str) {
     let deadline = Instant::now() + Duration::from_secs(20);
-    for i in 0.. {
+    loop {
         let reply = fleet
-            .chat(&chat_body(
-                &system_prompt(1000 + i),
-                &format!("{tag} {i}"),
-                false,
-            ))
+            .chat(&chat_body(&system_prompt(group), "poke", false))
             .await;
         if reply.decision.as_deref() == Some(want) {
-            // One worker saw it; two more polls and every worker has.
             wait_for_fresh_poll(fleet).await;
             return;
         }
         assert!(
             Instant::now() < deadline,
-            "no `{want}` decision within 20 s"
+            "no `{want}` within 20 s: {reply:?}"
         );
     }
 }
 
-#[tokio::test]
-async fn an_engine_with_a_long_queue_gets_no_new_prefixes_until_it_drains() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queueing_engine_sheds_its_groups_until_it_drains() {
     let mut config = debug_config();
     config["engine_metrics_cluster"] = "inference_pool".into();
     let fleet = Fleet::kvroute(4, config, |_| {}).await;
 
+    let groups: Vec<usize> = (0..32).collect();
+    let before = placements(&fleet, &groups, "calm").await;
+    let on_zero: Vec<usize> = before
+        .iter()
+        .filter(|(_, (b, _))| *b == 0)
+        .map(|(g, _)| *g)
+        .collect();
+    assert!(
+        !on_zero.is_empty(),
+        "no group homed on backend 0: {before:?}"
+    );
+
     fleet.backends[0].set_engine_waiting(500);
-    until_decision(&fleet, "balance", "wait for the queue").await;
-    for group in 0..20 {
-        let reply = fleet
-            .chat(&chat_body(&system_prompt(group), "hi", false))
-            .await;
-        assert_ne!(
-            served_by(&fleet, &reply),
-            0,
-            "group {group} went to the busy engine"
-        );
-        assert_eq!(reply.decision.as_deref(), Some("balance"));
+    until_decision(&fleet, on_zero[0], "spread").await;
+    let queued = placements(&fleet, &groups, "queued").await;
+    for (g, (b, d)) in &queued {
+        if on_zero.contains(g) {
+            assert_ne!(*b, 0, "group {g} went to the queueing engine");
+            assert_eq!(d, "spread");
+        } else {
+            assert_eq!((*b, d.as_str()), (before[g].0, "home"), "group {g} moved");
+        }
     }
 
     fleet.backends[0].set_engine_waiting(0);
-    until_decision(&fleet, "new_prefix", "wait for the drain").await;
-    let mut to_zero = 0;
-    for group in 100..120 {
-        let reply = fleet
-            .chat(&chat_body(&system_prompt(group), "hi", false))
-            .await;
-        to_zero += usize::from(served_by(&fleet, &reply) == 0);
+    until_decision(&fleet, on_zero[0], "home").await;
+    let after = placements(&fleet, &groups, "drained").await;
+    for (g, (b, d)) in &after {
+        assert_eq!(
+            (*b, d.as_str()),
+            (before[g].0, "home"),
+            "group {g} did not return"
+        );
     }
-    assert!(
-        to_zero >= 3,
-        "only {to_zero} of 20 new prefixes went to the drained engine"
-    );
 }

@@ -128,7 +128,7 @@ async fn streamed_responses_arrive_whole_for_both_apis() {
         String::from_utf8(chat.body).unwrap(),
         backend::sse_events(index, true).concat()
     );
-    assert_eq!(chat.decision.as_deref(), Some("new_prefix"));
+    assert_eq!(chat.decision.as_deref(), Some("home"));
 
     let body =
         serde_json::json!({ "model": "m", "prompt": system_prompt(4), "stream": true }).to_string();

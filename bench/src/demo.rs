@@ -30,10 +30,11 @@ pub async fn demo() -> Result<(), String> {
     }
     let total: u64 = kv.decisions.iter().map(|(_, n)| n).sum();
     if total > 0 {
+        // Sent to their group's home, or after their conversation's history.
         let affinity = kv
             .decisions
             .iter()
-            .filter(|(d, _)| d == "affinity")
+            .filter(|(d, _)| d == "home" || d == "affinity")
             .map(|(_, n)| n)
             .sum::<u64>();
         let all: Vec<String> = kv
@@ -42,7 +43,7 @@ pub async fn demo() -> Result<(), String> {
             .map(|(d, n)| format!("{d}={n}"))
             .collect();
         println!(
-            "\nkvroute decisions: {}  ->  {:.0}% of requests followed cache affinity",
+            "\nkvroute decisions: {}  ->  {:.0}% of requests went where their prefix was cached (home or affinity)",
             all.join("  "),
             100.0 * affinity as f64 / total as f64
         );

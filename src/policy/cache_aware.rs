@@ -1,183 +1,258 @@
-//! kvroute's policy: follow the prefix to an endpoint that holds it, unless that builds a hotspot.
+//! kvroute's policy: every gateway sends a request's group to the same home, and a hot group
+//! overflows along the same path, without talking to the others.
 //!
-//! - Match ≥ `cache_threshold` of the request's chunks: the least-loaded holder of the prefix
-//!   (`affinity`); if even that one is overloaded, the first endpoint in the prefix's rendezvous
-//!   order that is not (`spread`), so a hot prefix grows onto a few replicas that then also keep
-//!   affinity, instead of scattering over all of them.
-//! - Otherwise, on a balanced fleet, the endpoint with the fewest recently placed prefixes among
-//!   those not overloaded, then the least loaded, then rendezvous on the first chunk, so several
-//!   independent proxies place the same new prefix on the same replica (`new_prefix`); on an
-//!   imbalanced fleet the least-loaded endpoint (`balance`), as SGLang does.
+//! A request's group is its head (tools and system prompt, or first message) hashed
+//! ([`PrefixKeys::group`](crate::prefix::PrefixKeys)); its endpoints are ranked by rendezvous on
+//! that key. Every gateway computes the same ranking from the request alone, and judges overload
+//! from the same engine reports, so they agree without sharing anything:
+//!
+//! - a prefix of the request that reaches past its head (a conversation's history) and that this
+//!   gateway saw served, if it covers at least `cache_threshold` of the request: its first
+//!   holder in the group's order that is not overloaded (`affinity`), where that history is
+//!   cached;
+//! - else the group's first endpoint in rendezvous order (`home`), unless it is overloaded (its
+//!   engine queues, or its load exceeds `rel` × the mean + `abs`): then the next one that is not
+//!   (`spread`), so a hot group grows onto a few replicas, always the same ones, and comes back
+//!   home when it drains;
+//! - every endpoint overloaded: the least loaded (`balance`).
+//!
+//! A gateway that restarts with an empty map, or joins late, sends each group home like the
+//! others. The affinity map records which endpoint served which prefix (chained chunk keys).
 
-use super::load::{fewest_placed, first_not_overloaded, least_loaded, min_load};
-use super::{Candidate, Decision, Input, Pick};
+use super::load::{first_not_overloaded, least_loaded, mean_load, rendezvous_order, Thresholds};
+use super::{Candidate, Decision, Input, Pick, Policy};
+use crate::affinity::{AffinityMap, Match};
 
-pub fn pick(candidates: &[Candidate], input: &Input) -> Pick {
-    let key = input.keys.placement_key();
-    let min = min_load(candidates);
-    if let Some(holder) = usable_holder(candidates, input) {
-        if !input.thresholds.overloaded(candidates[holder].load, min) {
-            return Pick {
-                index: holder,
-                decision: Decision::Affinity,
-            };
-        }
-        let index = first_not_overloaded(candidates, key, &input.thresholds);
-        return Pick {
-            index,
-            decision: Decision::Spread,
+/// A prefix record younger than this is not rewritten when a request follows it: it keeps hot
+/// prefixes' writes to a handful per second instead of one per chunk per request.
+pub const REFRESH_MS: u64 = 1000;
+
+pub struct CacheAware {
+    /// Shared-data slots of the affinity map.
+    pub capacity: u32,
+    pub cache_threshold: f64,
+    pub thresholds: Thresholds,
+}
+
+impl Policy for CacheAware {
+    fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
+        let map = AffinityMap::new(input.store, self.capacity);
+        let matched = map.longest_match(&input.keys.keys);
+        let order = rendezvous_order(candidates, input.keys.group);
+        let (index, decision) = match self.holder(candidates, input, &order, matched.as_ref()) {
+            Some(i) => (i, Decision::Affinity),
+            None => match first_not_overloaded(candidates, &order, &self.thresholds) {
+                Some((0, i)) => (i, Decision::Home),
+                Some((_, i)) => (i, Decision::Spread),
+                None => (
+                    least_loaded(candidates, input.keys.group),
+                    Decision::Balance,
+                ),
+            },
         };
-    }
-    if input.thresholds.imbalanced(candidates) {
-        let index = least_loaded(candidates, key);
-        return Pick {
+        Some(Pick {
             index,
-            decision: Decision::Balance,
-        };
+            decision,
+            matched,
+        })
     }
-    let index = fewest_placed(candidates, key, &input.thresholds);
-    Pick {
-        index,
-        decision: Decision::NewPrefix,
+
+    fn routed(&self, candidates: &[Candidate], input: &Input, pick: &Pick) -> usize {
+        let chosen = candidates[pick.index].id;
+        let from = unchanged_prefix(pick.matched.as_ref(), chosen, input.now_ms);
+        AffinityMap::new(input.store, self.capacity).record(
+            &input.keys.keys[from..],
+            chosen,
+            input.now_ms,
+        )
     }
 }
 
-/// The least-loaded candidate holding the matched prefix (first holder wins ties), if the match
-/// covers enough of the request.
-fn usable_holder(candidates: &[Candidate], input: &Input) -> Option<usize> {
-    let m = input.matched?;
-    let chunks = input.keys.keys.len();
-    if chunks == 0 || (m.depth as f64) < input.cache_threshold * chunks as f64 {
-        return None;
+impl CacheAware {
+    /// The first holder of the matched prefix in the group's order that is not overloaded, if the
+    /// match reaches past the head and covers enough of the request. A match within the head is
+    /// the group's own prefix: its place is the group's home, the same for every gateway.
+    fn holder(
+        &self,
+        candidates: &[Candidate],
+        input: &Input,
+        order: &[usize],
+        matched: Option<&Match>,
+    ) -> Option<usize> {
+        let m = matched?;
+        let chunks = input.keys.keys.len();
+        if m.depth <= input.keys.head_chunks
+            || (m.depth as f64) < self.cache_threshold * chunks as f64
+        {
+            return None;
+        }
+        let mean = mean_load(candidates);
+        order.iter().copied().find(|&i| {
+            m.record.holders.contains(&candidates[i].id)
+                && !self.thresholds.overloaded(&candidates[i], mean)
+        })
     }
-    m.record
-        .holders
-        .iter()
-        .filter_map(|id| candidates.iter().position(|c| c.id == *id))
-        .min_by_key(|&i| candidates[i].load)
+}
+
+/// How many leading keys already record `endpoint` freshly, so need no rewrite.
+fn unchanged_prefix(matched: Option<&Match>, endpoint: u32, now_ms: u64) -> usize {
+    match matched {
+        Some(m)
+            if m.record.holders.contains(&endpoint)
+                && now_ms.saturating_sub(m.record.stamp_ms) < REFRESH_MS =>
+        {
+            m.depth
+        }
+        _ => 0,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::affinity::{Match, Record};
-    use crate::policy::testing::{candidates, input};
+    use crate::policy::testing::{candidates, input, keys, thresholds};
     use crate::prefix::PrefixKeys;
+    use crate::store::MemoryStore;
 
-    fn matched(depth: usize, holders: Vec<u32>) -> Match {
-        Match {
-            depth,
-            record: Record {
-                key: 0,
-                stamp_ms: 0,
-                holders,
-            },
+    fn policy() -> CacheAware {
+        CacheAware {
+            capacity: 1024,
+            cache_threshold: 0.3,
+            thresholds: thresholds(),
         }
     }
 
+    /// Picks for `keys` and records the pick, as the router does.
+    fn route(p: &CacheAware, c: &[Candidate], keys: &PrefixKeys, store: &MemoryStore) -> Pick {
+        let input = input(keys, store);
+        let pick = p.pick(c, &input).unwrap();
+        p.routed(c, &input, &pick);
+        pick
+    }
+
+    fn order(c: &[Candidate], keys: &PrefixKeys) -> Vec<usize> {
+        rendezvous_order(c, keys.group)
+    }
+
+    /// A request of a group: the group's system prompt, then a question.
+    fn ask(group: &str, question: &str) -> PrefixKeys {
+        let system = format!("{group} ").repeat(40);
+        PrefixKeys::new(
+            "m",
+            &format!("{system}{question}"),
+            system.len(),
+            crate::prefix::Shape {
+                chunk_size: 10,
+                max_chunks: 64,
+                group_bytes: 40,
+            },
+        )
+    }
+
     #[test]
-    fn a_good_match_follows_affinity() {
+    fn a_group_goes_home_whatever_this_gateway_remembers() {
         let c = candidates(&[0, 0, 0, 0]);
-        let keys = PrefixKeys::new("m", &"p".repeat(100), 10, 64);
-        let m = matched(5, vec![c[2].id]);
+        let home = order(&c, &ask("g", ""))[0];
+        let (fresh, used) = (MemoryStore::new(), MemoryStore::new());
+        for q in 0..3 {
+            route(&policy(), &c, &ask("g", &format!("question {q}")), &used);
+        }
+        let restarted = route(&policy(), &c, &ask("g", "question 9"), &fresh);
         assert_eq!(
-            pick(&c, &input(&keys, Some(&m))),
-            Pick {
-                index: 2,
-                decision: Decision::Affinity
-            }
+            (restarted.index, restarted.decision),
+            (home, Decision::Home)
         );
+        let remembered = route(&policy(), &c, &ask("g", "question 9"), &used);
+        assert_eq!(
+            (remembered.index, remembered.decision),
+            (home, Decision::Home)
+        );
+        assert!(remembered.matched.is_some_and(|m| m.depth >= 8));
     }
 
     #[test]
-    fn a_match_below_the_threshold_is_a_new_prefix() {
+    fn groups_spread_over_endpoints_by_their_key() {
         let c = candidates(&[0, 0, 0, 0]);
-        let keys = PrefixKeys::new("m", &"p".repeat(100), 10, 64);
-        let m = matched(2, vec![c[2].id]);
-        let p = pick(&c, &input(&keys, Some(&m)));
-        assert_eq!(p.decision, Decision::NewPrefix);
+        let store = MemoryStore::new();
+        let homes: std::collections::HashSet<usize> = (0..40)
+            .map(|g| route(&policy(), &c, &keys(&format!("group {g} ")), &store).index)
+            .collect();
+        assert_eq!(homes.len(), 4);
     }
 
     #[test]
-    fn a_new_prefix_goes_to_the_least_loaded_endpoint() {
-        let c = candidates(&[3, 2, 0, 1]);
-        let keys = PrefixKeys::new("m", "fresh", 10, 64);
-        assert_eq!(pick(&c, &input(&keys, None)).index, 2);
-    }
-
-    #[test]
-    fn an_overloaded_holder_spreads_the_prefix_to_its_next_rendezvous_endpoint() {
-        let keys = PrefixKeys::new("m", &"p".repeat(100), 10, 64);
-        let base = candidates(&[0, 0, 0, 0]);
-        let order = crate::policy::load::rendezvous_order(&base, keys.placement_key());
-        let (home, next) = (order[0], order[1]);
+    fn an_overloaded_home_spills_to_the_next_in_order_and_the_group_comes_back() {
+        let o = order(&candidates(&[0, 0, 0, 0]), &ask("hot", ""));
+        let store = MemoryStore::new();
         let mut loads = [1u64; 4];
-        loads[home] = 20;
-        let c = candidates(&loads);
-        let m = matched(10, vec![c[home].id]);
-        assert_eq!(
-            pick(&c, &input(&keys, Some(&m))),
-            Pick {
-                index: next,
-                decision: Decision::Spread
-            }
-        );
-        // Once spread, the prefix's least-loaded holder serves it.
-        let m2 = matched(10, vec![c[home].id, c[next].id]);
-        assert_eq!(
-            pick(&c, &input(&keys, Some(&m2))),
-            Pick {
-                index: next,
-                decision: Decision::Affinity
-            }
-        );
-    }
-
-    #[test]
-    fn holders_that_left_the_candidates_are_ignored() {
-        let c = candidates(&[0, 0]);
-        let keys = PrefixKeys::new("m", &"p".repeat(100), 10, 64);
-        let m = matched(10, vec![12345]);
-        assert_eq!(
-            pick(&c, &input(&keys, Some(&m))).decision,
-            Decision::NewPrefix
-        );
-    }
-
-    #[test]
-    fn a_new_prefix_prefers_the_endpoint_with_the_fewest_prefixes_unless_it_is_overloaded() {
-        let keys = PrefixKeys::new("m", "fresh", 10, 64);
-        let mut c = candidates(&[2, 0, 1, 0]);
-        for (cand, placed) in c.iter_mut().zip([0, 3, 2, 1]) {
-            cand.placed = placed;
+        loads[o[0]] = 20;
+        let hot = candidates(&loads);
+        for q in 0..3 {
+            let spilled = route(&policy(), &hot, &ask("hot", &format!("q{q}")), &store);
+            assert_eq!((spilled.index, spilled.decision), (o[1], Decision::Spread));
         }
-        assert_eq!(
-            pick(&c, &input(&keys, None)).index,
-            0,
-            "fewest prefixes, though busier"
+        loads[o[1]] = 20;
+        let hotter = route(&policy(), &candidates(&loads), &ask("hot", "q"), &store);
+        assert_eq!((hotter.index, hotter.decision), (o[2], Decision::Spread));
+        // Drained: home again, although this gateway saw only the spill replicas serve it.
+        let calm = route(
+            &policy(),
+            &candidates(&[1, 1, 1, 1]),
+            &ask("hot", "q9"),
+            &store,
         );
-        c[0].load = 9; // now overloaded (abs 4 over the minimum, and over 1.5x)
-        let p = pick(&c, &input(&keys, None));
-        assert_eq!(
-            p,
-            Pick {
-                index: 3,
-                decision: Decision::Balance
-            },
-            "idle, fewer prefixes than 1"
-        );
+        assert_eq!((calm.index, calm.decision), (o[0], Decision::Home));
     }
 
     #[test]
-    fn an_imbalanced_fleet_balances_new_prefixes() {
-        let c = candidates(&[50, 0, 2, 3]);
-        let keys = PrefixKeys::new("m", "fresh", 10, 64);
-        assert_eq!(
-            pick(&c, &input(&keys, None)),
-            Pick {
-                index: 1,
-                decision: Decision::Balance
-            }
+    fn a_queueing_engine_takes_no_group_even_at_low_load() {
+        let k = ask("g", "q");
+        let mut c = candidates(&[0, 0, 0, 0]);
+        let home = order(&c, &k)[0];
+        c[home].queueing = true;
+        let p = route(&policy(), &c, &k, &MemoryStore::new());
+        assert_ne!(p.index, home);
+        assert_eq!(p.decision, Decision::Spread);
+    }
+
+    #[test]
+    fn a_conversation_follows_its_history_to_where_it_was_served() {
+        let store = MemoryStore::new();
+        let history = "first question, first answer. ".repeat(4);
+        let turn1 = ask("g", &history);
+        let o = order(&candidates(&[0, 0, 0, 0]), &turn1);
+        let mut loads = [0u64; 4];
+        loads[o[0]] = 30; // home overloaded when turn 1 came
+        let first = route(&policy(), &candidates(&loads), &turn1, &store);
+        assert_eq!(first.index, o[1]);
+        let turn2 = ask("g", &format!("{history}next question"));
+        assert_eq!(turn2.group, turn1.group);
+        let second = route(&policy(), &candidates(&[0, 0, 0, 0]), &turn2, &store);
+        assert_eq!((second.index, second.decision), (o[1], Decision::Affinity));
+    }
+
+    #[test]
+    fn a_match_covering_too_little_of_the_request_does_not_count_as_affinity() {
+        let store = MemoryStore::new();
+        let c = candidates(&[0, 0, 0, 0]);
+        let shared = "x".repeat(20);
+        route(
+            &policy(),
+            &c,
+            &keys(&format!("{shared}{}", "a".repeat(200))),
+            &store,
         );
+        let other = keys(&format!("{shared}{}", "b".repeat(200)));
+        let p = route(&policy(), &c, &other, &store);
+        assert_eq!(p.matched.map(|m| m.depth), Some(2));
+        assert_eq!(p.decision, Decision::Home);
+    }
+
+    #[test]
+    fn everything_overloaded_balances() {
+        let mut c = candidates(&[5, 3, 9, 4]);
+        c.iter_mut().for_each(|c| c.queueing = true);
+        let p = route(&policy(), &c, &keys("q"), &MemoryStore::new());
+        assert_eq!((p.index, p.decision), (1, Decision::Balance));
     }
 }

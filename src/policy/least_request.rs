@@ -1,25 +1,27 @@
 //! Baseline: the endpoint with the fewest requests in flight, ties broken per request.
 
 use super::load::least_loaded;
-use super::{Candidate, Decision, Input, Pick};
+use super::{Candidate, Decision, Input, Pick, Policy};
 
-pub fn pick(candidates: &[Candidate], input: &Input) -> Pick {
-    Pick {
-        index: least_loaded(candidates, input.ticket),
-        decision: Decision::LeastRequest,
+pub struct LeastRequest;
+
+impl Policy for LeastRequest {
+    fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
+        let index = least_loaded(candidates, input.nonce);
+        Some(Pick::new(index, Decision::LeastRequest))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::testing::{candidates, input};
-    use crate::prefix::PrefixKeys;
+    use crate::policy::testing::{candidates, input, keys};
+    use crate::store::MemoryStore;
 
     #[test]
     fn the_least_loaded_endpoint_wins() {
-        let c = candidates(&[4, 1, 7]);
-        let keys = PrefixKeys::new("m", "x", 8, 8);
-        assert_eq!(pick(&c, &input(&keys, None)).index, 1);
+        let (k, store) = (keys("x"), MemoryStore::new());
+        let pick = LeastRequest.pick(&candidates(&[4, 1, 7]), &input(&k, &store));
+        assert_eq!(pick.map(|p| p.index), Some(1));
     }
 }

@@ -1,11 +1,11 @@
-//! Load comparisons shared by the policies: when an endpoint counts as overloaded, and the
-//! least-loaded pick with a deterministic tie-break.
+//! Load rules shared by the policies: when an endpoint counts as overloaded, and rendezvous
+//! orders with deterministic tie-breaks, so that gateways seeing the same loads choose alike.
 
 use super::Candidate;
 use crate::rendezvous;
 
-/// SGLang's balance thresholds: an endpoint is overloaded when its load exceeds the least-loaded
-/// endpoint's by more than `abs` requests AND by more than `rel` times.
+/// Bounded load: an endpoint is overloaded when its engine queues requests, or when its load
+/// exceeds `rel` times the fleet's mean load plus `abs` requests.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Thresholds {
     pub abs: u64,
@@ -13,19 +13,15 @@ pub struct Thresholds {
 }
 
 impl Thresholds {
-    pub fn overloaded(&self, load: u64, min: u64) -> bool {
-        load.saturating_sub(min) > self.abs && load as f64 > self.rel * min as f64
-    }
-
-    /// Whether the fleet as a whole is imbalanced: its busiest endpoint is overloaded.
-    pub fn imbalanced(&self, candidates: &[Candidate]) -> bool {
-        let max = candidates.iter().map(|c| c.load).max().unwrap_or(0);
-        self.overloaded(max, min_load(candidates))
+    pub fn overloaded(&self, c: &Candidate, mean: f64) -> bool {
+        c.queueing || c.load as f64 > self.rel * mean + self.abs as f64
     }
 }
 
-pub fn min_load(candidates: &[Candidate]) -> u64 {
-    candidates.iter().map(|c| c.load).min().unwrap_or(0)
+/// The fleet's mean load.
+pub fn mean_load(candidates: &[Candidate]) -> f64 {
+    let total: u64 = candidates.iter().map(|c| c.load).sum();
+    total as f64 / candidates.len().max(1) as f64
 }
 
 /// Candidate indices in `key`'s rendezvous order.
@@ -34,56 +30,50 @@ pub fn rendezvous_order(candidates: &[Candidate], key: u64) -> Vec<usize> {
     rendezvous::order(key, &ids)
 }
 
-/// The least-loaded candidate; among equals, the one with the fewest recent new prefixes, then the
-/// first in `key`'s rendezvous order, so that independent proxies seeing the same state make the
-/// same choice.
+/// The least-loaded candidate, queueing ones last; among equals the first in `key`'s rendezvous
+/// order.
 pub fn least_loaded(candidates: &[Candidate], key: u64) -> usize {
     rendezvous_order(candidates, key)
         .into_iter()
         .enumerate()
-        .min_by_key(|&(rank, i)| (candidates[i].load, candidates[i].placed, rank))
+        .min_by_key(|&(rank, i)| (candidates[i].queueing, candidates[i].load, rank))
         .map_or(0, |(_, i)| i)
 }
 
-/// Where a new prefix goes on a balanced fleet: among the endpoints that are not overloaded, the
-/// one with the fewest recently placed prefixes (SGLang's "smallest tree": room in its cache),
-/// then the least loaded, then the first in `key`'s rendezvous order, so that independent
-/// proxies seeing the same state make the same choice.
-pub fn fewest_placed(candidates: &[Candidate], key: u64, t: &Thresholds) -> usize {
-    let min = min_load(candidates);
-    rendezvous_order(candidates, key)
-        .into_iter()
+/// The first candidate in `order` that is not overloaded, with its rank in the order.
+pub fn first_not_overloaded(
+    candidates: &[Candidate],
+    order: &[usize],
+    t: &Thresholds,
+) -> Option<(usize, usize)> {
+    let mean = mean_load(candidates);
+    order
+        .iter()
         .enumerate()
-        .filter(|&(_, i)| !t.overloaded(candidates[i].load, min))
-        .min_by_key(|&(rank, i)| (candidates[i].placed, candidates[i].load, rank))
-        .map_or_else(|| least_loaded(candidates, key), |(_, i)| i)
-}
-
-/// The first candidate in `key`'s rendezvous order that is not overloaded (bounded-load hashing).
-pub fn first_not_overloaded(candidates: &[Candidate], key: u64, t: &Thresholds) -> usize {
-    let min = min_load(candidates);
-    rendezvous_order(candidates, key)
-        .into_iter()
-        .find(|&i| !t.overloaded(candidates[i].load, min))
-        .unwrap_or_else(|| least_loaded(candidates, key))
+        .find(|&(_, &i)| !t.overloaded(&candidates[i], mean))
+        .map(|(rank, &i)| (rank, i))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::testing::candidates;
+    use crate::policy::testing::{candidates, thresholds};
 
     #[test]
-    fn overload_needs_both_the_absolute_and_the_relative_gap() {
-        let t = Thresholds { abs: 64, rel: 1.5 };
-        assert!(!t.overloaded(100, 40), "gap 60 is within abs");
-        assert!(!t.overloaded(300, 210), "ratio 1.43 is within rel");
-        assert!(t.overloaded(300, 100));
-        assert!(t.overloaded(65, 0));
+    fn overload_is_a_queue_or_load_above_the_bound_over_the_mean() {
+        let t = Thresholds { abs: 2, rel: 1.5 };
+        let c = candidates(&[1, 1, 1, 9]);
+        let mean = mean_load(&c);
+        assert_eq!(mean, 3.0);
+        assert!(!t.overloaded(&c[0], mean));
+        assert!(t.overloaded(&c[3], mean), "9 > 1.5 * 3 + 2");
+        let mut queueing = c[0].clone();
+        queueing.queueing = true;
+        assert!(t.overloaded(&queueing, mean), "a queue, however short");
     }
 
     #[test]
-    fn least_loaded_breaks_ties_by_rendezvous_and_otherwise_takes_the_minimum() {
+    fn least_loaded_breaks_ties_by_rendezvous_and_puts_queues_last() {
         let c = candidates(&[3, 1, 1, 5]);
         for key in 0..20 {
             assert!([1, 2].contains(&least_loaded(&c, key)));
@@ -91,5 +81,24 @@ mod tests {
         let picks: std::collections::HashSet<usize> =
             (0..50).map(|k| least_loaded(&c, k)).collect();
         assert_eq!(picks.len(), 2, "both tied endpoints get keys");
+        let mut c = candidates(&[0, 4]);
+        c[0].queueing = true;
+        assert_eq!(least_loaded(&c, 1), 1);
+    }
+
+    #[test]
+    fn the_first_endpoint_not_overloaded_in_order_wins() {
+        let c = candidates(&[20, 0, 0, 0]);
+        assert_eq!(
+            first_not_overloaded(&c, &[0, 2, 1, 3], &thresholds()),
+            Some((1, 2))
+        );
+        assert_eq!(
+            first_not_overloaded(&c, &[3, 0], &thresholds()),
+            Some((0, 3))
+        );
+        let mut all = candidates(&[1, 1]);
+        all.iter_mut().for_each(|c| c.queueing = true);
+        assert_eq!(first_not_overloaded(&all, &[0, 1], &thresholds()), None);
     }
 }

@@ -1,5 +1,6 @@
-//! Policies: given the candidate endpoints (healthy, with their load) and what is known about the
-//! request, pick one. One file per policy; `cache_aware` is kvroute's, the rest are baselines.
+//! Policies: given the candidate endpoints (healthy, with their load) and the request, pick one.
+//! One file per policy behind one trait, built once from the config; `cache_aware` is kvroute's,
+//! the rest are baselines to compare it with.
 
 mod cache_aware;
 mod least_request;
@@ -11,30 +12,32 @@ mod session;
 pub use load::Thresholds;
 
 use crate::affinity::Match;
-use crate::config::PolicyKind;
+use crate::config::{Config, PolicyKind};
 use crate::prefix::PrefixKeys;
+use crate::store::SharedStore;
 
 /// An endpoint a request may go to.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Candidate {
-    pub addr: String,
+pub struct Candidate<'h> {
+    pub addr: &'h str,
     pub id: u32,
-    /// Requests in flight: the larger of kvroute's own count and Envoy's `rq_active`.
+    /// Requests at the endpoint: the engine's own report corrected by kvroute's requests since,
+    /// or, without engine metrics, the larger of kvroute's count and Envoy's `rq_active`.
     pub load: u64,
-    /// New prefixes recently placed here: breaks load ties so new prefixes spread.
-    pub placed: u64,
+    /// The engine queues new requests: it is full, whatever the others' load.
+    pub queueing: bool,
 }
 
 /// Why an endpoint was picked. Each is a counter and a debug-header value, so names are stable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
-    /// Followed the prefix to an endpoint holding it.
+    /// Followed the prefix to an endpoint this gateway saw serve it.
     Affinity,
-    /// The prefix's holders were overloaded: grew it onto the next endpoint in its rendezvous order.
+    /// The group's home: first in its rendezvous order, not overloaded.
+    Home,
+    /// The group's home was overloaded: the next endpoint in its rendezvous order that is not.
     Spread,
-    /// No usable match, balanced fleet: least-loaded endpoint, ties broken by rendezvous.
-    NewPrefix,
-    /// No usable match, imbalanced fleet: least-loaded endpoint.
+    /// Every endpoint overloaded: the least-loaded one.
     Balance,
     RoundRobin,
     LeastRequest,
@@ -45,8 +48,8 @@ pub enum Decision {
 impl Decision {
     pub const ALL: [Decision; 8] = [
         Decision::Affinity,
+        Decision::Home,
         Decision::Spread,
-        Decision::NewPrefix,
         Decision::Balance,
         Decision::RoundRobin,
         Decision::LeastRequest,
@@ -57,8 +60,8 @@ impl Decision {
     pub fn name(self) -> &'static str {
         match self {
             Decision::Affinity => "affinity",
+            Decision::Home => "home",
             Decision::Spread => "spread",
-            Decision::NewPrefix => "new_prefix",
             Decision::Balance => "balance",
             Decision::RoundRobin => "round_robin",
             Decision::LeastRequest => "least_request",
@@ -71,35 +74,63 @@ impl Decision {
 /// What a policy may know about the request.
 pub struct Input<'a> {
     pub keys: &'a PrefixKeys,
-    /// The longest prefix found in the affinity map (cache_aware only).
-    pub matched: Option<&'a Match>,
-    pub cache_threshold: f64,
-    pub thresholds: Thresholds,
     /// Hash of the session header's value, if the request has one.
     pub session: Option<u64>,
-    /// A number that differs per request: the round-robin ticket, and a tie-breaker.
-    pub ticket: u64,
+    /// A number that differs per request: least_request's tie-break.
+    pub nonce: u64,
+    /// Shared data: the affinity map, the round-robin ticket.
+    pub store: &'a dyn SharedStore,
+    pub now_ms: u64,
 }
 
 /// The chosen candidate (an index into the candidates) and why.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pick {
     pub index: usize,
     pub decision: Decision,
+    /// The longest prefix of the request found in the affinity map (cache_aware only).
+    pub matched: Option<Match>,
 }
 
-/// Picks a candidate with policy `kind`; `None` when there is none to pick or the policy lacks
-/// what it needs (a session policy without a session).
-pub fn pick(kind: PolicyKind, candidates: &[Candidate], input: &Input) -> Option<Pick> {
-    if candidates.is_empty() {
-        return None;
+impl Pick {
+    pub fn new(index: usize, decision: Decision) -> Pick {
+        Pick {
+            index,
+            decision,
+            matched: None,
+        }
     }
-    match kind {
-        PolicyKind::CacheAware => Some(cache_aware::pick(candidates, input)),
-        PolicyKind::RoundRobin => Some(round_robin::pick(candidates, input)),
-        PolicyKind::LeastRequest => Some(least_request::pick(candidates, input)),
-        PolicyKind::Session => session::pick(candidates, input),
-        PolicyKind::PrefixHash => Some(prefix_hash::pick(candidates, input)),
+}
+
+/// A way of picking endpoints.
+pub trait Policy {
+    /// Picks one of `candidates` (never empty); `None` when the policy lacks what it needs (a
+    /// session policy without a session).
+    fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick>;
+
+    /// The request now goes to `candidates[pick.index]`: remember what that teaches. Returns the
+    /// shared-data keys written for the first time (cache_aware: affinity slots).
+    fn routed(&self, _candidates: &[Candidate], _input: &Input, _pick: &Pick) -> usize {
+        0
+    }
+}
+
+/// The policy the config names.
+pub fn build(config: &Config) -> Box<dyn Policy> {
+    let thresholds = Thresholds {
+        abs: config.balance_abs_threshold,
+        rel: config.balance_rel_threshold,
+    };
+    match config.policy {
+        PolicyKind::CacheAware => Box::new(cache_aware::CacheAware {
+            capacity: config.affinity_capacity,
+            cache_threshold: config.cache_threshold,
+            thresholds,
+        }),
+        PolicyKind::RoundRobin => Box::new(round_robin::RoundRobin),
+        PolicyKind::LeastRequest => Box::new(least_request::LeastRequest),
+        PolicyKind::Session => Box::new(session::Session),
+        PolicyKind::PrefixHash => Box::new(prefix_hash::PrefixHash { thresholds }),
     }
 }
 
@@ -107,31 +138,53 @@ pub fn pick(kind: PolicyKind, candidates: &[Candidate], input: &Input) -> Option
 pub(crate) mod testing {
     use super::*;
     use crate::rendezvous::endpoint_id;
+    use crate::store::MemoryStore;
 
-    pub fn candidates(loads: &[u64]) -> Vec<Candidate> {
+    pub const ADDRS: [&str; 8] = [
+        "127.0.0.1:8001",
+        "127.0.0.1:8002",
+        "127.0.0.1:8003",
+        "127.0.0.1:8004",
+        "127.0.0.1:8005",
+        "127.0.0.1:8006",
+        "127.0.0.1:8007",
+        "127.0.0.1:8008",
+    ];
+
+    pub fn candidates(loads: &[u64]) -> Vec<Candidate<'static>> {
         loads
             .iter()
-            .enumerate()
-            .map(|(i, &load)| {
-                let addr = format!("127.0.0.1:{}", 8001 + i);
-                Candidate {
-                    id: endpoint_id(&addr),
-                    addr,
-                    load,
-                    placed: 0,
-                }
+            .zip(ADDRS)
+            .map(|(&load, addr)| Candidate {
+                id: endpoint_id(addr),
+                addr,
+                load,
+                queueing: false,
             })
             .collect()
     }
 
-    pub fn input<'a>(keys: &'a PrefixKeys, matched: Option<&'a Match>) -> Input<'a> {
+    /// Keys of `text` in 10-byte chunks, its first 40 bytes its head.
+    pub fn keys(text: &str) -> PrefixKeys {
+        let shape = crate::prefix::Shape {
+            chunk_size: 10,
+            max_chunks: 64,
+            group_bytes: 40,
+        };
+        PrefixKeys::new("m", text, 40, shape)
+    }
+
+    pub fn input<'a>(keys: &'a PrefixKeys, store: &'a MemoryStore) -> Input<'a> {
         Input {
             keys,
-            matched,
-            cache_threshold: 0.3,
-            thresholds: Thresholds { abs: 4, rel: 1.5 },
             session: None,
-            ticket: 0,
+            nonce: 0,
+            store,
+            now_ms: 1,
         }
+    }
+
+    pub fn thresholds() -> Thresholds {
+        Thresholds { abs: 2, rel: 1.5 }
     }
 }

@@ -1,31 +1,48 @@
 //! Baseline: consistent hashing of the prompt's first chunk with bounded load: the first endpoint in
 //! the prefix's rendezvous order that is not overloaded. No memory of where prefixes went.
 
-use super::load::first_not_overloaded;
-use super::{Candidate, Decision, Input, Pick};
+use super::load::{first_not_overloaded, least_loaded, rendezvous_order, Thresholds};
+use super::{Candidate, Decision, Input, Pick, Policy};
 
-pub fn pick(candidates: &[Candidate], input: &Input) -> Pick {
-    let index = first_not_overloaded(candidates, input.keys.placement_key(), &input.thresholds);
-    Pick {
-        index,
-        decision: Decision::PrefixHash,
+pub struct PrefixHash {
+    pub thresholds: Thresholds,
+}
+
+impl Policy for PrefixHash {
+    fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
+        let key = input.keys.keys.first().copied().unwrap_or(input.keys.group);
+        let order = rendezvous_order(candidates, key);
+        let index = first_not_overloaded(candidates, &order, &self.thresholds)
+            .map_or_else(|| least_loaded(candidates, key), |(_, i)| i);
+        Some(Pick::new(index, Decision::PrefixHash))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::testing::{candidates, input};
-    use crate::prefix::PrefixKeys;
+    use crate::policy::testing::{candidates, input, keys, thresholds};
+    use crate::store::MemoryStore;
 
     #[test]
     fn the_same_first_chunk_goes_to_the_same_endpoint_until_it_is_overloaded() {
-        let keys = PrefixKeys::new("m", "shared system prompt, then a question", 8, 8);
-        let home = pick(&candidates(&[0, 0, 0, 0]), &input(&keys, None)).index;
+        let (k, store) = (
+            keys("shared system prompt, then a question"),
+            MemoryStore::new(),
+        );
+        let p = PrefixHash {
+            thresholds: thresholds(),
+        };
+        let pick = |loads: &[u64]| {
+            p.pick(&candidates(loads), &input(&k, &store))
+                .unwrap()
+                .index
+        };
+        let home = pick(&[0, 0, 0, 0]);
         let mut loads = [0u64; 4];
-        loads[home] = 3;
-        assert_eq!(pick(&candidates(&loads), &input(&keys, None)).index, home);
+        loads[home] = 2;
+        assert_eq!(pick(&loads), home);
         loads[home] = 50;
-        assert_ne!(pick(&candidates(&loads), &input(&keys, None)).index, home);
+        assert_ne!(pick(&loads), home);
     }
 }

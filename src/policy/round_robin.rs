@@ -1,37 +1,47 @@
 //! Baseline: each request to the next endpoint in turn, shared across workers by a ticket counter.
 
-use super::{Candidate, Decision, Input, Pick};
+use super::{Candidate, Decision, Input, Pick, Policy};
+use crate::store::{self, SharedStore};
 
-pub fn pick(candidates: &[Candidate], input: &Input) -> Pick {
-    let index = (input.ticket % candidates.len() as u64) as usize;
-    Pick {
-        index,
-        decision: Decision::RoundRobin,
+const TICKET_KEY: &str = "kvroute.ticket";
+
+pub struct RoundRobin;
+
+impl Policy for RoundRobin {
+    fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
+        let ticket = next_ticket(input.store);
+        let index = (ticket % candidates.len() as u64) as usize;
+        Some(Pick::new(index, Decision::RoundRobin))
     }
+}
+
+fn next_ticket(store: &dyn SharedStore) -> u64 {
+    let mut ticket = 0;
+    store::update(store, TICKET_KEY, |current| {
+        ticket = current
+            .and_then(|v| v.try_into().ok())
+            .map(u64::from_le_bytes)
+            .unwrap_or(0)
+            .wrapping_add(1);
+        Some(ticket.to_le_bytes().to_vec())
+    });
+    ticket
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::testing::{candidates, input};
-    use crate::prefix::PrefixKeys;
+    use crate::policy::testing::{candidates, input, keys};
+    use crate::store::MemoryStore;
 
     #[test]
     fn tickets_cycle_through_every_endpoint() {
-        let c = candidates(&[9, 0, 0]);
-        let keys = PrefixKeys::new("m", "x", 8, 8);
+        let (c, k, store) = (candidates(&[9, 0, 0]), keys("x"), MemoryStore::new());
         let picks: Vec<usize> = (0..6)
-            .map(|t| {
-                pick(
-                    &c,
-                    &super::Input {
-                        ticket: t,
-                        ..input(&keys, None)
-                    },
-                )
-                .index
-            })
+            .map(|_| RoundRobin.pick(&c, &input(&k, &store)).unwrap().index)
             .collect();
-        assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
+        assert_eq!(picks[0..3], picks[3..6]);
+        let distinct: std::collections::HashSet<_> = picks.iter().collect();
+        assert_eq!(distinct.len(), 3);
     }
 }

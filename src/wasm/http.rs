@@ -12,7 +12,7 @@ use super::host::{inflight_gauge, now_ms, HostStore, Metrics};
 use super::root::Shared;
 use crate::config::PolicyKind;
 use crate::request::Api;
-use crate::router::{self, Reason, RequestInfo, Routed};
+use crate::router::{self, Fallback, RequestInfo, Routed};
 
 pub struct Stream {
     shared: Rc<RefCell<Shared>>,
@@ -45,7 +45,8 @@ impl Stream {
         self.header("content-length")?.trim().parse().ok()
     }
 
-    fn fallback(&mut self, reason: Reason) -> Action {
+    fn fallback(&mut self, reason: Fallback) -> Action {
+        let reason = reason.name();
         self.shared
             .borrow_mut()
             .metrics
@@ -66,7 +67,7 @@ impl Stream {
         self.shared.borrow_mut().ensure_snapshot();
         // Which cluster's hosts are candidates: the one the route chose. A static endpoint list
         // does not depend on it, so it costs no host call then.
-        let static_endpoints = !self.shared.borrow().config.endpoints.is_empty();
+        let static_endpoints = !self.shared.borrow().router.config.endpoints.is_empty();
         let cluster = if static_endpoints {
             None
         } else {
@@ -75,14 +76,15 @@ impl Stream {
         let shared = self.shared.borrow();
         let Some(hosts) = shared.hosts(cluster.as_deref()) else {
             drop(shared);
-            return self.fallback("no_cluster");
+            return self.fallback(Fallback::NoCluster);
         };
         // Only the policies that use these headers pay for reading them.
-        let session = match shared.config.policy {
-            PolicyKind::Session => self.header(&shared.config.session_header),
+        let config = &shared.router.config;
+        let session = match config.policy {
+            PolicyKind::Session => self.header(&config.session_header),
             _ => None,
         };
-        let request_id = match shared.config.policy {
+        let request_id = match config.policy {
             PolicyKind::LeastRequest => self.header("x-request-id"),
             _ => None,
         };
@@ -92,7 +94,7 @@ impl Stream {
             session: session.as_deref(),
             request_id: request_id.as_deref(),
         };
-        let result = router::route(&shared.config, &HostStore, &hosts, &req, now_ms());
+        let result = shared.router.route(&HostStore, &hosts, &req, now_ms());
         drop(shared);
         match result {
             Ok(routed) => self.apply(routed),
@@ -105,7 +107,7 @@ impl Stream {
         let value = routed.endpoints.join(",");
         let _ = hostcalls::set_map_value(
             MapType::HttpRequestHeaders,
-            &shared.config.header,
+            &shared.router.config.header,
             Some(&value),
         );
         let m: &mut Metrics = &mut shared.metrics;
@@ -159,18 +161,19 @@ impl HttpContext for Stream {
         // Whatever happens next, a client never chooses the upstream.
         let (header, max_body) = {
             let shared = self.shared.borrow();
-            (shared.config.header.clone(), shared.config.max_body_bytes)
+            let config = &shared.router.config;
+            (config.header.clone(), config.max_body_bytes)
         };
         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, None);
         let method = self.header(":method").unwrap_or_default();
         let path = self.header(":path").unwrap_or_default();
         match router::routable(&method, &path) {
             Err(reason) => self.fallback(reason),
-            Ok(_) if end_of_stream => self.fallback("empty_body"),
+            Ok(_) if end_of_stream => self.fallback(Fallback::EmptyBody),
             // Known to be too large: never start buffering it. Once a filter has buffered, Envoy
             // answers 413 instead of applying back-pressure when the body outgrows its buffer.
             Ok(_) if self.content_length().is_some_and(|n| n > max_body) => {
-                self.fallback("body_too_large")
+                self.fallback(Fallback::BodyTooLarge)
             }
             Ok(api) => {
                 self.api = Some(api);
@@ -185,11 +188,11 @@ impl HttpContext for Stream {
             return Action::Continue;
         }
         self.body_size = body_size;
-        let max = self.shared.borrow().config.max_body_bytes;
+        let max = self.shared.borrow().router.config.max_body_bytes;
         if body_size > max {
             // Stop buffering before Envoy's own buffer limit answers 413: stream it on unrouted.
             self.api = None;
-            return self.fallback("body_too_large");
+            return self.fallback(Fallback::BodyTooLarge);
         }
         if end_of_stream {
             self.route()
@@ -203,7 +206,7 @@ impl HttpContext for Stream {
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
-        if self.shared.borrow().config.debug_header {
+        if self.shared.borrow().router.config.debug_header {
             if let Some(outcome) = &self.outcome {
                 let _ = hostcalls::set_map_value(
                     MapType::HttpResponseHeaders,

@@ -1,6 +1,7 @@
 //! Polling, from one worker at a time: Envoy's admin `/clusters` (hosts, health, `rq_active`) and,
-//! when `engine_metrics_cluster` is set, each engine's own `/metrics` (requests running + waiting,
-//! which include other proxies' traffic). Results go to shared data for every worker.
+//! when `engine_metrics_cluster` is set, each engine's own `/metrics` (requests running and
+//! waiting, which include other gateways' traffic). Once a round's answers are in, the snapshot
+//! goes to shared data for every worker.
 
 use std::time::Duration;
 
@@ -10,24 +11,37 @@ use proxy_wasm::types::{BufferType, LogLevel, MapType};
 
 use super::host::HostStore;
 use super::root::{Shared, HOSTS_KEY};
-use crate::endpoints::{self, EngineLoads};
+use crate::counters;
+use crate::endpoints::{self, EngineLoad, EngineLoads, Snapshot};
+use crate::rendezvous::endpoint_id;
 use crate::store::{self, SharedStore};
 
 const LEASE_KEY: &str = "kvroute.poll_lease";
 const ENGINE_KEY: &str = "kvroute.engine";
 
-/// The calls this worker has in flight.
+/// The round of calls this worker has in flight.
 #[derive(Default)]
 pub struct Poller {
     admin: Option<u32>,
     /// Engine metrics calls: token → host address.
     engines: HashMap<u32, String>,
+    /// The admin answer, held until the engines' answers are in too.
+    snapshot: Option<Snapshot>,
+    /// This round's engine answers: (running, waiting, kvroute's own count when it came).
+    reports: HashMap<String, (u64, u64, u32)>,
 }
 
 impl Poller {
     /// Dispatches this interval's polls.
     pub fn poll(&mut self, shared: &mut Shared, admin_cluster: &str) {
-        let timeout = Duration::from_millis(shared.config.stats_interval_ms.max(1000));
+        // A round still waiting on a slow engine: share what it has before starting the next.
+        if let Some(snapshot) = self.snapshot.take() {
+            self.publish(shared, snapshot);
+        }
+        self.reports.clear();
+        self.engines.clear();
+        let config = &shared.router.config;
+        let timeout = Duration::from_millis(config.stats_interval_ms.max(1000));
         let headers = vec![
             (":method", "GET"),
             (":path", "/clusters?format=json"),
@@ -37,27 +51,22 @@ impl Poller {
             Ok(token) => self.admin = Some(token),
             Err(_) => shared.metrics.count("kvroute.stats_poll.failed"),
         }
-        let Some(cluster) = shared.config.engine_metrics_cluster.clone() else {
+        let Some(cluster) = config.engine_metrics_cluster.as_deref() else {
             return;
         };
-        let hosts = shared.snapshot.get(&cluster).cloned().unwrap_or_default();
-        let (header, path) = (
-            shared.config.header.clone(),
-            shared.config.engine_metrics_path.clone(),
-        );
-        self.engines.clear();
+        let hosts = shared.snapshot.get(cluster).map_or(&[][..], Vec::as_slice);
         // Unhealthy hosts are never candidates: their load does not matter, and a call would fail.
-        for host in hosts.into_iter().filter(|h| h.healthy) {
+        for host in hosts.iter().filter(|h| h.healthy) {
             // Through the engines' own cluster: the routing header picks the host, as for requests.
             let headers = vec![
                 (":method", "GET"),
-                (":path", path.as_str()),
-                (":authority", cluster.as_str()),
-                (header.as_str(), host.addr.as_str()),
+                (":path", config.engine_metrics_path.as_str()),
+                (":authority", cluster),
+                (config.header.as_str(), host.addr.as_str()),
             ];
-            match hostcalls::dispatch_http_call(&cluster, headers, None, vec![], timeout) {
+            match hostcalls::dispatch_http_call(cluster, headers, None, vec![], timeout) {
                 Ok(token) => {
-                    self.engines.insert(token, host.addr);
+                    self.engines.insert(token, host.addr.clone());
                 }
                 Err(_) => shared.metrics.count("kvroute.engine_poll.failed"),
             }
@@ -78,35 +87,59 @@ impl Poller {
         };
         if self.admin == Some(token) {
             self.admin = None;
-            admin_response(shared, ok_body, status);
+            self.snapshot = admin_response(shared, ok_body, status);
         } else if let Some(addr) = self.engines.remove(&token) {
-            engine_response(shared, &addr, ok_body);
+            match ok_body.as_deref().and_then(endpoints::parse_engine_metrics) {
+                Some((running, waiting)) => {
+                    // What kvroute itself has in flight there as the engine answers: what it
+                    // sends from now on comes on top of the engine's numbers.
+                    let own = counters::read(&HostStore).inflight(endpoint_id(&addr));
+                    self.reports.insert(addr, (running, waiting, own));
+                    shared.metrics.count("kvroute.engine_poll.ok");
+                }
+                None => shared.metrics.count("kvroute.engine_poll.failed"),
+            }
         }
+        if self.admin.is_none() && self.engines.is_empty() {
+            if let Some(snapshot) = self.snapshot.take() {
+                self.publish(shared, snapshot);
+            }
+        }
+    }
+
+    /// Folds this round's engine reports into the snapshot and shares it with every worker.
+    fn publish(&mut self, shared: &mut Shared, mut snapshot: Snapshot) {
+        if shared.router.config.engine_metrics_cluster.is_some() {
+            let loads = engine_loads(&self.reports, &snapshot);
+            endpoints::apply_engine_loads(&mut snapshot, &loads);
+        }
+        let _ = HostStore.set(HOSTS_KEY, &endpoints::encode_snapshot(&snapshot), None);
+        shared.refresh_snapshot();
     }
 }
 
-fn admin_response(shared: &mut Shared, body: Option<Vec<u8>>, status: Option<String>) {
+/// The admin `/clusters` answer as a snapshot, counted and logged when it is not one.
+fn admin_response(
+    shared: &mut Shared,
+    body: Option<Vec<u8>>,
+    status: Option<String>,
+) -> Option<Snapshot> {
     let parsed = match body {
         Some(body) => endpoints::parse_admin_clusters(&body),
         None => Err(format!("admin answered status {status:?}")),
     };
-    let mut snapshot = match parsed {
+    let snapshot = match parsed {
         Ok(snapshot) => snapshot,
         Err(e) => {
             let _ = hostcalls::log(LogLevel::Warn, &format!("kvroute: stats poll failed: {e}"));
             shared.metrics.count("kvroute.stats_poll.failed");
-            return;
+            return None;
         }
     };
-    if shared.config.engine_metrics_cluster.is_some() {
-        endpoints::apply_engine_loads(&mut snapshot, &engine_loads());
-    }
-    let _ = HostStore.set(HOSTS_KEY, &endpoints::encode_snapshot(&snapshot), None);
-    shared.refresh_snapshot();
-    let admin = shared.config.admin_cluster.clone();
+    let admin = shared.router.config.admin_cluster.as_deref();
     let known = snapshot
         .iter()
-        .filter(|(name, _)| Some(*name) != admin.as_ref())
+        .filter(|(name, _)| Some(name.as_str()) != admin)
         .flat_map(|(_, hosts)| hosts)
         .filter(|h| h.healthy)
         .count();
@@ -114,32 +147,34 @@ fn admin_response(shared: &mut Shared, body: Option<Vec<u8>>, status: Option<Str
         .metrics
         .gauge("kvroute.endpoints_known", known as u64);
     shared.metrics.count("kvroute.stats_poll.ok");
+    Some(snapshot)
 }
 
-/// Records one engine's load; the next admin poll folds it into the host snapshot.
-fn engine_response(shared: &mut Shared, addr: &str, body: Option<Vec<u8>>) {
-    let Some(load) = body.as_deref().and_then(endpoints::parse_engine_metrics) else {
-        shared.metrics.count("kvroute.engine_poll.failed");
-        return;
-    };
+/// Every engine's load: this round's reports over the last known (which carry what was learnt of
+/// each engine's capacity, whichever worker polled it), kept only for hosts still in the snapshot.
+fn engine_loads(reports: &HashMap<String, (u64, u64, u32)>, snapshot: &Snapshot) -> EngineLoads {
+    let mut loads = EngineLoads::default();
     store::update(&HostStore, ENGINE_KEY, |current| {
-        let mut loads: EngineLoads = current
+        let known: EngineLoads = current
             .and_then(|v| serde_json::from_slice(v).ok())
             .unwrap_or_default();
-        loads.insert(addr.to_string(), load);
-        // Only hosts still in the snapshot: the value stays as small as the fleet.
-        loads.retain(|a, _| shared.snapshot.values().flatten().any(|h| &h.addr == a));
+        loads = snapshot
+            .values()
+            .flatten()
+            .filter_map(|h| {
+                let previous = known.get(&h.addr);
+                let load = match reports.get(&h.addr) {
+                    Some(&(running, waiting, own)) => {
+                        EngineLoad::observe(previous, running, waiting, own)
+                    }
+                    None => *previous?,
+                };
+                Some((h.addr.clone(), load))
+            })
+            .collect();
         serde_json::to_vec(&loads).ok()
     });
-    shared.metrics.count("kvroute.engine_poll.ok");
-}
-
-fn engine_loads() -> EngineLoads {
-    HostStore
-        .get(ENGINE_KEY)
-        .0
-        .and_then(|v| serde_json::from_slice(&v).ok())
-        .unwrap_or_default()
+    loads
 }
 
 /// One poll per interval across all workers: whoever first moves the shared deadline polls.

@@ -16,16 +16,16 @@ use super::poll::{self, Poller};
 use crate::config::Config;
 use crate::endpoints::{self, Host, Snapshot};
 use crate::policy::Decision;
-use crate::router;
+use crate::router::{Fallback, Router};
 use crate::store::SharedStore;
 
 pub(super) const HOSTS_KEY: &str = "kvroute.hosts";
 /// Tick and poll period until the first host snapshot: requests fall back to Envoy until then.
 const STARTUP_TICK_MS: u64 = 100;
 
-/// What a worker VM's streams share: config, the last host snapshot, metrics.
+/// What a worker VM's streams share: the configured router, the last host snapshot, metrics.
 pub struct Shared {
-    pub config: Config,
+    pub router: Router,
     pub metrics: Metrics,
     pub(super) snapshot: Snapshot,
     pub(super) snapshot_cas: Option<u32>,
@@ -36,10 +36,11 @@ impl Shared {
     /// load from the last poll where known), else the cluster's hosts from the last poll.
     /// Borrowed from the snapshot in the common case: nothing is copied per request.
     pub fn hosts(&self, cluster: Option<&str>) -> Option<Cow<'_, [Host]>> {
-        if !self.config.endpoints.is_empty() {
+        let config = &self.router.config;
+        if !config.endpoints.is_empty() {
             let polled: Vec<&Host> = self.snapshot.values().flatten().collect();
             return Some(Cow::Owned(
-                self.config
+                config
                     .endpoints
                     .iter()
                     .map(|addr| {
@@ -121,8 +122,8 @@ impl RootContext for Root {
         for d in Decision::ALL {
             metrics.define_counter(&format!("kvroute.routed.{}", d.name()));
         }
-        for reason in router::FALLBACK_REASONS {
-            metrics.define_counter(&format!("kvroute.fallback.{reason}"));
+        for reason in Fallback::ALL {
+            metrics.define_counter(&format!("kvroute.fallback.{}", reason.name()));
         }
         for poll in ["stats_poll", "engine_poll"] {
             metrics.define_counter(&format!("kvroute.{poll}.ok"));
@@ -134,7 +135,7 @@ impl RootContext for Root {
             let _ = hostcalls::set_tick_period(Duration::from_millis(startup));
         }
         self.shared = Some(Rc::new(RefCell::new(Shared {
-            config,
+            router: Router::new(config),
             metrics,
             snapshot: Snapshot::new(),
             snapshot_cas: None,
@@ -147,7 +148,8 @@ impl RootContext for Root {
         let Some(shared) = &self.shared else { return };
         let (admin, interval) = {
             let s = shared.borrow();
-            (s.config.admin_cluster.clone(), s.config.stats_interval_ms)
+            let config = &s.router.config;
+            (config.admin_cluster.clone(), config.stats_interval_ms)
         };
         let has_snapshot = {
             let mut s = shared.borrow_mut();
