@@ -11,7 +11,8 @@ PEERS := .work/peers
 BENCH_OUT ?= .work/bench
 BENCH_FLEET ?= bench/fleets/default.json
 BENCH_WORKLOAD ?= bench/workloads/llm-d.json
-BENCH_ROUTERS ?= round_robin,least_request,ring_hash,kvroute,kvroute:prefix_hash,smg,vllm-router:cache_aware,vllm-router:consistent_hash,vllm-router:kv_aware,oracle
+# NAME@N: N instances of NAME behind one round-robin Envoy (scale-out, each with its own state).
+BENCH_ROUTERS ?= round_robin,least_request,ring_hash,kvroute,kvroute@3,kvroute:prefix_hash,smg,smg@3,vllm-router:cache_aware,vllm-router:consistent_hash,vllm-router:kv_aware,oracle
 # Each peer: venv name and the PyPI requirement installed into it.
 PEER_PKGS := smg=smg vllm-router=vllm-router
 

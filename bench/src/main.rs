@@ -35,7 +35,8 @@ enum Cmd {
         #[arg(long)]
         workload: PathBuf,
         /// Comma-separated: round_robin, least_request, ring_hash, kvroute, kvroute:<policy>,
-        /// smg, vllm-router:<policy>, oracle.
+        /// smg, vllm-router:<policy>, oracle; NAME@N runs N instances of NAME behind one
+        /// round-robin Envoy.
         #[arg(long, default_value = "round_robin,kvroute,oracle")]
         routers: String,
         /// Output directory.

@@ -6,6 +6,7 @@ use crate::sim_process::SimFleet;
 use crate::workload::SESSION_HEADER;
 use kvroute_harness::{Envoy, EnvoyOptions, Lb};
 use serde_json::{json, Value};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
 /// Envoy worker threads for the Envoy-based routers (the machine has 2 cores).
@@ -22,10 +23,28 @@ pub enum Router {
     Smg,
     Vllm(String),
     Oracle,
+    /// `NAME@N`: N instances of a router, each with its own state, behind one round-robin Envoy.
+    Scaled(Box<Router>, u32),
 }
+
+/// Most instances `NAME@N` starts (everything shares the machine's cores).
+pub const MAX_INSTANCES: u32 = 8;
 
 impl Router {
     pub fn parse(name: &str) -> Result<Router, String> {
+        if let Some((base, n)) = name.rsplit_once('@') {
+            let n: u32 = n
+                .parse()
+                .ok()
+                .filter(|n| (1..=MAX_INSTANCES).contains(n))
+                .ok_or_else(|| {
+                    format!("{name:?}: the count after @ must be 1 to {MAX_INSTANCES}")
+                })?;
+            return match Router::parse(base)? {
+                Router::Scaled(..) => Err(format!("{name:?}: only one @N per router")),
+                inner => Ok(Router::Scaled(Box::new(inner), n)),
+            };
+        }
         let (base, arg) = match name.split_once(':') {
             Some((b, a)) => (b, Some(a.to_string())),
             None => (name, None),
@@ -41,7 +60,7 @@ impl Router {
             _ => {
                 return Err(format!(
                     "unknown router {name:?} (round_robin, least_request, ring_hash, kvroute, \
-                     kvroute:<policy>, smg, vllm-router:<policy>, oracle)"
+                     kvroute:<policy>, smg, vllm-router:<policy>, oracle, any of them as NAME@N)"
                 ))
             }
         })
@@ -65,11 +84,42 @@ impl Router {
             Router::Smg => "smg".into(),
             Router::Vllm(p) => format!("vllm-router:{p}"),
             Router::Oracle => "oracle".into(),
+            Router::Scaled(inner, n) => format!("{}@{n}", inner.name()),
         }
     }
 
     /// Starts this router in front of `fleet`. An `Err` is the reason to report it as skipped.
     pub async fn start(&self, fleet: &SimFleet, fleet_spec: &Value) -> Result<Running, String> {
+        let Router::Scaled(inner, n) = self else {
+            return self.start_one(fleet, fleet_spec).await;
+        };
+        let mut instances = Vec::new();
+        for _ in 0..*n {
+            instances.push(inner.start_one(fleet, fleet_spec).await?);
+        }
+        let backends = instances
+            .iter()
+            .map(|r| addr_of(&r.url))
+            .collect::<Result<Vec<_>, _>>()?;
+        // Active health checks off: each probe would be a request every instance handles (and
+        // kvroute counts as a fallback); every instance already served or passed its own checks.
+        let front = Envoy::start(EnvoyOptions {
+            backends,
+            lb: Lb::RoundRobin,
+            concurrency: ENVOY_CONCURRENCY,
+            active_health_checks: false,
+            ..EnvoyOptions::default()
+        })
+        .await
+        .map_err(|e| format!("front Envoy: {e}"))?;
+        Ok(Running {
+            url: front.url(),
+            process: Process::Scaled { front, instances },
+        })
+    }
+
+    /// Starts one instance of a router that is not `NAME@N`.
+    async fn start_one(&self, fleet: &SimFleet, fleet_spec: &Value) -> Result<Running, String> {
         let envoy = |lb: Lb| async move {
             let backends = fleet
                 .replicas
@@ -113,6 +163,7 @@ impl Router {
                     process: Process::Oracle(oracle),
                 })
             }
+            Router::Scaled(..) => Err(format!("{}: only one @N per router", self.name())),
         }
     }
 }
@@ -137,28 +188,46 @@ pub enum Process {
     Envoy(Envoy),
     Peer(PeerProcess),
     Oracle(Oracle),
+    /// `NAME@N`: the round-robin front Envoy and the instances behind it.
+    Scaled {
+        front: Envoy,
+        instances: Vec<Running>,
+    },
 }
 
 impl Running {
-    /// kvroute's routing decisions so far (`kvroute.routed.<decision>` counters), if it is kvroute.
+    /// kvroute's routing decisions so far (`kvroute.routed.<decision>` counters), if it is kvroute;
+    /// for `kvroute@N` summed over the N Envoys.
     pub async fn kvroute_decisions(&self) -> Vec<(String, u64)> {
-        let Process::Envoy(envoy) = &self.process else {
-            return Vec::new();
+        let envoys: Vec<&Envoy> = match &self.process {
+            Process::Envoy(envoy) => vec![envoy],
+            Process::Scaled { instances, .. } => instances
+                .iter()
+                .filter_map(|r| match &r.process {
+                    Process::Envoy(envoy) => Some(envoy),
+                    _ => None,
+                })
+                .collect(),
+            _ => Vec::new(),
         };
-        // Routed decisions, and the fallbacks that happened (requests kvroute left to Envoy).
-        let stats = envoy.stats("kvroute.").await.unwrap_or_default();
-        let mut out: Vec<(String, u64)> = stats
-            .into_iter()
-            .filter_map(|(name, v)| {
-                if let Some((_, decision)) = name.rsplit_once("kvroute.routed.") {
-                    return Some((decision.to_string(), v));
-                }
-                let (_, reason) = name.rsplit_once("kvroute.fallback.")?;
-                (v > 0).then(|| (format!("fallback:{reason}"), v))
-            })
-            .collect();
-        out.sort();
-        out
+        let mut sum = BTreeMap::new();
+        for envoy in envoys {
+            // Routed decisions, and the fallbacks that happened (requests kvroute left to Envoy).
+            let stats = envoy.stats("kvroute.").await.unwrap_or_default();
+            for (name, v) in stats {
+                let key = if let Some((_, decision)) = name.rsplit_once("kvroute.routed.") {
+                    decision.to_string()
+                } else if let Some((_, reason)) = name.rsplit_once("kvroute.fallback.") {
+                    format!("fallback:{reason}")
+                } else {
+                    continue;
+                };
+                *sum.entry(key).or_insert(0) += v;
+            }
+        }
+        sum.into_iter()
+            .filter(|(k, v)| *v > 0 || !k.starts_with("fallback:"))
+            .collect()
     }
 }
 
@@ -186,5 +255,38 @@ mod tests {
     fn unknown_router_is_an_error() {
         assert!(Router::parse("nginx").is_err());
         assert!(Router::parse("vllm-router").is_err());
+    }
+
+    #[test]
+    fn scaled_router_names_round_trip() {
+        let names = "kvroute@3,smg@3,vllm-router:cache_aware@2,kvroute:prefix_hash@1,round_robin@4,oracle@2";
+        let parsed = Router::parse_list(names).unwrap();
+        assert_eq!(
+            parsed[0],
+            Router::Scaled(Box::new(Router::Kvroute(None)), 3)
+        );
+        assert_eq!(
+            parsed[2],
+            Router::Scaled(Box::new(Router::Vllm("cache_aware".into())), 2)
+        );
+        let back: Vec<String> = parsed.iter().map(Router::name).collect();
+        assert_eq!(back.join(","), names);
+    }
+
+    #[test]
+    fn bad_instance_counts_and_nesting_are_errors() {
+        for bad in [
+            "kvroute@0",
+            "kvroute@",
+            "kvroute@x",
+            "kvroute@-1",
+            "kvroute@9",
+            "@3",
+            "nginx@2",
+            "vllm-router@2",
+            "kvroute@2@3",
+        ] {
+            assert!(Router::parse(bad).is_err(), "{bad} parsed");
+        }
     }
 }

@@ -53,21 +53,25 @@ fn kvroute_beats_round_robin_hit_rate_and_results_file_is_complete() {
     std::fs::write(&fleet_path, fleet.to_string()).unwrap();
     std::fs::write(&workload_path, workload.to_string()).unwrap();
 
-    let status = Command::new(env!("CARGO_BIN_EXE_kvroute-bench"))
+    let output = Command::new(env!("CARGO_BIN_EXE_kvroute-bench"))
         .arg("compare")
         .arg("--fleet")
         .arg(&fleet_path)
         .arg("--workload")
         .arg(&workload_path)
-        .args(["--routers", "round_robin,kvroute,oracle", "--out"])
+        .args(["--routers", "round_robin,kvroute,kvroute@2,oracle", "--out"])
         .arg(&out)
         .env(
             "KVROUTE_SIM",
             artifact("KVROUTE_SIM", "target/release/kvroute-sim"),
         )
-        .status()
+        .output()
         .expect("run kvroute-bench");
-    assert!(status.success(), "kvroute-bench compare failed");
+    let progress = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "kvroute-bench compare failed:\n{progress}"
+    );
 
     let results: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
@@ -75,7 +79,7 @@ fn kvroute_beats_round_robin_hit_rate_and_results_file_is_complete() {
     assert_eq!(results["workload"]["name"], "e2e-tiny");
     let rows = results["results"].as_array().unwrap();
     let names: Vec<&str> = rows.iter().map(|r| r["router"].as_str().unwrap()).collect();
-    assert_eq!(names, ["round_robin", "kvroute", "oracle"]);
+    assert_eq!(names, ["round_robin", "kvroute", "kvroute@2", "oracle"]);
     for r in rows {
         assert!(
             r.get("skipped").is_none(),
@@ -95,11 +99,38 @@ fn kvroute_beats_round_robin_hit_rate_and_results_file_is_complete() {
         hit(1),
         hit(0)
     );
-    assert!(std::fs::read_to_string(out.join("results.md"))
-        .unwrap()
-        .contains("| kvroute |"));
+    // kvroute@2's decisions are summed over both of its Envoys: together they decided every
+    // measured request (one alone would have seen about half of them).
+    let decided = decisions_of("kvroute@2", &progress);
+    let requests = rows[2]["requests"].as_u64().unwrap();
+    assert!(
+        decided >= requests,
+        "kvroute@2 decided {decided} of {requests} requests:\n{progress}"
+    );
+    let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+    assert!(md.contains("| kvroute |") && md.contains("| kvroute@2 |"));
     assert!(std::fs::read_to_string(out.join("ttft.svg"))
         .unwrap()
         .starts_with("<svg"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The sum of the `kvroute decisions:` counters printed for `router` (`== [i/n] router` header).
+fn decisions_of(router: &str, progress: &str) -> u64 {
+    let header = format!("] {router}");
+    let mut section = progress
+        .lines()
+        .skip_while(|l| !(l.starts_with("== [") && l.ends_with(&header)))
+        .skip(1)
+        .take_while(|l| !l.starts_with("== ["));
+    let line = section
+        .find_map(|l| {
+            l.trim()
+                .strip_prefix("kvroute decisions:")
+                .map(str::to_string)
+        })
+        .unwrap_or_else(|| panic!("no kvroute decisions for {router}:\n{progress}"));
+    line.split_whitespace()
+        .filter_map(|kv| kv.rsplit_once('=')?.1.parse::<u64>().ok())
+        .sum()
 }

@@ -26,6 +26,8 @@ pub struct Patch<'a> {
     pub wasm: Option<&'a Path>,
     /// Replaces the shipped active health-check interval when set.
     pub health_check_interval: Option<Duration>,
+    /// Keeps the pool's shipped active health checks; `false` removes them.
+    pub active_health_checks: bool,
 }
 
 /// Reads `shipped` (YAML text) and returns the patched bootstrap as YAML text.
@@ -127,7 +129,9 @@ pub fn merge_plugin_config(shipped: &str, overrides: &Json) -> Result<String, Ha
 
 fn patch_pool(cluster: &mut Value, patch: &Patch) -> Result<(), HarnessError> {
     set_endpoints(cluster, patch.backends)?;
-    if let Some(every) = patch.health_check_interval {
+    if !patch.active_health_checks {
+        map_mut(cluster)?.remove("health_checks");
+    } else if let Some(every) = patch.health_check_interval {
         let every = format!("{}s", every.as_secs_f64());
         for hc in seq_mut(get_mut(cluster, &["health_checks"])?)? {
             let hc = map_mut(hc)?;
@@ -207,6 +211,10 @@ mod tests {
     }
 
     fn render_with(lb: &Lb) -> Value {
+        render_checked(lb, true)
+    }
+
+    fn render_checked(lb: &Lb, active_health_checks: bool) -> Value {
         let backends = [
             "127.0.0.1:7001".parse().unwrap(),
             "127.0.0.1:7002".parse().unwrap(),
@@ -218,6 +226,7 @@ mod tests {
             lb,
             wasm: Some(Path::new("/x/kvroute.wasm")),
             health_check_interval: Some(Duration::from_millis(200)),
+            active_health_checks,
         };
         serde_yaml::from_str(&render(&shipped(), &patch).unwrap()).unwrap()
     }
@@ -271,6 +280,24 @@ mod tests {
         }))
         .unwrap();
         assert!(text.contains("header_name: x-user"), "{text}");
+    }
+
+    #[test]
+    fn active_health_checks_can_be_removed_and_outlier_detection_stays() {
+        let pool = |root: &Value| {
+            root["static_resources"]["clusters"]
+                .as_sequence()
+                .unwrap()
+                .iter()
+                .find(|c| c["name"].as_str() == Some(POOL_CLUSTER))
+                .unwrap()
+                .clone()
+        };
+        let with = pool(&render_checked(&Lb::RoundRobin, true));
+        assert!(with.get("health_checks").is_some());
+        let without = pool(&render_checked(&Lb::RoundRobin, false));
+        assert!(without.get("health_checks").is_none(), "{without:?}");
+        assert!(without.get("outlier_detection").is_some());
     }
 
     #[test]

@@ -34,6 +34,9 @@ pub struct EnvoyOptions {
     pub concurrency: u32,
     /// Replaces the shipped 1 s active health-check interval (tests of failover want it faster).
     pub health_check_interval: Option<Duration>,
+    /// Keep the shipped active health checks on the pool. A front Envoy over other proxies turns
+    /// them off: each probe would be a request those proxies handle (and count).
+    pub active_health_checks: bool,
     /// Wait in [`Envoy::start`] until every backend passed its health check.
     pub wait_healthy: bool,
     /// How long [`Envoy::start`] waits for readiness before failing with the log tail.
@@ -51,6 +54,7 @@ impl Default for EnvoyOptions {
             },
             concurrency: 2,
             health_check_interval: None,
+            active_health_checks: true,
             wait_healthy: true,
             ready_timeout: Duration::from_secs(60),
             log_level: "warn".into(),
@@ -88,6 +92,7 @@ impl Envoy {
                 lb: &opts.lb,
                 wasm: wasm.as_deref(),
                 health_check_interval: opts.health_check_interval,
+                active_health_checks: opts.active_health_checks,
             },
         )?;
         let dir = temp_dir()?;
