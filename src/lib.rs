@@ -2,8 +2,8 @@
 //!
 //! The routing core is plain Rust that knows nothing about the host and is tested natively:
 //! [`request`] parses the OpenAI body, [`prefix`] hashes its prompt into chained chunk keys,
-//! [`affinity`] remembers which endpoints hold which prefixes, [`endpoints`] and [`counters`] say
-//! which endpoints exist and how loaded they are, [`policy`] picks one, and [`router`] runs that
+//! [`affinity`] remembers which endpoints hold which prefixes, [`endpoints`], [`engine`] and
+//! [`counters`] say which endpoints exist and how loaded they are, [`policy`] picks one, and [`router`] runs that
 //! pipeline for one request. [`store`] is the one seam to the host: Envoy's shared data in the
 //! filter, a map in tests. The proxy-wasm adapter (`wasm/`) only moves bytes between Envoy and
 //! this core.
@@ -12,6 +12,7 @@ pub mod affinity;
 pub mod config;
 pub mod counters;
 pub mod endpoints;
+pub mod engine;
 pub mod policy;
 pub mod prefix;
 pub mod rendezvous;

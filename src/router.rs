@@ -238,7 +238,7 @@ fn endpoint_list(
 mod tests {
     use super::*;
     use crate::config::PolicyKind;
-    use crate::endpoints::EngineLoad;
+    use crate::engine::{EngineLoad, Metrics};
     use crate::store::MemoryStore;
 
     fn hosts(n: usize) -> Vec<Host> {
@@ -447,8 +447,9 @@ mod tests {
     fn an_engine_that_queues_other_gateways_traffic_takes_no_group() {
         let (r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
         let mut hs = hosts(2);
-        hs[1].engine = Some(EngineLoad::observe(None, 16, 3, 0));
-        hs[0].engine = Some(EngineLoad::observe(None, 2, 0, 0));
+        let report = |running, waiting| Metrics { running, waiting };
+        hs[1].engine = Some(EngineLoad::observe(None, &report(16, 3), 0));
+        hs[0].engine = Some(EngineLoad::observe(None, &report(2, 0), 0));
         for g in 0..10 {
             let routed = send(&r, &store, &hs, &chat(&system(g), "q")).unwrap();
             assert_eq!(routed.endpoints[0], "127.0.0.1:8001");

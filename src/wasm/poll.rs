@@ -12,7 +12,8 @@ use proxy_wasm::types::{BufferType, LogLevel, MapType};
 use super::host::HostStore;
 use super::root::{Shared, HOSTS_KEY};
 use crate::counters;
-use crate::endpoints::{self, EngineLoad, EngineLoads, Snapshot};
+use crate::endpoints::{self, Snapshot};
+use crate::engine::{self, EngineLoad, EngineLoads, Metrics};
 use crate::rendezvous::endpoint_id;
 use crate::store::{self, SharedStore};
 
@@ -27,8 +28,8 @@ pub struct Poller {
     engines: HashMap<u32, String>,
     /// The admin answer, held until the engines' answers are in too.
     snapshot: Option<Snapshot>,
-    /// This round's engine answers: (running, waiting, kvroute's own count when it came).
-    reports: HashMap<String, (u64, u64, u32)>,
+    /// This round's engine answers, with kvroute's own count there when each came.
+    reports: HashMap<String, (Metrics, u32)>,
 }
 
 impl Poller {
@@ -89,12 +90,12 @@ impl Poller {
             self.admin = None;
             self.snapshot = admin_response(shared, ok_body, status);
         } else if let Some(addr) = self.engines.remove(&token) {
-            match ok_body.as_deref().and_then(endpoints::parse_engine_metrics) {
-                Some((running, waiting)) => {
+            match ok_body.as_deref().and_then(engine::parse) {
+                Some(metrics) => {
                     // What kvroute itself has in flight there as the engine answers: what it
                     // sends from now on comes on top of the engine's numbers.
                     let own = counters::read(&HostStore).inflight(endpoint_id(&addr));
-                    self.reports.insert(addr, (running, waiting, own));
+                    self.reports.insert(addr, (metrics, own));
                     shared.metrics.count("kvroute.engine_poll.ok");
                 }
                 None => shared.metrics.count("kvroute.engine_poll.failed"),
@@ -152,7 +153,7 @@ fn admin_response(
 
 /// Every engine's load: this round's reports over the last known (which carry what was learnt of
 /// each engine's capacity, whichever worker polled it), kept only for hosts still in the snapshot.
-fn engine_loads(reports: &HashMap<String, (u64, u64, u32)>, snapshot: &Snapshot) -> EngineLoads {
+fn engine_loads(reports: &HashMap<String, (Metrics, u32)>, snapshot: &Snapshot) -> EngineLoads {
     let mut loads = EngineLoads::default();
     store::update(&HostStore, ENGINE_KEY, |current| {
         let known: EngineLoads = current
@@ -164,9 +165,7 @@ fn engine_loads(reports: &HashMap<String, (u64, u64, u32)>, snapshot: &Snapshot)
             .filter_map(|h| {
                 let previous = known.get(&h.addr);
                 let load = match reports.get(&h.addr) {
-                    Some(&(running, waiting, own)) => {
-                        EngineLoad::observe(previous, running, waiting, own)
-                    }
+                    Some((metrics, own)) => EngineLoad::observe(previous, metrics, *own),
                     None => *previous?,
                 };
                 Some((h.addr.clone(), load))

@@ -1,0 +1,153 @@
+//! What an engine says about itself: its Prometheus `/metrics` (vLLM's or SGLang's names) read as
+//! its load (running, waiting, every gateway's traffic) and its capacity, learnt from when it
+//! queues.
+
+use hashbrown::HashMap;
+use serde::{Deserialize, Serialize};
+
+/// Engine loads by host address, as the last metrics polls found them.
+pub type EngineLoads = HashMap<String, EngineLoad>;
+
+/// The numbers kvroute reads from one `/metrics` page.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Metrics {
+    /// Requests running (in the batch, prefilling or decoding).
+    pub running: u64,
+    /// Requests queued for admission: the engine is full.
+    pub waiting: u64,
+}
+
+/// vLLM's and SGLang's metric families for each number kvroute reads.
+const RUNNING: [&str; 2] = ["vllm:num_requests_running", "sglang:num_running_reqs"];
+const WAITING: [&str; 2] = ["vllm:num_requests_waiting", "sglang:num_queue_reqs"];
+
+/// Reads an engine's Prometheus text, each number summed over label sets (one per model).
+/// `None` when it exposes neither requests running nor waiting.
+pub fn parse(text: &[u8]) -> Option<Metrics> {
+    let text = String::from_utf8_lossy(text);
+    let (mut running, mut waiting) = (None, None);
+    for line in text.lines() {
+        let Some(name_end) = line.find(['{', ' ']) else {
+            continue;
+        };
+        let name = &line[..name_end];
+        let slot = if RUNNING.contains(&name) {
+            &mut running
+        } else if WAITING.contains(&name) {
+            &mut waiting
+        } else {
+            continue;
+        };
+        let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+        if let Some(v) = value.filter(|v| v.is_finite() && *v >= 0.0) {
+            *slot.get_or_insert(0.0) += v;
+        }
+    }
+    if running.is_none() && waiting.is_none() {
+        return None;
+    }
+    Some(Metrics {
+        running: running.unwrap_or(0.0).round() as u64,
+        waiting: waiting.unwrap_or(0.0).round() as u64,
+    })
+}
+
+/// An engine's load as kvroute keeps it between polls.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineLoad {
+    pub running: u64,
+    pub waiting: u64,
+    /// The most requests it runs at once, learnt from what it ran when it last queued (its
+    /// max_num_seqs, or what its KV space allowed); `None` until it has been seen full.
+    pub capacity: Option<u64>,
+    /// kvroute's own in-flight count to it when the metrics were read: requests sent since
+    /// then are on top of what it reported.
+    pub own_at_poll: u32,
+}
+
+impl EngineLoad {
+    /// The engine's new report, learning its capacity from the previous ones: once it has
+    /// queued, the most it was ever seen running. (A queue with nothing running is a stall, not
+    /// a limit.)
+    pub fn observe(previous: Option<&EngineLoad>, m: &Metrics, own: u32) -> Self {
+        let known = previous.and_then(|p| p.capacity);
+        let capacity = match known {
+            Some(c) => Some(c.max(m.running)),
+            None => (m.waiting > 0 && m.running > 0).then_some(m.running),
+        };
+        EngineLoad {
+            running: m.running,
+            waiting: m.waiting,
+            capacity,
+            own_at_poll: own,
+        }
+    }
+
+    /// Requests at the engine now: what it reported, corrected by kvroute's own requests sent or
+    /// finished since (other gateways' changes show at the next poll).
+    pub fn estimate(&self, own_now: u32) -> u64 {
+        let reported = (self.running + self.waiting) as i64;
+        let since = i64::from(own_now) - i64::from(self.own_at_poll);
+        (reported + since).max(i64::from(own_now)).max(0) as u64
+    }
+
+    /// Whether the engine queues new requests: it said so, or it has more than it can run.
+    pub fn queueing(&self, estimate: u64) -> bool {
+        self.waiting > 0 || self.capacity.is_some_and(|c| estimate > c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metrics(running: u64, waiting: u64) -> Metrics {
+        Metrics { running, waiting }
+    }
+
+    #[test]
+    fn vllm_and_sglang_pages_give_running_waiting_and_token_counters() {
+        let text = "# HELP vllm:num_requests_running Number of requests running.\n\
+            # TYPE vllm:num_requests_running gauge\n\
+            vllm:num_requests_running{engine=\"0\",model_name=\"a\"} 3.0\n\
+            vllm:num_requests_running{engine=\"0\",model_name=\"b\"} 1.0\n\
+            vllm:num_requests_waiting{engine=\"0\",model_name=\"a\"} 12.0\n\
+            vllm:num_requests_waiting_by_reason{reason=\"x\"} 99.0\n\
+            vllm:kv_cache_usage_perc{engine=\"0\"} 0.5\n";
+        let m = parse(text.as_bytes()).unwrap();
+        assert_eq!((m.running, m.waiting), (4, 12));
+        let s = parse(b"sglang:num_queue_reqs 4\nsglang:num_running_reqs 2\n").unwrap();
+        assert_eq!((s.running, s.waiting), (2, 4));
+        assert_eq!(parse(b"up 1\n"), None);
+        assert_eq!(parse(b"vllm:num_requests_waiting NaN\n"), None);
+    }
+
+    #[test]
+    fn an_engine_that_queues_teaches_its_capacity() {
+        let idle = EngineLoad::observe(None, &metrics(3, 0), 0);
+        assert_eq!(idle.capacity, None);
+        assert!(!idle.queueing(idle.estimate(0)));
+        let full = EngineLoad::observe(Some(&idle), &metrics(16, 5), 2);
+        assert_eq!(full.capacity, Some(16));
+        assert!(full.queueing(full.estimate(2)), "it reported a queue");
+        let drained = EngineLoad::observe(Some(&full), &metrics(10, 0), 0);
+        assert_eq!(drained.capacity, Some(16), "capacity is remembered");
+        assert!(!drained.queueing(drained.estimate(0)));
+        assert!(
+            drained.queueing(drained.estimate(7)),
+            "7 more sent since the poll make 17 > 16"
+        );
+        let stall = EngineLoad::observe(None, &metrics(0, 9), 0);
+        assert_eq!(stall.capacity, None, "a stall");
+    }
+
+    #[test]
+    fn the_estimate_adds_what_kvroute_sent_since_the_poll() {
+        let load = EngineLoad::observe(None, &metrics(4, 2), 3);
+        assert_eq!(load.estimate(3), 6);
+        assert_eq!(load.estimate(5), 8, "two more sent");
+        assert_eq!(load.estimate(0), 3, "three of ours finished");
+        let stale = EngineLoad::observe(None, &metrics(0, 0), 9);
+        assert_eq!(stale.estimate(2), 2, "never below our own count");
+    }
+}
