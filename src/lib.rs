@@ -13,6 +13,7 @@ pub mod config;
 pub mod counters;
 pub mod endpoints;
 pub mod engine;
+pub mod groups;
 pub mod policy;
 pub mod prefix;
 pub mod rendezvous;

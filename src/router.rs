@@ -178,6 +178,14 @@ impl Router {
     }
 }
 
+impl Router {
+    /// Periodic work (each worker's tick): the policy refreshes what it keeps from shared data.
+    /// Returns how many groups it now places by balance.
+    pub fn tick(&self, store: &dyn SharedStore, now_ms: u64) -> usize {
+        self.policy.tick(store, now_ms)
+    }
+}
+
 /// Ends a routed request: its endpoint has one request fewer in flight. Returns the new count.
 pub fn finish(store: &dyn SharedStore, endpoint_id: u32) -> Option<u32> {
     counters::add(store, endpoint_id, -1)

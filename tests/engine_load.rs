@@ -5,7 +5,9 @@
 
 mod common;
 
-use common::{chat_body, debug_config, served_by, system_prompt, wait_for_fresh_poll, Fleet};
+use common::{
+    chat_body, debug_config, served_by, system_prompt, wait_for_fresh_poll, warm_up, Fleet,
+};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -49,6 +51,7 @@ async fn a_queueing_engine_sheds_its_groups_until_it_drains() {
     let fleet = Fleet::kvroute(4, config, |_| {}).await;
 
     let groups: Vec<usize> = (0..32).collect();
+    warm_up(&fleet, groups.iter().copied()).await;
     let before = placements(&fleet, &groups, "calm").await;
     let on_zero: Vec<usize> = before
         .iter()

@@ -1,12 +1,14 @@
 #![cfg(not(target_arch = "wasm32"))]
-//! Three gateways, each an Envoy with kvroute and nothing shared between them, act as one: each
-//! group of requests has one home whichever gateway a request reaches, a restarted gateway sends
-//! groups to the same homes, and a hot group spills along the same path at every gateway and
-//! comes back when its home drains.
+//! Three gateways, each an Envoy with kvroute and nothing shared between them, act as one: once
+//! they have seen the groups, each group has one home whichever gateway a request reaches and the
+//! homes are balanced; a restarted gateway, once it has seen them again, uses the same homes; a
+//! hot group spills along the same path at every gateway and comes back when its home drains.
 
 mod common;
 
-use common::{chat_body, debug_config, served_by, system_prompt, wait_for_fresh_poll, Fleet};
+use common::{
+    chat_body, debug_config, served_by, system_prompt, wait_for_fresh_poll, warm_up, Fleet,
+};
 use kvroute_harness::backend::Backend;
 use kvroute_harness::{Envoy, EnvoyOptions, Lb};
 use std::collections::{BTreeMap, BTreeSet};
@@ -17,6 +19,13 @@ const GROUPS: usize = 24;
 
 /// Starts one gateway in front of `backends` and waits until it knows them all.
 async fn gateway(backends: &[Backend]) -> Fleet {
+    let fleet = bare_gateway(backends).await;
+    warm_up(&fleet, 0..GROUPS).await;
+    fleet
+}
+
+/// A gateway that has seen no group yet.
+async fn bare_gateway(backends: &[Backend]) -> Fleet {
     let envoy = Envoy::start(EnvoyOptions {
         backends: backends.iter().map(Backend::addr).collect(),
         lb: Lb::Kvroute {
@@ -72,7 +81,7 @@ async fn three_gateways_give_each_group_one_home_even_after_one_restarts() {
     let mut served = Served::new();
     ask_all(&gateways, 3, "before", &mut served).await;
 
-    // A gateway restarts: a new Envoy with an empty affinity map takes its place.
+    // A gateway restarts: a new Envoy with empty shared data takes its place and sees the groups.
     gateways[1] = gateway(&backends).await;
     ask_all(&gateways, 3, "after", &mut served).await;
 
@@ -81,8 +90,16 @@ async fn three_gateways_give_each_group_one_home_even_after_one_restarts() {
         split.len() * 20 <= GROUPS,
         "fewer than 95% of groups had one home: {split:?}"
     );
-    let homes: BTreeSet<_> = served.values().flatten().collect();
-    assert!(homes.len() >= 3, "24 groups on backends {homes:?} only");
+    let mut per_backend = BTreeMap::<usize, usize>::new();
+    for backends in served.values().filter(|b| b.len() == 1) {
+        backends
+            .iter()
+            .for_each(|b| *per_backend.entry(*b).or_default() += 1);
+    }
+    assert!(
+        per_backend.len() == 4 && per_backend.values().all(|&n| n <= GROUPS.div_ceil(4)),
+        "homes are not balanced: groups per backend {per_backend:?}"
+    );
 }
 
 /// Sends the group's question to gateway `gw` until its decision is `want`, then waits for two
@@ -116,7 +133,7 @@ async fn a_hot_group_spills_to_the_same_replica_at_every_gateway_and_comes_back(
     let backends = Backend::start_many(4).await.unwrap();
     let mut gateways = Vec::new();
     for _ in 0..GATEWAYS {
-        gateways.push(gateway(&backends).await);
+        gateways.push(bare_gateway(&backends).await);
     }
     let group = 7;
     let (home, decision) = ask(&gateways[0], group, 0).await;

@@ -3,42 +3,120 @@
 //!
 //! A request's group is its head (tools and system prompt, or first message) hashed
 //! ([`PrefixKeys::group`](crate::prefix::PrefixKeys)); its endpoints are ranked by rendezvous on
-//! that key. Every gateway computes the same ranking from the request alone, and judges overload
-//! from the same engine reports, so they agree without sharing anything:
+//! that key, and its home is the first of them, or, once this gateway has been up a little while,
+//! its place in the balanced assignment of the groups it has seen ([`groups`](crate::groups)),
+//! which gateways that saw the same groups compute alike. Overload is judged from the engines'
+//! own reports, the same at every gateway:
 //!
 //! - a prefix of the request that reaches past its head (a conversation's history) and that this
 //!   gateway saw served, if it covers at least `cache_threshold` of the request: its first
 //!   holder in the group's order that is not overloaded (`affinity`), where that history is
 //!   cached;
-//! - else the group's first endpoint in rendezvous order (`home`), unless it is overloaded (its
-//!   engine queues, or its load exceeds `rel` × the mean + `abs`): then the next one that is not
-//!   (`spread`), so a hot group grows onto a few replicas, always the same ones, and comes back
-//!   home when it drains;
+//! - else the group's home (`home`), unless it is overloaded (its engine queues, or its load
+//!   exceeds `rel` × the mean + `abs`): then the next endpoint in its rendezvous order that is
+//!   not (`spread`), so a hot group grows onto a few replicas, always the same ones, and comes
+//!   back home when it drains;
 //! - every endpoint overloaded: the least loaded (`balance`).
 //!
-//! A gateway that restarts with an empty map, or joins late, sends each group home like the
-//! others. The affinity map records which endpoint served which prefix (chained chunk keys).
+//! A gateway that restarts with an empty map, or joins late, sends each group to its first
+//! rendezvous choice while it warms up, then to the same balanced home as the others once it has
+//! seen the groups. The affinity map records which endpoint served which prefix (chained chunk
+//! keys).
+
+use std::cell::RefCell;
+
+use hashbrown::HashMap;
 
 use super::load::{first_not_overloaded, least_loaded, mean_load, rendezvous_order, Thresholds};
 use super::{Candidate, Decision, Input, Pick, Policy};
 use crate::affinity::{AffinityMap, Match};
+use crate::groups::{self, Seen};
+use crate::store::SharedStore;
 
 /// A prefix record younger than this is not rewritten when a request follows it: it keeps hot
 /// prefixes' writes to a handful per second instead of one per chunk per request.
 pub const REFRESH_MS: u64 = 1000;
 
+/// Polls (ticks) a gateway waits, seeing groups, before it places them by the balanced
+/// assignment rather than by their first rendezvous choice.
+pub const WARMUP_POLLS: u64 = 10;
+
 pub struct CacheAware {
     /// Shared-data slots of the affinity map.
-    pub capacity: u32,
-    pub cache_threshold: f64,
-    pub thresholds: Thresholds,
+    capacity: u32,
+    cache_threshold: f64,
+    thresholds: Thresholds,
+    warmup_ms: u64,
+    /// This worker's copy of the groups table and the homes computed from it.
+    view: RefCell<GroupView>,
+}
+
+#[derive(Default)]
+struct GroupView {
+    /// When this gateway's first tick ran.
+    born_ms: Option<u64>,
+    seen: HashMap<u64, Seen>,
+    versions: Vec<Option<u32>>,
+    /// The groups that take a place, sorted, and their homes for the endpoint ids they were
+    /// computed for.
+    counted: Vec<u64>,
+    homes: Option<(Vec<u32>, HashMap<u64, u32>)>,
+}
+
+impl CacheAware {
+    pub fn new(
+        capacity: u32,
+        cache_threshold: f64,
+        thresholds: Thresholds,
+        warmup_ms: u64,
+    ) -> Self {
+        CacheAware {
+            capacity,
+            cache_threshold,
+            thresholds,
+            warmup_ms,
+            view: RefCell::default(),
+        }
+    }
+
+    /// The group's home among `candidates`: its place in the balanced assignment once this
+    /// gateway has warmed up and counts the group, else its first rendezvous choice.
+    fn home(&self, candidates: &[Candidate], group: u64, order: &[usize], now_ms: u64) -> usize {
+        let first = order.first().copied().unwrap_or(0);
+        let mut view = self.view.borrow_mut();
+        let warm = view
+            .born_ms
+            .is_some_and(|born| now_ms.saturating_sub(born) >= self.warmup_ms);
+        if !warm || view.counted.binary_search(&group).is_err() {
+            return first;
+        }
+        let ids: Vec<u32> = candidates.iter().map(|c| c.id).collect();
+        if view
+            .homes
+            .as_ref()
+            .is_none_or(|(for_ids, _)| *for_ids != ids)
+        {
+            let homes = groups::assign(&view.counted, &ids);
+            view.homes = Some((ids, homes));
+        }
+        let home = view
+            .homes
+            .as_ref()
+            .and_then(|(_, h)| h.get(&group).copied());
+        home.and_then(|id| candidates.iter().position(|c| c.id == id))
+            .unwrap_or(first)
+    }
 }
 
 impl Policy for CacheAware {
     fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
         let map = AffinityMap::new(input.store, self.capacity);
         let matched = map.longest_match(&input.keys.keys);
-        let order = rendezvous_order(candidates, input.keys.group);
+        let mut order = rendezvous_order(candidates, input.keys.group);
+        let home = self.home(candidates, input.keys.group, &order, input.now_ms);
+        if let Some(at) = order.iter().position(|&i| i == home) {
+            order[..=at].rotate_right(1);
+        }
         let (index, decision) = match self.holder(candidates, input, &order, matched.as_ref()) {
             Some(i) => (i, Decision::Affinity),
             None => match first_not_overloaded(candidates, &order, &self.thresholds) {
@@ -58,6 +136,18 @@ impl Policy for CacheAware {
     }
 
     fn routed(&self, candidates: &[Candidate], input: &Input, pick: &Pick) -> usize {
+        let group = input.keys.group;
+        let stale = self
+            .view
+            .borrow()
+            .seen
+            .get(&group)
+            .is_none_or(|s| s.stale(input.now_ms));
+        if stale {
+            if let Some(seen) = groups::touch(input.store, group, input.now_ms) {
+                self.view.borrow_mut().seen.insert(group, seen);
+            }
+        }
         let chosen = candidates[pick.index].id;
         let from = unchanged_prefix(pick.matched.as_ref(), chosen, input.now_ms);
         AffinityMap::new(input.store, self.capacity).record(
@@ -65,6 +155,33 @@ impl Policy for CacheAware {
             chosen,
             input.now_ms,
         )
+    }
+
+    fn tick(&self, store: &dyn SharedStore, now_ms: u64) -> usize {
+        let mut view = self.view.borrow_mut();
+        let born = *view.born_ms.get_or_insert(now_ms);
+        let (records, versions) = groups::read(store);
+        if versions != view.versions {
+            view.seen = records.into_iter().map(|r| (r.key, r)).collect();
+            view.versions = versions;
+        }
+        let mut counted: Vec<u64> = view
+            .seen
+            .values()
+            .filter(|s| s.counts(now_ms))
+            .map(|s| s.key)
+            .collect();
+        counted.sort_unstable();
+        if counted != view.counted {
+            view.counted = counted;
+            view.homes = None;
+        }
+        let warm = now_ms.saturating_sub(born) >= self.warmup_ms;
+        if warm {
+            view.counted.len()
+        } else {
+            0
+        }
     }
 }
 
@@ -115,11 +232,7 @@ mod tests {
     use crate::store::MemoryStore;
 
     fn policy() -> CacheAware {
-        CacheAware {
-            capacity: 1024,
-            cache_threshold: 0.3,
-            thresholds: thresholds(),
-        }
+        CacheAware::new(1024, 0.3, thresholds(), 1000)
     }
 
     /// Picks for `keys` and records the pick, as the router does.

@@ -113,6 +113,12 @@ pub trait Policy {
     fn routed(&self, _candidates: &[Candidate], _input: &Input, _pick: &Pick) -> usize {
         0
     }
+
+    /// Called periodically (each worker's tick): refresh what the policy keeps from shared data.
+    /// Returns how many groups it places by balance (cache_aware), for a gauge.
+    fn tick(&self, _store: &dyn SharedStore, _now_ms: u64) -> usize {
+        0
+    }
 }
 
 /// The policy the config names.
@@ -122,11 +128,12 @@ pub fn build(config: &Config) -> Box<dyn Policy> {
         rel: config.balance_rel_threshold,
     };
     match config.policy {
-        PolicyKind::CacheAware => Box::new(cache_aware::CacheAware {
-            capacity: config.affinity_capacity,
-            cache_threshold: config.cache_threshold,
+        PolicyKind::CacheAware => Box::new(cache_aware::CacheAware::new(
+            config.affinity_capacity,
+            config.cache_threshold,
             thresholds,
-        }),
+            config.stats_interval_ms * cache_aware::WARMUP_POLLS,
+        )),
         PolicyKind::RoundRobin => Box::new(round_robin::RoundRobin),
         PolicyKind::LeastRequest => Box::new(least_request::LeastRequest),
         PolicyKind::Session => Box::new(session::Session),

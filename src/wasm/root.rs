@@ -129,11 +129,13 @@ impl RootContext for Root {
             metrics.define_counter(&format!("kvroute.{poll}.ok"));
             metrics.define_counter(&format!("kvroute.{poll}.failed"));
         }
-        if config.admin_cluster.is_some() {
-            // Fast until the first host snapshot is in, then every `stats_interval_ms`.
-            let startup = STARTUP_TICK_MS.min(config.stats_interval_ms);
-            let _ = hostcalls::set_tick_period(Duration::from_millis(startup));
-        }
+        // With an admin cluster, fast until the first host snapshot is in; then (and without
+        // one) every `stats_interval_ms`.
+        let first = match config.admin_cluster {
+            Some(_) => STARTUP_TICK_MS.min(config.stats_interval_ms),
+            None => config.stats_interval_ms,
+        };
+        let _ = hostcalls::set_tick_period(Duration::from_millis(first));
         self.shared = Some(Rc::new(RefCell::new(Shared {
             router: Router::new(config),
             metrics,
@@ -154,6 +156,8 @@ impl RootContext for Root {
         let has_snapshot = {
             let mut s = shared.borrow_mut();
             s.refresh_snapshot();
+            let placed = s.router.tick(&HostStore, now_ms());
+            s.metrics.gauge("kvroute.groups_placed", placed as u64);
             s.snapshot_cas.is_some()
         };
         let Some(admin) = admin else { return };

@@ -222,3 +222,29 @@ pub async fn wait_for_fresh_poll(fleet: &Fleet) {
     );
     polled.await.unwrap_or_else(|e| panic!("{e}"));
 }
+
+/// Sends two requests of each of `groups` (their `system_prompt`) and waits until kvroute places
+/// at least that many groups by its balanced assignment: the steady state of a gateway that has
+/// warmed up and seen every group.
+pub async fn warm_up(fleet: &Fleet, groups: impl Iterator<Item = usize> + Clone) {
+    for round in 0..2 {
+        for g in groups.clone() {
+            let reply = fleet
+                .chat(&chat_body(
+                    &system_prompt(g),
+                    &format!("warm-up {round}"),
+                    false,
+                ))
+                .await;
+            served_by(fleet, &reply);
+        }
+    }
+    let n = groups.count() as u64;
+    let placed =
+        fleet
+            .envoy
+            .wait_for_stat("kvroute.groups_placed", |v| v >= n, Duration::from_secs(30));
+    placed.await.unwrap_or_else(|e| panic!("{e}"));
+    // Every worker ticks after the table is complete: two more polls.
+    wait_for_fresh_poll(fleet).await;
+}
