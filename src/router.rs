@@ -25,7 +25,7 @@ const TICKET_KEY: &str = "kvroute.ticket";
 pub type Reason = &'static str;
 
 /// Every [`Reason`], so each counter exists (at zero) before it first moves.
-pub const FALLBACK_REASONS: [Reason; 11] = [
+pub const FALLBACK_REASONS: [Reason; 12] = [
     "method",
     "path",
     "empty_body",
@@ -37,6 +37,7 @@ pub const FALLBACK_REASONS: [Reason; 11] = [
     "no_cluster",
     "no_healthy_endpoint",
     "no_session",
+    "no_body_access",
 ];
 
 /// The header-phase check: is this a request kvroute routes (and so buffers the body of)?
