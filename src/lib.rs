@@ -9,6 +9,7 @@
 //! this core.
 
 pub mod affinity;
+pub mod body_access;
 pub mod config;
 pub mod counters;
 pub mod endpoints;

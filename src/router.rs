@@ -28,11 +28,14 @@ pub enum Fallback {
     NoCluster,
     NoHealthyEndpoint,
     NoSession,
+    /// Envoy never hands the body to the filter (`allow_on_headers_stop_iteration` missing):
+    /// routed from headers alone.
+    NoBodyAccess,
 }
 
 impl Fallback {
     /// Every reason, so each counter exists (at zero) before it first moves.
-    pub const ALL: [Fallback; 11] = [
+    pub const ALL: [Fallback; 12] = [
         Fallback::Method,
         Fallback::Path,
         Fallback::EmptyBody,
@@ -44,6 +47,7 @@ impl Fallback {
         Fallback::NoCluster,
         Fallback::NoHealthyEndpoint,
         Fallback::NoSession,
+        Fallback::NoBodyAccess,
     ];
 
     pub fn name(self) -> &'static str {
@@ -59,6 +63,7 @@ impl Fallback {
             Fallback::NoCluster => "no_cluster",
             Fallback::NoHealthyEndpoint => "no_healthy_endpoint",
             Fallback::NoSession => "no_session",
+            Fallback::NoBodyAccess => "no_body_access",
         }
     }
 }

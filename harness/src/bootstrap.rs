@@ -28,6 +28,8 @@ pub struct Patch<'a> {
     pub health_check_interval: Option<Duration>,
     /// Keeps the pool's shipped active health checks; `false` removes them.
     pub active_health_checks: bool,
+    /// Loads the filter the way Istio's `WasmPlugin` does (see [`as_wasm_plugin`]).
+    pub wasm_plugin_like: bool,
 }
 
 /// Reads `shipped` (YAML text) and returns the patched bootstrap as YAML text.
@@ -106,6 +108,23 @@ fn patch_filters(listener: &mut Value, patch: &Patch) -> Result<(), HarnessError
         .as_str()
         .ok_or_else(|| cfg("configuration.value is not a string".into()))?;
     *value = merge_plugin_config(shipped, plugin_config)?.into();
+    if patch.wasm_plugin_like {
+        as_wasm_plugin(config)?;
+    }
+    Ok(())
+}
+
+/// Rewrites the Wasm `PluginConfig` into what istiod generates for a `WasmPlugin` (pilot's
+/// `extensions.go`): `name` is `<namespace>.<name>`, `root_id` the `pluginName`, no `vm_id`, and no
+/// `allow_on_headers_stop_iteration`, which `WasmPlugin` has no field for.
+fn as_wasm_plugin(config: &mut Value) -> Result<(), HarnessError> {
+    map_mut(get_mut(config, &["vm_config"])?)?.remove("vm_id");
+    let config = map_mut(config)?;
+    config
+        .remove("allow_on_headers_stop_iteration")
+        .ok_or_else(|| cfg("missing field `allow_on_headers_stop_iteration`".into()))?;
+    config.insert("name".into(), "llm.kvroute".into());
+    config.insert("root_id".into(), "kvroute".into());
     Ok(())
 }
 
@@ -227,8 +246,38 @@ mod tests {
             wasm: Some(Path::new("/x/kvroute.wasm")),
             health_check_interval: Some(Duration::from_millis(200)),
             active_health_checks,
+            wasm_plugin_like: false,
         };
         serde_yaml::from_str(&render(&shipped(), &patch).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn wasm_plugin_like_drops_the_stop_iteration_flag_and_the_vm_id() {
+        let backends = ["127.0.0.1:7001".parse().unwrap()];
+        let lb = Lb::Kvroute {
+            plugin_config: serde_json::json!({}),
+        };
+        let render_as = |wasm_plugin_like| {
+            let patch = Patch {
+                admin_port: 5001,
+                listener_port: 5002,
+                backends: &backends,
+                lb: &lb,
+                wasm: Some(Path::new("/x/kvroute.wasm")),
+                health_check_interval: None,
+                active_health_checks: true,
+                wasm_plugin_like,
+            };
+            render(&shipped(), &patch).unwrap()
+        };
+        let shipped_like = render_as(false);
+        assert!(shipped_like.contains("allow_on_headers_stop_iteration: true"));
+        assert!(shipped_like.contains("vm_id: kvroute"));
+        let plugin_like = render_as(true);
+        assert!(!plugin_like.contains("allow_on_headers_stop_iteration"));
+        assert!(!plugin_like.contains("vm_id"));
+        assert!(plugin_like.contains("name: llm.kvroute"));
+        assert!(plugin_like.contains("root_id: kvroute"));
     }
 
     #[test]

@@ -43,6 +43,9 @@ pub struct EnvoyOptions {
     pub ready_timeout: Duration,
     /// Envoy's `--log-level`.
     pub log_level: String,
+    /// Load kvroute the way Istio's `WasmPlugin` does: without `allow_on_headers_stop_iteration`
+    /// (which it has no field for), without a `vm_id`, named `<namespace>.<name>`.
+    pub wasm_plugin_like: bool,
 }
 
 impl Default for EnvoyOptions {
@@ -58,6 +61,7 @@ impl Default for EnvoyOptions {
             wait_healthy: true,
             ready_timeout: Duration::from_secs(60),
             log_level: "warn".into(),
+            wasm_plugin_like: false,
         }
     }
 }
@@ -93,6 +97,7 @@ impl Envoy {
                 wasm: wasm.as_deref(),
                 health_check_interval: opts.health_check_interval,
                 active_health_checks: opts.active_health_checks,
+                wasm_plugin_like: opts.wasm_plugin_like,
             },
         )?;
         let dir = temp_dir()?;
@@ -229,6 +234,11 @@ impl Envoy {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Everything Envoy has written so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default()
     }
 
     /// The last 60 lines Envoy wrote, for failure messages.

@@ -1,5 +1,6 @@
 //! The HTTP stream context: strips client routing headers, buffers routable bodies, asks the core
 //! for a decision, writes the routing header, and settles the in-flight count when the stream ends.
+//! Where Envoy withholds bodies from paused filters, it routes from headers instead.
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -10,12 +11,16 @@ use proxy_wasm::types::{Action, BufferType, MapType, MetricType};
 
 use super::host::{inflight_gauge, now_ms, HostStore, Metrics};
 use super::root::Shared;
+use crate::body_access::{self, BodyAccess};
 use crate::config::PolicyKind;
 use crate::request::Api;
 use crate::router::{self, Fallback, RequestInfo, Routed};
 
 pub struct Stream {
     shared: Rc<RefCell<Shared>>,
+    id: u32,
+    /// Paused while the root watches whether Envoy delivers bodies (see `body_access`).
+    watched: bool,
     api: Option<Api>,
     body_size: usize,
     /// What was decided, for the debug header: a decision name or `fallback:<reason>`.
@@ -25,9 +30,11 @@ pub struct Stream {
 }
 
 impl Stream {
-    pub fn new(shared: Rc<RefCell<Shared>>) -> Self {
+    pub fn new(shared: Rc<RefCell<Shared>>, id: u32) -> Self {
         Stream {
             shared,
+            id,
+            watched: false,
             api: None,
             body_size: 0,
             outcome: None,
@@ -55,6 +62,44 @@ impl Stream {
         Action::Continue
     }
 
+    /// Holds the headers until the body is in: the routing header depends on it. Until it is known
+    /// whether Envoy delivers bodies during a pause, the root watches the stream.
+    fn pause(&mut self, api: Api, content_length: Option<usize>) -> Action {
+        self.api = Some(api);
+        let mut shared = self.shared.borrow_mut();
+        let (watched, first) = shared
+            .body
+            .paused(self.id, content_length.map(|n| n as u64));
+        self.watched = watched;
+        if first {
+            shared.watch_started();
+        }
+        Action::Pause
+    }
+
+    /// A callback on a watched stream: either the root found Envoy withholding bodies and already
+    /// routed this stream from its headers and resumed it, or, if `body` is here during the pause,
+    /// Envoy delivers bodies. Returns whether the stream is done with routing.
+    fn settle_watch(&mut self, body: bool) -> bool {
+        if !self.watched {
+            return false;
+        }
+        self.watched = false;
+        let mut shared = self.shared.borrow_mut();
+        if shared.body.state() == BodyAccess::Missing {
+            self.api = None;
+            self.outcome = Some(format!("fallback:{}", Fallback::NoBodyAccess.name()));
+            return true;
+        }
+        if body {
+            shared.body.delivered();
+        } else {
+            // A local reply (a timeout, say) ended the pause: no evidence either way.
+            shared.body.forget(self.id);
+        }
+        false
+    }
+
     /// The body is complete (or all we will buffer): route it.
     fn route(&mut self) -> Action {
         let Some(api) = self.api.take() else {
@@ -79,12 +124,11 @@ impl Stream {
             return self.fallback(Fallback::NoCluster);
         };
         // Only the policies that use these headers pay for reading them.
-        let config = &shared.router.config;
-        let session = match config.policy {
-            PolicyKind::Session => self.header(&config.session_header),
+        let session = match shared.router.config.policy {
+            PolicyKind::Session => self.header(&shared.router.config.session_header),
             _ => None,
         };
-        let request_id = match config.policy {
+        let request_id = match shared.router.config.policy {
             PolicyKind::LeastRequest => self.header("x-request-id"),
             _ => None,
         };
@@ -141,6 +185,45 @@ impl Stream {
     }
 }
 
+/// Routes the effective stream from its headers alone, for when Envoy withholds bodies: the
+/// session header's rendezvous order if the request has one, else Envoy's load balancer. Counted as
+/// the `no_body_access` fallback either way.
+pub(super) fn route_from_headers(shared: &RefCell<Shared>) {
+    let session_header = shared.borrow().router.config.session_header.clone();
+    let session = hostcalls::get_map_value(MapType::HttpRequestHeaders, &session_header)
+        .ok()
+        .flatten();
+    if let Some(session) = session {
+        shared.borrow_mut().ensure_snapshot();
+        let static_endpoints = !shared.borrow().router.config.endpoints.is_empty();
+        let cluster = if static_endpoints {
+            None
+        } else {
+            route_cluster()
+        };
+        let s = shared.borrow();
+        if let Some(hosts) = s.hosts(cluster.as_deref()) {
+            let endpoints = body_access::session_endpoints(
+                &hosts,
+                &session,
+                s.router.config.fallback_endpoints,
+            );
+            if !endpoints.is_empty() {
+                let value = endpoints.join(",");
+                let _ = hostcalls::set_map_value(
+                    MapType::HttpRequestHeaders,
+                    &s.router.config.header,
+                    Some(&value),
+                );
+            }
+        }
+    }
+    shared.borrow_mut().metrics.count(&format!(
+        "kvroute.fallback.{}",
+        Fallback::NoBodyAccess.name()
+    ));
+}
+
 /// The upstream cluster of the request's route.
 fn route_cluster() -> Option<String> {
     [vec!["cluster_name"], vec!["xds", "cluster_name"]]
@@ -151,6 +234,10 @@ fn route_cluster() -> Option<String> {
 
 impl Context for Stream {
     fn on_done(&mut self) -> bool {
+        if self.watched {
+            self.watched = false;
+            self.shared.borrow_mut().body.forget(self.id);
+        }
         self.settle();
         true
     }
@@ -161,30 +248,36 @@ impl HttpContext for Stream {
         // Whatever happens next, a client never chooses the upstream.
         let (header, max_body) = {
             let shared = self.shared.borrow();
-            let config = &shared.router.config;
-            (config.header.clone(), config.max_body_bytes)
+            (
+                shared.router.config.header.clone(),
+                shared.router.config.max_body_bytes,
+            )
         };
         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, None);
         let method = self.header(":method").unwrap_or_default();
         let path = self.header(":path").unwrap_or_default();
-        match router::routable(&method, &path) {
-            Err(reason) => self.fallback(reason),
-            Ok(_) if end_of_stream => self.fallback(Fallback::EmptyBody),
+        let api = match router::routable(&method, &path) {
+            Err(reason) => return self.fallback(reason),
+            Ok(_) if end_of_stream => return self.fallback(Fallback::EmptyBody),
+            Ok(api) => api,
+        };
+        let content_length = self.content_length();
+        if content_length.is_some_and(|n| n > max_body) {
             // Known to be too large: never start buffering it. Once a filter has buffered, Envoy
             // answers 413 instead of applying back-pressure when the body outgrows its buffer.
-            Ok(_) if self.content_length().is_some_and(|n| n > max_body) => {
-                self.fallback(Fallback::BodyTooLarge)
-            }
-            Ok(api) => {
-                self.api = Some(api);
-                // Hold the headers until the body is in: the routing header depends on it.
-                Action::Pause
-            }
+            return self.fallback(Fallback::BodyTooLarge);
         }
+        if self.shared.borrow().body.state() == BodyAccess::Missing {
+            // Pausing would hang the request: Envoy would never hand over the body.
+            route_from_headers(&self.shared);
+            self.outcome = Some(format!("fallback:{}", Fallback::NoBodyAccess.name()));
+            return Action::Continue;
+        }
+        self.pause(api, content_length)
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if self.api.is_none() {
+        if self.settle_watch(true) || self.api.is_none() {
             return Action::Continue;
         }
         self.body_size = body_size;
@@ -202,10 +295,14 @@ impl HttpContext for Stream {
     }
 
     fn on_http_request_trailers(&mut self, _trailers: usize) -> Action {
+        if self.settle_watch(true) {
+            return Action::Continue;
+        }
         self.route()
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        self.settle_watch(false);
         if self.shared.borrow().router.config.debug_header {
             if let Some(outcome) = &self.outcome {
                 let _ = hostcalls::set_map_value(

@@ -1,5 +1,5 @@
 //! The root context (one per worker VM): loads the config, ticks the poller (one worker at a time
-//! polls), and hands each HTTP stream the shared view it needs.
+//! polls) and the watch on paused streams, and hands each HTTP stream the shared view it needs.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -8,11 +8,12 @@ use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{ContextType, LogLevel};
+use proxy_wasm::types::{ContextType, LogLevel, MapType};
 
 use super::host::{now_ms, HostStore, Metrics};
-use super::http::Stream;
+use super::http::{route_from_headers, Stream};
 use super::poll::{self, Poller};
+use crate::body_access::{self, BodyWatch, WATCH_TICK_MS};
 use crate::config::Config;
 use crate::endpoints::{self, Host, Snapshot};
 use crate::policy::Decision;
@@ -29,9 +30,29 @@ pub struct Shared {
     pub metrics: Metrics,
     pub(super) snapshot: Snapshot,
     pub(super) snapshot_cas: Option<u32>,
+    /// Whether Envoy delivers bodies during a pause, and the paused streams watched until known.
+    pub body: BodyWatch,
+    /// The root's tick period now (0: not ticking).
+    tick_ms: u64,
 }
 
 impl Shared {
+    /// Sets the root's tick period. Only on a change: Envoy restarts the timer on every call, so
+    /// setting it per request could keep it from ever firing.
+    pub fn tick_every(&mut self, ms: u64) {
+        if ms != self.tick_ms {
+            let _ = hostcalls::set_tick_period(Duration::from_millis(ms));
+            self.tick_ms = ms;
+        }
+    }
+
+    /// A paused stream is now watched: tick at least every [`WATCH_TICK_MS`] until a verdict.
+    pub fn watch_started(&mut self) {
+        if self.tick_ms == 0 || self.tick_ms > WATCH_TICK_MS {
+            self.tick_every(WATCH_TICK_MS);
+        }
+    }
+
     /// The hosts a request to `cluster` may go to: the static list if configured (with health and
     /// load from the last poll where known), else the cluster's hosts from the last poll.
     /// Borrowed from the snapshot in the common case: nothing is copied per request.
@@ -83,8 +104,91 @@ impl Shared {
 pub struct Root {
     shared: Option<Rc<RefCell<Shared>>>,
     poller: Poller,
-    /// Ticking at `stats_interval_ms`, now that a host snapshot exists.
-    steady: bool,
+}
+
+impl Root {
+    /// Refreshes the host snapshot and the policy's view of shared data and, if this worker holds
+    /// the lease, polls Envoy's admin.
+    fn poll(&mut self, shared: &RefCell<Shared>) {
+        let (admin, interval) = {
+            let s = shared.borrow();
+            let config = &s.router.config;
+            (config.admin_cluster.clone(), config.stats_interval_ms)
+        };
+        let has_snapshot = {
+            let mut s = shared.borrow_mut();
+            s.refresh_snapshot();
+            let placed = s.router.tick(&HostStore, now_ms());
+            s.metrics.gauge("kvroute.groups_placed", placed as u64);
+            s.snapshot_cas.is_some()
+        };
+        let Some(admin) = admin else { return };
+        let lease = if has_snapshot {
+            interval
+        } else {
+            STARTUP_TICK_MS.min(interval)
+        };
+        if poll::take_lease(now_ms(), lease) {
+            self.poller.poll(&mut shared.borrow_mut(), &admin);
+        }
+    }
+
+    /// The tick the poller needs: fast until the first host snapshot is in, then (and without an
+    /// admin cluster, for the policy's view) every `stats_interval_ms`.
+    fn poll_period(&self, s: &Shared) -> u64 {
+        let config = &s.router.config;
+        match config.admin_cluster {
+            Some(_) if s.snapshot_cas.is_none() => STARTUP_TICK_MS.min(config.stats_interval_ms),
+            _ => config.stats_interval_ms,
+        }
+    }
+}
+
+/// Looks at every watched paused stream for a body Envoy read but never delivered. On the first
+/// such evidence, concludes the flag is missing: logs it once, then routes every paused stream from
+/// its headers and resumes it.
+fn watch_paused(shared: &RefCell<Shared>) {
+    let now = now_ms();
+    let mut evidence = false;
+    let watched = shared.borrow().body.watched();
+    for id in watched {
+        if hostcalls::set_effective_context(id).is_err() {
+            shared.borrow_mut().body.forget(id);
+            continue;
+        }
+        let Some(received) = body_received() else {
+            continue;
+        };
+        evidence |= shared.borrow_mut().body.observe(id, received, now);
+    }
+    if !evidence {
+        return;
+    }
+    let Some(paused) = shared.borrow_mut().body.conclude_missing() else {
+        return;
+    };
+    let _ = hostcalls::log(
+        LogLevel::Error,
+        "Envoy holds request bodies back from the filter: the Wasm filter config lacks \
+         `allow_on_headers_stop_iteration: true` (Istio's WasmPlugin cannot set it; use the \
+         EnvoyFilter in istio/). Routing from headers only (session header, else Envoy's load \
+         balancer) from now on; counted as kvroute.fallback.no_body_access.",
+    );
+    for id in paused {
+        if hostcalls::set_effective_context(id).is_ok() {
+            route_from_headers(shared);
+            let _ = hostcalls::resume_http_request();
+        }
+    }
+}
+
+/// Body bytes Envoy has read for the effective stream.
+fn body_received() -> Option<u64> {
+    let total = hostcalls::get_property(vec!["request", "total_size"])
+        .ok()
+        .flatten()?;
+    let headers = hostcalls::get_map(MapType::HttpRequestHeaders).ok()?;
+    body_access::body_received(&total, body_access::header_bytes(&headers))
 }
 
 impl Context for Root {
@@ -129,54 +233,40 @@ impl RootContext for Root {
             metrics.define_counter(&format!("kvroute.{poll}.ok"));
             metrics.define_counter(&format!("kvroute.{poll}.failed"));
         }
-        // With an admin cluster, fast until the first host snapshot is in; then (and without
-        // one) every `stats_interval_ms`.
-        let first = match config.admin_cluster {
-            Some(_) => STARTUP_TICK_MS.min(config.stats_interval_ms),
-            None => config.stats_interval_ms,
-        };
-        let _ = hostcalls::set_tick_period(Duration::from_millis(first));
         self.shared = Some(Rc::new(RefCell::new(Shared {
             router: Router::new(config),
             metrics,
             snapshot: Snapshot::new(),
             snapshot_cas: None,
+            body: BodyWatch::default(),
+            tick_ms: 0,
         })));
         self.on_tick();
         true
     }
 
     fn on_tick(&mut self) {
-        let Some(shared) = &self.shared else { return };
-        let (admin, interval) = {
-            let s = shared.borrow();
-            let config = &s.router.config;
-            (config.admin_cluster.clone(), config.stats_interval_ms)
+        let Some(shared) = self.shared.clone() else {
+            return;
         };
-        let has_snapshot = {
-            let mut s = shared.borrow_mut();
-            s.refresh_snapshot();
-            let placed = s.router.tick(&HostStore, now_ms());
-            s.metrics.gauge("kvroute.groups_placed", placed as u64);
-            s.snapshot_cas.is_some()
-        };
-        let Some(admin) = admin else { return };
-        if has_snapshot && !self.steady {
-            let _ = hostcalls::set_tick_period(Duration::from_millis(interval));
-            self.steady = true;
+        self.poll(&shared);
+        // After the poll: it switches the effective context to paused streams (the tick period set
+        // below is the root's whichever context is effective).
+        if shared.borrow().body.watching() {
+            watch_paused(&shared);
         }
-        let lease = if has_snapshot {
-            interval
-        } else {
-            STARTUP_TICK_MS.min(interval)
+        let mut s = shared.borrow_mut();
+        let poll_ms = self.poll_period(&s);
+        let ms = match poll_ms {
+            _ if !s.body.watching() => poll_ms,
+            0 => WATCH_TICK_MS,
+            ms => ms.min(WATCH_TICK_MS),
         };
-        if poll::take_lease(now_ms(), lease) {
-            self.poller.poll(&mut shared.borrow_mut(), &admin);
-        }
+        s.tick_every(ms);
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Stream::new(self.shared.clone()?)))
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Stream::new(self.shared.clone()?, context_id)))
     }
 
     fn get_type(&self) -> Option<ContextType> {

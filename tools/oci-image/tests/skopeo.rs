@@ -1,0 +1,118 @@
+//! The layout `oci-image` writes for the built kvroute.wasm is one that skopeo (containers/image,
+//! the same kind of client as istio-agent's go-containerregistry) reads: copied out of it, the
+//! layer gives the module back byte for byte, and the manifest digest is the one printed.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The built filter: `$KVROUTE_WASM` (the Makefile exports it), else the release build's path.
+fn kvroute_wasm() -> PathBuf {
+    let path = std::env::var_os("KVROUTE_WASM").map_or_else(
+        || {
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../target/wasm32-wasip1/release/kvroute.wasm")
+        },
+        PathBuf::from,
+    );
+    assert!(
+        path.is_file(),
+        "{} missing: run `make wasm`",
+        path.display()
+    );
+    path
+}
+
+/// Runs `oci-image` and returns the digest it printed.
+fn oci_image(wasm: &Path, dir: &Path) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_oci-image"))
+        .arg(wasm)
+        .arg(dir)
+        .arg("kvroute")
+        .output()
+        .expect("oci-image runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+fn skopeo(args: &[&str]) -> String {
+    let out = Command::new("skopeo")
+        .arg("--insecure-policy")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("skopeo: {e} (install it: `make deps`, Debian package skopeo)"));
+    assert!(
+        out.status.success(),
+        "skopeo {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The file `name` inside a tar+gzip blob.
+fn file_in_layer(layer: &[u8], name: &str) -> Option<Vec<u8>> {
+    let mut tar = tar::Archive::new(flate2::read::GzDecoder::new(layer));
+    for entry in tar.entries().ok()? {
+        let mut entry = entry.ok()?;
+        if entry.path().ok()?.to_str() == Some(name) {
+            let mut bytes = Vec::new();
+            entry.read_to_end(&mut bytes).ok()?;
+            return Some(bytes);
+        }
+    }
+    None
+}
+
+#[test]
+fn skopeo_copies_the_module_back_byte_for_byte() {
+    let wasm = kvroute_wasm();
+    let module = std::fs::read(&wasm).unwrap();
+    let tmp = std::env::temp_dir().join(format!("oci-image-skopeo-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+
+    let digest = oci_image(&wasm, &tmp.join("oci"));
+    assert!(
+        digest.starts_with("sha256:") && digest.len() == 71,
+        "{digest}"
+    );
+    assert_eq!(
+        oci_image(&wasm, &tmp.join("again")),
+        digest,
+        "same module, same digest"
+    );
+
+    let src = format!("oci:{}:kvroute", tmp.join("oci").display());
+    let dst = format!("dir:{}", tmp.join("out").display());
+    skopeo(&["copy", &src, &dst]);
+    let out = tmp.join("out");
+    let manifest_path = out.join("manifest.json");
+    let copied = skopeo(&["manifest-digest", manifest_path.to_str().unwrap()]);
+    assert_eq!(copied.trim(), digest, "skopeo sees the printed digest");
+
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&manifest_path).unwrap()).unwrap();
+    let layers = manifest["layers"].as_array().expect("layers");
+    let last = layers.last().expect("a layer");
+    assert_eq!(last["mediaType"], oci_image::LAYER_MEDIA_TYPE);
+    let hex = last["digest"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("sha256:");
+    let layer = std::fs::read(out.join(hex)).unwrap();
+    let plugin = file_in_layer(&layer, oci_image::PLUGIN_FILE).expect("plugin.wasm in the layer");
+    assert!(
+        plugin == module,
+        "plugin.wasm differs from {}",
+        wasm.display()
+    );
+
+    let inspect: serde_json::Value =
+        serde_json::from_str(&skopeo(&["inspect", "--config", &src])).unwrap();
+    assert_eq!(inspect["os"], "wasi");
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
