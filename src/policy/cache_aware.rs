@@ -90,12 +90,13 @@ impl CacheAware {
         if !warm || view.counted.binary_search(&group).is_err() {
             return first;
         }
-        let ids: Vec<u32> = candidates.iter().map(|c| c.id).collect();
+        let ids = || candidates.iter().map(|c| c.id);
         if view
             .homes
             .as_ref()
-            .is_none_or(|(for_ids, _)| *for_ids != ids)
+            .is_none_or(|(for_ids, _)| !for_ids.iter().copied().eq(ids()))
         {
+            let ids: Vec<u32> = ids().collect();
             let homes = groups::assign(&view.counted, &ids);
             view.homes = Some((ids, homes));
         }
