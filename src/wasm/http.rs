@@ -1,5 +1,6 @@
 //! The HTTP stream context: strips client routing headers, buffers routable bodies, asks the core
-//! for a decision, writes the routing header, and settles the in-flight count when the stream ends.
+//! for a decision, writes the routing header, marks the chosen endpoint suspect when it failed the
+//! request, and settles the in-flight count when the stream ends.
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -13,6 +14,7 @@ use super::root::Shared;
 use crate::config::PolicyKind;
 use crate::request::Api;
 use crate::router::{self, Reason, RequestInfo, Routed};
+use crate::suspects::{self, UPSTREAM_FAILURE_FLAGS};
 
 pub struct Stream {
     shared: Rc<RefCell<Shared>>,
@@ -22,6 +24,8 @@ pub struct Stream {
     outcome: Option<String>,
     /// The endpoint counted in flight, until the stream ends.
     routed: Option<(u32, String)>,
+    /// The chosen endpoint was already found at fault (at most one mark per request).
+    blamed: bool,
 }
 
 impl Stream {
@@ -32,6 +36,7 @@ impl Stream {
             body_size: 0,
             outcome: None,
             routed: None,
+            blamed: false,
         }
     }
 
@@ -64,6 +69,7 @@ impl Stream {
             .flatten()
             .unwrap_or_default();
         self.shared.borrow_mut().ensure_snapshot();
+        let now = now_ms();
         // Which cluster's hosts are candidates: the one the route chose. A static endpoint list
         // does not depend on it, so it costs no host call then.
         let static_endpoints = !self.shared.borrow().config.endpoints.is_empty();
@@ -73,7 +79,7 @@ impl Stream {
             route_cluster()
         };
         let shared = self.shared.borrow();
-        let Some(hosts) = shared.hosts(cluster.as_deref()) else {
+        let Some(hosts) = shared.hosts(cluster.as_deref(), now) else {
             drop(shared);
             return self.fallback("no_cluster");
         };
@@ -92,7 +98,7 @@ impl Stream {
             session: session.as_deref(),
             request_id: request_id.as_deref(),
         };
-        let result = router::route(&shared.config, &HostStore, &hosts, &req, now_ms());
+        let result = router::route(&shared.config, &HostStore, &hosts, &req, now);
         drop(shared);
         match result {
             Ok(routed) => self.apply(routed),
@@ -127,6 +133,43 @@ impl Stream {
         Action::Continue
     }
 
+    /// If the endpoint kvroute chose failed this request, marks it suspect so the next requests
+    /// avoid it before Envoy's health check and the next poll notice. `status` is the response
+    /// status when known; `flags` Envoy's `response.flags`.
+    fn blame(&mut self, status: Option<u16>, flags: u64) {
+        let Some((_, chosen)) = &self.routed else {
+            return;
+        };
+        if self.blamed {
+            return;
+        }
+        let upstream = hostcalls::get_property(vec!["upstream", "address"])
+            .ok()
+            .flatten()
+            .and_then(|b| String::from_utf8(b).ok());
+        if suspects::chosen_failed(chosen, upstream.as_deref(), status, flags) {
+            self.blamed = true;
+            let chosen = chosen.clone();
+            self.shared.borrow_mut().mark_suspect(&chosen, now_ms());
+        }
+    }
+
+    /// At the end of a routed stream: a reset or failed connection after the response started
+    /// (a replica dying mid-stream) shows only in Envoy's response flags.
+    fn blame_at_end(&mut self) {
+        if self.routed.is_none() || self.blamed {
+            return;
+        }
+        let flags = hostcalls::get_property(vec!["response", "flags"])
+            .ok()
+            .flatten()
+            .and_then(|b| b.get(..8)?.try_into().ok())
+            .map_or(0, u64::from_le_bytes);
+        if flags & UPSTREAM_FAILURE_FLAGS != 0 {
+            self.blame(None, flags);
+        }
+    }
+
     /// The stream is over, however it ended: one request fewer in flight.
     fn settle(&mut self) {
         if let Some((id, addr)) = self.routed.take() {
@@ -149,6 +192,7 @@ fn route_cluster() -> Option<String> {
 
 impl Context for Stream {
     fn on_done(&mut self) -> bool {
+        self.blame_at_end();
         self.settle();
         true
     }
@@ -203,6 +247,15 @@ impl HttpContext for Stream {
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        if self.routed.is_some() {
+            // Retries are over by now (Envoy retries only before it forwards response headers):
+            // this is the final answer, and the host that gave it.
+            let status = hostcalls::get_map_value(MapType::HttpResponseHeaders, ":status")
+                .ok()
+                .flatten()
+                .and_then(|s| s.parse().ok());
+            self.blame(status, 0);
+        }
         if self.shared.borrow().config.debug_header {
             if let Some(outcome) = &self.outcome {
                 let _ = hostcalls::set_map_value(
@@ -216,6 +269,7 @@ impl HttpContext for Stream {
     }
 
     fn on_log(&mut self) {
+        self.blame_at_end();
         self.settle();
     }
 }
