@@ -23,6 +23,8 @@ enum Failure {
     Kill,
     /// Listener closed; requests on connections still open are answered 503.
     Stop,
+    /// Listener closed; a request on a connection still open has the connection closed under it.
+    StopResetting,
 }
 
 async fn failed_replica_is_not_named_again_before_the_next_poll(failure: Failure) {
@@ -32,32 +34,39 @@ async fn failed_replica_is_not_named_again_before_the_next_poll(failure: Failure
     })
     .await;
 
-    let client = client_per_request();
+    // One keep-alive connection, so one Envoy worker, until the failure: that worker then holds
+    // an idle pooled connection to the replica, and the first request after the failure goes out
+    // on it (and meets a 503, or a reset after the request was written).
     let ask = |g: usize, i: usize| chat_body(&system_prompt(g), &format!("question {i}"), false);
     let mut homes = Vec::new();
     for g in 0..4 {
-        homes.push(served_by(
-            &fleet,
-            &fleet.chat_via(&client, &ask(g, 0)).await,
-        ));
+        homes.push(served_by(&fleet, &fleet.chat(&ask(g, 0)).await));
     }
     let victim = homes[0];
     for i in 1..4 {
-        let reply = fleet.chat_via(&client, &ask(0, i)).await;
+        let reply = fleet.chat(&ask(0, i)).await;
         assert_eq!(served_by(&fleet, &reply), victim, "the prefix has a home");
     }
     let dead = fleet.backends[victim].addr();
     match failure {
         Failure::Kill => fleet.backends[victim].kill().await,
         Failure::Stop => fleet.backends[victim].stop().await,
+        Failure::StopResetting => fleet.backends[victim].stop_resetting().await,
     }
     take_routing_headers(&fleet);
 
     // Nothing knows yet: kvroute follows the prefix to the replica, and Envoy retries elsewhere.
-    let reply = fleet.chat_via(&client, &ask(0, 4)).await;
-    assert_ne!(served_by(&fleet, &reply), victim);
+    let reply = fleet.chat(&ask(0, 4)).await;
+    let served = served_by(&fleet, &reply);
     let named = take_routing_headers(&fleet);
     assert_eq!(first_named(&named, dead), 1, "{named:?}");
+    // The retry went to the next address kvroute listed (override_host uses one per attempt).
+    let listed: Vec<&str> = named[0].split(',').collect();
+    assert_eq!(
+        Some(fleet.backends[served].addr().to_string().as_str()),
+        listed.get(1).copied(),
+        "{named:?}"
+    );
     assert_eq!(kv_stat(&fleet, "suspect_marked").await, 1);
     // The worker that saw the failure avoids the replica at once; every other VM (the other
     // worker's and the main thread's) takes in its mark on its next tick.
@@ -69,6 +78,7 @@ async fn failed_replica_is_not_named_again_before_the_next_poll(failure: Failure
     learned.await.unwrap_or_else(|e| panic!("{e}"));
 
     // A new connection per request: the requests reach both workers' VMs.
+    let client = client_per_request();
     let asked = 12;
     for i in 5..5 + asked {
         let reply = fleet.chat_via(&client, &ask(0, i)).await;
@@ -103,4 +113,9 @@ async fn a_killed_replica_is_not_named_again_before_the_next_poll() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_replica_is_not_named_again_before_the_next_poll() {
     failed_replica_is_not_named_again_before_the_next_poll(Failure::Stop).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_resetting_requests_is_not_named_again_before_the_next_poll() {
+    failed_replica_is_not_named_again_before_the_next_poll(Failure::StopResetting).await;
 }

@@ -59,7 +59,9 @@ struct Shared {
     requests: Mutex<Vec<Recorded>>,
     /// Set by [`Backend::stop`]: every request is answered 503.
     stopped: AtomicBool,
-    /// Requests answered 503 because the backend was stopped (health checks excluded).
+    /// Set by [`Backend::stop_resetting`]: every request closes its connection unanswered.
+    resetting: AtomicBool,
+    /// Requests refused because the backend was stopped (health checks excluded).
     refused: AtomicU64,
     /// Connections being served, so a kill can wait until every one is closed.
     open_connections: AtomicU64,
@@ -162,7 +164,8 @@ impl Backend {
         std::mem::take(&mut *self.shared.requests.lock().unwrap())
     }
 
-    /// Requests answered 503 while stopped (health checks excluded).
+    /// Requests answered 503, or whose connection was closed under them, while stopped (health
+    /// checks excluded).
     pub fn refused(&self) -> u64 {
         self.shared.refused.load(Ordering::Relaxed)
     }
@@ -191,9 +194,18 @@ impl Backend {
         }
     }
 
-    /// After [`Backend::stop`]: listens again on the same address and serves normally.
+    /// Like [`Backend::stop`], but a request arriving on a connection still open is not answered:
+    /// the connection closes under it, as when a replica dies with requests already sent to it.
+    pub async fn stop_resetting(&self) {
+        self.shared.resetting.store(true, Ordering::SeqCst);
+        self.stop().await;
+    }
+
+    /// After [`Backend::stop`] or [`Backend::stop_resetting`]: listens again on the same address
+    /// and serves normally.
     pub async fn resume(&self) -> std::io::Result<()> {
         let listener = tokio::net::TcpListener::bind(self.addr).await?;
+        self.shared.resetting.store(false, Ordering::SeqCst);
         self.shared.stopped.store(false, Ordering::SeqCst);
         // Not `send`: with the old accept loop gone there is no receiver, and `send` would then
         // leave the value at `true`, stopping the new loop at once.
@@ -284,7 +296,19 @@ async fn accept_loop(
         shared.open_connections.fetch_add(1, Ordering::SeqCst);
         tokio::spawn(async move {
             let open = OpenConnection(shared.clone());
-            let svc = hyper::service::service_fn(move |req| handle(shared.clone(), req));
+            let svc = hyper::service::service_fn(move |req| {
+                let shared = shared.clone();
+                async move {
+                    if shared.resetting.load(Ordering::SeqCst) {
+                        if req.uri().path() != "/health" {
+                            shared.refused.fetch_add(1, Ordering::Relaxed);
+                        }
+                        // A service error makes hyper close the connection without a response.
+                        return Err("stopped: resetting the connection");
+                    }
+                    handle(shared, req).await.map_err(|never| match never {})
+                }
+            });
             let conn = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc);
             // Dropping the connection future closes the socket: that is how kill cuts connections.
