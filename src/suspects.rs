@@ -26,6 +26,10 @@ pub const VERSION: u8 = 1;
 /// (UR), a connection that could not be made (UF), a connection closed under the stream (UC).
 pub const UPSTREAM_FAILURE_FLAGS: u64 = 0x10 | 0x20 | 0x40;
 
+/// Envoy's `response.flags` bit for a circuit breaker that overflowed (UO): Envoy itself answered
+/// 503 because the cluster was full, which says nothing about the endpoint.
+pub const UPSTREAM_OVERFLOW_FLAG: u64 = 0x80;
+
 /// Suspect endpoints with the time (ms since the epoch) their mark expires.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Suspects {
@@ -152,7 +156,8 @@ impl Suspects {
 
 /// Whether a routed request's outcome shows that `chosen`, the endpoint kvroute named first,
 /// failed it. `upstream` is the host that gave the final answer (Envoy's `upstream.address`),
-/// `status` its response status, `flags` Envoy's `response.flags`.
+/// `status` its response status, `flags` Envoy's `response.flags` (needed with a 503 status, to
+/// tell the endpoint's 503 from Envoy's own).
 pub fn chosen_failed(
     chosen: &str,
     upstream: Option<&str>,
@@ -164,7 +169,10 @@ pub fn chosen_failed(
         // the following ones: an answer from any other host means that first attempt failed.
         Some(host) if host != chosen => true,
         // The chosen host itself answered 503 (it is going away) or its stream failed.
-        Some(_) => status == Some(503) || flags & UPSTREAM_FAILURE_FLAGS != 0,
+        Some(_) => {
+            let refused = status == Some(503) && flags & UPSTREAM_OVERFLOW_FLAG == 0;
+            refused || flags & UPSTREAM_FAILURE_FLAGS != 0
+        }
         // No host was ever selected: nothing says the chosen one is at fault.
         None => false,
     }
@@ -303,6 +311,13 @@ mod tests {
         assert!(!chosen_failed(A, Some(A), Some(200), 0));
         assert!(!chosen_failed(A, Some(A), Some(500), 0));
         assert!(chosen_failed(A, Some(A), Some(503), 0));
+        // Envoy's own 503 for a full cluster (circuit breaker overflow) is not the endpoint's.
+        assert!(!chosen_failed(
+            A,
+            Some(A),
+            Some(503),
+            UPSTREAM_OVERFLOW_FLAG
+        ));
         assert!(chosen_failed(A, Some(A), Some(200), 0x40));
         assert!(chosen_failed(A, Some(A), None, 0x20));
         // A client going away (downstream termination, local reset) is not the endpoint's fault.

@@ -160,11 +160,7 @@ impl Stream {
         if self.routed.is_none() || self.blamed {
             return;
         }
-        let flags = hostcalls::get_property(vec!["response", "flags"])
-            .ok()
-            .flatten()
-            .and_then(|b| b.get(..8)?.try_into().ok())
-            .map_or(0, u64::from_le_bytes);
+        let flags = response_flags();
         if flags & UPSTREAM_FAILURE_FLAGS != 0 {
             self.blame(None, flags);
         }
@@ -180,6 +176,15 @@ impl Stream {
                 .gauge(&inflight_gauge(&addr), u64::from(left));
         }
     }
+}
+
+/// Envoy's `response.flags` (legacy bit set), 0 when unavailable.
+fn response_flags() -> u64 {
+    hostcalls::get_property(vec!["response", "flags"])
+        .ok()
+        .flatten()
+        .and_then(|b| b.get(..8)?.try_into().ok())
+        .map_or(0, u64::from_le_bytes)
 }
 
 /// The upstream cluster of the request's route.
@@ -254,7 +259,13 @@ impl HttpContext for Stream {
                 .ok()
                 .flatten()
                 .and_then(|s| s.parse().ok());
-            self.blame(status, 0);
+            // Only a 503 needs the flags (was it Envoy's own?): the common case costs no read.
+            let flags = if status == Some(503) {
+                response_flags()
+            } else {
+                0
+            };
+            self.blame(status, flags);
         }
         if self.shared.borrow().config.debug_header {
             if let Some(outcome) = &self.outcome {
