@@ -21,6 +21,7 @@ pub mod rendezvous;
 pub mod request;
 pub mod router;
 pub mod store;
+pub mod suspects;
 
 #[cfg(all(target_arch = "wasm32", feature = "filter", not(test)))]
 mod wasm;

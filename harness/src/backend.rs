@@ -2,8 +2,8 @@
 //!
 //! Each backend answers `POST /v1/chat/completions` and `POST /v1/completions` (JSON, or SSE when
 //! the body has `"stream": true`), `GET /health`, `GET /metrics`, `GET /v1/models`, and 404 otherwise; every
-//! response carries `x-backend: <index>`. Knobs: delay, failing, kill. Health checks are neither
-//! counted nor recorded, so counts are exactly the requests Envoy forwarded.
+//! response carries `x-backend: <index>`. Knobs: delay, failing, kill, stop/resume. Health checks
+//! are neither counted nor recorded, so counts are exactly the requests Envoy forwarded.
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -57,6 +57,14 @@ struct Shared {
     completed: AtomicU64,
     in_flight: AtomicU64,
     requests: Mutex<Vec<Recorded>>,
+    /// Set by [`Backend::stop`]: every request is answered 503.
+    stopped: AtomicBool,
+    /// Set by [`Backend::stop_resetting`]: every request closes its connection unanswered.
+    resetting: AtomicBool,
+    /// Requests refused because the backend was stopped (health checks excluded).
+    refused: AtomicU64,
+    /// Connections being served, so a kill can wait until every one is closed.
+    open_connections: AtomicU64,
 }
 
 /// A running backend; stops listening when killed or dropped.
@@ -65,6 +73,8 @@ pub struct Backend {
     addr: SocketAddr,
     kill: watch::Sender<bool>,
     accept: Mutex<Option<JoinHandle<()>>>,
+    /// Closes the listener (not the open connections) when set; see [`Backend::stop`].
+    stop: watch::Sender<bool>,
 }
 
 impl Backend {
@@ -77,12 +87,14 @@ impl Backend {
             ..Shared::default()
         });
         let (kill, killed) = watch::channel(false);
-        let accept = tokio::spawn(accept_loop(listener, shared.clone(), killed));
+        let (stop, stopped) = watch::channel(false);
+        let accept = tokio::spawn(accept_loop(listener, shared.clone(), killed, stopped));
         Ok(Backend {
             shared,
             addr,
             kill,
             accept: Mutex::new(Some(accept)),
+            stop,
         })
     }
 
@@ -152,12 +164,69 @@ impl Backend {
         std::mem::take(&mut *self.shared.requests.lock().unwrap())
     }
 
-    /// Stops listening and drops every open connection; returns once the listener is closed.
+    /// Requests answered 503, or whose connection was closed under them, while stopped (health
+    /// checks excluded).
+    pub fn refused(&self) -> u64 {
+        self.shared.refused.load(Ordering::Relaxed)
+    }
+
+    /// Stops listening and drops every open connection; returns once the listener and every
+    /// connection are closed, so no request is served after it returns.
     pub async fn kill(&self) {
         let _ = self.kill.send(true);
         let accept = self.accept.lock().unwrap().take();
         if let Some(accept) = accept {
             let _ = accept.await;
+        }
+        self.wait_connections_closed().await;
+    }
+
+    /// Stops the way a replica that is shutting down does: the listener closes (new connections
+    /// are refused), and every request arriving on a connection still open, health checks
+    /// included, is answered 503 with `connection: close`. Responses already under way finish.
+    /// Returns once the listener is closed.
+    pub async fn stop(&self) {
+        self.shared.stopped.store(true, Ordering::SeqCst);
+        self.stop.send_replace(true);
+        let accept = self.accept.lock().unwrap().take();
+        if let Some(accept) = accept {
+            let _ = accept.await;
+        }
+    }
+
+    /// Like [`Backend::stop`], but a request arriving on a connection still open is not answered:
+    /// the connection closes under it, as when a replica dies with requests already sent to it.
+    pub async fn stop_resetting(&self) {
+        self.shared.resetting.store(true, Ordering::SeqCst);
+        self.stop().await;
+    }
+
+    /// After [`Backend::stop`] or [`Backend::stop_resetting`]: listens again on the same address
+    /// and serves normally.
+    pub async fn resume(&self) -> std::io::Result<()> {
+        let listener = tokio::net::TcpListener::bind(self.addr).await?;
+        self.shared.resetting.store(false, Ordering::SeqCst);
+        self.shared.stopped.store(false, Ordering::SeqCst);
+        // Not `send`: with the old accept loop gone there is no receiver, and `send` would then
+        // leave the value at `true`, stopping the new loop at once.
+        self.stop.send_replace(false);
+        let accept = tokio::spawn(accept_loop(
+            listener,
+            self.shared.clone(),
+            self.kill.subscribe(),
+            self.stop.subscribe(),
+        ));
+        *self.accept.lock().unwrap() = Some(accept);
+        Ok(())
+    }
+
+    async fn wait_connections_closed(&self) {
+        // Each connection task ends at its next poll once killed; bounded in case one never does.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while self.shared.open_connections.load(Ordering::SeqCst) > 0
+            && std::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
 }
@@ -208,28 +277,58 @@ async fn accept_loop(
     listener: tokio::net::TcpListener,
     shared: Arc<Shared>,
     mut killed: watch::Receiver<bool>,
+    mut stopped: watch::Receiver<bool>,
 ) {
     loop {
         let stream = tokio::select! {
+            // A kill or stop wins over a connection waiting to be accepted.
+            biased;
+            _ = killed.wait_for(|k| *k) => return,
+            _ = stopped.wait_for(|s| *s) => return,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
                 Err(_) => continue,
             },
-            _ = killed.wait_for(|k| *k) => return,
         };
         let _ = stream.set_nodelay(true);
         let shared = shared.clone();
         let mut killed = killed.clone();
+        shared.open_connections.fetch_add(1, Ordering::SeqCst);
         tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req| handle(shared.clone(), req));
+            let open = OpenConnection(shared.clone());
+            let svc = hyper::service::service_fn(move |req| {
+                let shared = shared.clone();
+                async move {
+                    if shared.resetting.load(Ordering::SeqCst) {
+                        if req.uri().path() != "/health" {
+                            shared.refused.fetch_add(1, Ordering::Relaxed);
+                        }
+                        // A service error makes hyper close the connection without a response.
+                        return Err("stopped: resetting the connection");
+                    }
+                    handle(shared, req).await.map_err(|never| match never {})
+                }
+            });
             let conn = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc);
             // Dropping the connection future closes the socket: that is how kill cuts connections.
+            // Checked first, so a killed connection never serves one more request.
             tokio::select! {
-                _ = conn => {}
+                biased;
                 _ = killed.wait_for(|k| *k) => {}
+                _ = conn => {}
             }
+            drop(open);
         });
+    }
+}
+
+/// Counts a connection task as open until it ends, however it ends.
+struct OpenConnection(Arc<Shared>);
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.open_connections.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -255,6 +354,22 @@ async fn handle(
     shared: Arc<Shared>,
     req: Request<Incoming>,
 ) -> Result<Response<ReplyBody>, Infallible> {
+    if shared.stopped.load(Ordering::SeqCst) {
+        if req.uri().path() != "/health" {
+            shared.refused.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut resp = reply(
+            &shared,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "text/plain",
+            ReplyBody::full("stopping"),
+        );
+        resp.headers_mut().insert(
+            hyper::header::CONNECTION,
+            hyper::header::HeaderValue::from_static("close"),
+        );
+        return Ok(resp);
+    }
     let failing = shared.failing.load(Ordering::Relaxed);
     if req.uri().path() == "/health" {
         let status = if failing {

@@ -1,6 +1,7 @@
 //! The HTTP stream context: strips client routing headers, buffers routable bodies, asks the core
-//! for a decision, writes the routing header, and settles the in-flight count when the stream ends.
-//! Where Envoy withholds bodies from paused filters, it routes from headers instead.
+//! for a decision, writes the routing header, marks the chosen endpoint suspect when it failed the
+//! request, and settles the in-flight count when the stream ends. Where Envoy withholds bodies from
+//! paused filters, it routes from headers instead.
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -15,6 +16,7 @@ use crate::body_access::{self, BodyAccess};
 use crate::config::PolicyKind;
 use crate::request::Api;
 use crate::router::{self, Fallback, RequestInfo, Routed};
+use crate::suspects::{self, UPSTREAM_FAILURE_FLAGS};
 
 pub struct Stream {
     shared: Rc<RefCell<Shared>>,
@@ -27,6 +29,8 @@ pub struct Stream {
     outcome: Option<String>,
     /// The endpoint counted in flight, until the stream ends.
     routed: Option<(u32, String)>,
+    /// The chosen endpoint was already found at fault (at most one mark per request).
+    blamed: bool,
 }
 
 impl Stream {
@@ -39,6 +43,7 @@ impl Stream {
             body_size: 0,
             outcome: None,
             routed: None,
+            blamed: false,
         }
     }
 
@@ -119,7 +124,8 @@ impl Stream {
             route_cluster()
         };
         let shared = self.shared.borrow();
-        let Some(hosts) = shared.hosts(cluster.as_deref()) else {
+        let now = now_ms();
+        let Some(hosts) = shared.hosts(cluster.as_deref(), now) else {
             drop(shared);
             return self.fallback(Fallback::NoCluster);
         };
@@ -138,7 +144,7 @@ impl Stream {
             session: session.as_deref(),
             request_id: request_id.as_deref(),
         };
-        let result = shared.router.route(&HostStore, &hosts, &req, now_ms());
+        let result = shared.router.route(&HostStore, &hosts, &req, now);
         drop(shared);
         match result {
             Ok(routed) => self.apply(routed),
@@ -173,6 +179,39 @@ impl Stream {
         Action::Continue
     }
 
+    /// If the endpoint kvroute chose failed this request, marks it suspect so the next requests
+    /// avoid it before Envoy's health check and the next poll notice. `status` is the response
+    /// status when known; `flags` Envoy's `response.flags`.
+    fn blame(&mut self, status: Option<u16>, flags: u64) {
+        let Some((_, chosen)) = &self.routed else {
+            return;
+        };
+        if self.blamed {
+            return;
+        }
+        let upstream = hostcalls::get_property(vec!["upstream", "address"])
+            .ok()
+            .flatten()
+            .and_then(|b| String::from_utf8(b).ok());
+        if suspects::chosen_failed(chosen, upstream.as_deref(), status, flags) {
+            self.blamed = true;
+            let chosen = chosen.clone();
+            self.shared.borrow_mut().mark_suspect(&chosen, now_ms());
+        }
+    }
+
+    /// At the end of a routed stream: a reset or failed connection after the response started
+    /// (a replica dying mid-stream) shows only in Envoy's response flags.
+    fn blame_at_end(&mut self) {
+        if self.routed.is_none() || self.blamed {
+            return;
+        }
+        let flags = response_flags();
+        if flags & UPSTREAM_FAILURE_FLAGS != 0 {
+            self.blame(None, flags);
+        }
+    }
+
     /// The stream is over, however it ended: one request fewer in flight.
     fn settle(&mut self) {
         if let Some((id, addr)) = self.routed.take() {
@@ -202,7 +241,7 @@ pub(super) fn route_from_headers(shared: &RefCell<Shared>) {
             route_cluster()
         };
         let s = shared.borrow();
-        if let Some(hosts) = s.hosts(cluster.as_deref()) {
+        if let Some(hosts) = s.hosts(cluster.as_deref(), now_ms()) {
             let endpoints = body_access::session_endpoints(
                 &hosts,
                 &session,
@@ -224,6 +263,15 @@ pub(super) fn route_from_headers(shared: &RefCell<Shared>) {
     ));
 }
 
+/// Envoy's `response.flags` (legacy bit set), 0 when unavailable.
+fn response_flags() -> u64 {
+    hostcalls::get_property(vec!["response", "flags"])
+        .ok()
+        .flatten()
+        .and_then(|b| b.get(..8)?.try_into().ok())
+        .map_or(0, u64::from_le_bytes)
+}
+
 /// The upstream cluster of the request's route.
 fn route_cluster() -> Option<String> {
     [vec!["cluster_name"], vec!["xds", "cluster_name"]]
@@ -238,6 +286,7 @@ impl Context for Stream {
             self.watched = false;
             self.shared.borrow_mut().body.forget(self.id);
         }
+        self.blame_at_end();
         self.settle();
         true
     }
@@ -303,6 +352,21 @@ impl HttpContext for Stream {
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
         self.settle_watch(false);
+        if self.routed.is_some() {
+            // Retries are over by now (Envoy retries only before it forwards response headers):
+            // this is the final answer, and the host that gave it.
+            let status = hostcalls::get_map_value(MapType::HttpResponseHeaders, ":status")
+                .ok()
+                .flatten()
+                .and_then(|s| s.parse().ok());
+            // Only a 503 needs the flags (was it Envoy's own?): the common case costs no read.
+            let flags = if status == Some(503) {
+                response_flags()
+            } else {
+                0
+            };
+            self.blame(status, flags);
+        }
         if self.shared.borrow().router.config.debug_header {
             if let Some(outcome) = &self.outcome {
                 let _ = hostcalls::set_map_value(
@@ -316,6 +380,7 @@ impl HttpContext for Stream {
     }
 
     fn on_log(&mut self) {
+        self.blame_at_end();
         self.settle();
     }
 }

@@ -1,5 +1,6 @@
 //! The root context (one per worker VM): loads the config, ticks the poller (one worker at a time
-//! polls) and the watch on paused streams, and hands each HTTP stream the shared view it needs.
+//! polls), the policy's view of shared data, other workers' suspect marks and the watch on paused
+//! streams, and hands each HTTP stream the shared view it needs.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -8,7 +9,7 @@ use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{ContextType, LogLevel, MapType};
+use proxy_wasm::types::{ContextType, LogLevel, MapType, MetricType};
 
 use super::host::{now_ms, HostStore, Metrics};
 use super::http::{route_from_headers, Stream};
@@ -19,10 +20,16 @@ use crate::endpoints::{self, Host, Snapshot};
 use crate::policy::Decision;
 use crate::router::{Fallback, Router};
 use crate::store::SharedStore;
+use crate::suspects::{self, Suspects};
 
 pub(super) const HOSTS_KEY: &str = "kvroute.hosts";
 /// Tick and poll period until the first host snapshot: requests fall back to Envoy until then.
 const STARTUP_TICK_MS: u64 = 100;
+/// Endpoints that just failed a request, marked by any worker (see `suspects`).
+const SUSPECTS_KEY: &str = "kvroute.suspects";
+/// Longest tick, whatever `stats_interval_ms` says: how late another worker's suspect mark can
+/// reach this one. The poll itself still runs once per interval (the lease decides).
+const MAX_TICK_MS: u64 = 250;
 
 /// What a worker VM's streams share: the configured router, the last host snapshot, metrics.
 pub struct Shared {
@@ -34,6 +41,9 @@ pub struct Shared {
     pub body: BodyWatch,
     /// The root's tick period now (0: not ticking).
     tick_ms: u64,
+    /// Endpoints to avoid for now: this worker's own marks at once, other workers' from the tick.
+    suspects: Suspects,
+    suspects_cas: Option<u32>,
 }
 
 impl Shared {
@@ -55,8 +65,17 @@ impl Shared {
 
     /// The hosts a request to `cluster` may go to: the static list if configured (with health and
     /// load from the last poll where known), else the cluster's hosts from the last poll.
-    /// Borrowed from the snapshot in the common case: nothing is copied per request.
-    pub fn hosts(&self, cluster: Option<&str>) -> Option<Cow<'_, [Host]>> {
+    /// Borrowed from the snapshot in the common case: nothing is copied per request. A suspect
+    /// endpoint is reported unhealthy, so the router's candidate filter drops it.
+    pub fn hosts(&self, cluster: Option<&str>, now_ms: u64) -> Option<Cow<'_, [Host]>> {
+        let hosts = self.known_hosts(cluster)?;
+        Some(match self.suspects.apply(&hosts, now_ms) {
+            Some(marked) => Cow::Owned(marked),
+            None => hosts,
+        })
+    }
+
+    fn known_hosts(&self, cluster: Option<&str>) -> Option<Cow<'_, [Host]>> {
         let config = &self.router.config;
         if !config.endpoints.is_empty() {
             let polled: Vec<&Host> = self.snapshot.values().flatten().collect();
@@ -76,6 +95,41 @@ impl Shared {
         self.snapshot
             .get(cluster?)
             .map(|hosts| Cow::Borrowed(hosts.as_slice()))
+    }
+
+    /// `addr`, which kvroute chose for a request, failed it: this worker avoids it from the next
+    /// request on, the others from their next tick.
+    pub fn mark_suspect(&mut self, addr: &str, now_ms: u64) {
+        if !self.suspects.mark(addr, now_ms) {
+            return;
+        }
+        suspects::mark_shared(&HostStore, SUSPECTS_KEY, addr, now_ms);
+        self.metrics.count("kvroute.suspect_marked");
+        let _ = hostcalls::log(
+            LogLevel::Info,
+            &format!(
+                "kvroute: {addr} failed a request; not routing to it for {} ms",
+                suspects::SUSPECT_MS
+            ),
+        );
+    }
+
+    /// Takes in the marks other workers wrote since the last tick and forgets expired ones.
+    fn refresh_suspects(&mut self, now_ms: u64) {
+        let (shared, cas) = suspects::read_shared(&HostStore, SUSPECTS_KEY);
+        if cas != self.suspects_cas {
+            let learned = shared.map_or(0, |shared| self.suspects.merge(&shared, now_ms));
+            if learned > 0 {
+                let m = &mut self.metrics;
+                m.add(
+                    MetricType::Counter,
+                    "kvroute.suspect_learned",
+                    learned as i64,
+                );
+            }
+            self.suspects_cas = cas;
+        }
+        self.suspects.prune(now_ms);
     }
 
     /// Until this worker's first tick has read a snapshot, looks for one on every request:
@@ -115,10 +169,12 @@ impl Root {
             let config = &s.router.config;
             (config.admin_cluster.clone(), config.stats_interval_ms)
         };
+        let now = now_ms();
         let has_snapshot = {
             let mut s = shared.borrow_mut();
             s.refresh_snapshot();
-            let placed = s.router.tick(&HostStore, now_ms());
+            s.refresh_suspects(now);
+            let placed = s.router.tick(&HostStore, now);
             s.metrics.gauge("kvroute.groups_placed", placed as u64);
             s.snapshot_cas.is_some()
         };
@@ -134,12 +190,13 @@ impl Root {
     }
 
     /// The tick the poller needs: fast until the first host snapshot is in, then (and without an
-    /// admin cluster, for the policy's view) every `stats_interval_ms`.
+    /// admin cluster, for the policy's view and other workers' suspect marks) every
+    /// `stats_interval_ms`, at most [`MAX_TICK_MS`].
     fn poll_period(&self, s: &Shared) -> u64 {
         let config = &s.router.config;
         match config.admin_cluster {
             Some(_) if s.snapshot_cas.is_none() => STARTUP_TICK_MS.min(config.stats_interval_ms),
-            _ => config.stats_interval_ms,
+            _ => config.stats_interval_ms.min(MAX_TICK_MS),
         }
     }
 }
@@ -233,6 +290,8 @@ impl RootContext for Root {
             metrics.define_counter(&format!("kvroute.{poll}.ok"));
             metrics.define_counter(&format!("kvroute.{poll}.failed"));
         }
+        metrics.define_counter("kvroute.suspect_marked");
+        metrics.define_counter("kvroute.suspect_learned");
         self.shared = Some(Rc::new(RefCell::new(Shared {
             router: Router::new(config),
             metrics,
@@ -240,6 +299,8 @@ impl RootContext for Root {
             snapshot_cas: None,
             body: BodyWatch::default(),
             tick_ms: 0,
+            suspects: Suspects::new(),
+            suspects_cas: None,
         })));
         self.on_tick();
         true

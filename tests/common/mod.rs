@@ -248,3 +248,50 @@ pub async fn warm_up(fleet: &Fleet, groups: impl Iterator<Item = usize> + Clone)
     // Every worker ticks after the table is complete: two more polls.
     wait_for_fresh_poll(fleet).await;
 }
+
+/// The routing header (`x-gateway-destination-endpoint`) of every request the backends recorded
+/// since the last call, clearing their records: whom kvroute named, first address first. A
+/// request Envoy retried elsewhere shows up at the backend that finally served it.
+pub fn take_routing_headers(fleet: &Fleet) -> Vec<String> {
+    fleet
+        .backends
+        .iter()
+        .flat_map(Backend::take_requests)
+        .map(|r| {
+            r.header_values("x-gateway-destination-endpoint")
+                .first()
+                .map_or_else(String::new, |v| v.to_string())
+        })
+        .collect()
+}
+
+/// How many of `headers` name `addr` as the first choice.
+pub fn first_named(headers: &[String], addr: std::net::SocketAddr) -> usize {
+    let addr = addr.to_string();
+    headers
+        .iter()
+        .filter(|h| h.split(',').next().map(str::trim) == Some(addr.as_str()))
+        .count()
+}
+
+impl Fleet {
+    /// POSTs an OpenAI chat request through `client` (e.g. one that opens a new connection per
+    /// request, so requests spread over Envoy's workers).
+    pub async fn chat_via(&self, client: &reqwest::Client, body: &Value) -> Reply {
+        let req = client
+            .post(format!("{}/v1/chat/completions", self.envoy.url()))
+            .header("content-type", "application/json")
+            .body(body.to_string());
+        self.send(req, &[]).await
+    }
+}
+
+/// A client that opens a new connection for every request: Envoy hands each connection to one
+/// of its workers, so such requests reach every worker's kvroute VM, not just one.
+pub fn client_per_request() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .pool_max_idle_per_host(0)
+        .build()
+        .expect("client builds")
+}
