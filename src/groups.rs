@@ -1,15 +1,22 @@
-//! The groups a gateway has seen lately, and their homes: a balanced assignment of groups to
-//! endpoints that every gateway which has seen the same groups computes alike.
+//! The groups a gateway has seen lately, how busy each keeps the fleet, and their homes: a
+//! balanced assignment of groups to endpoints that every gateway which has seen the same groups
+//! computes alike.
 //!
-//! Rendezvous alone gives each group a home every gateway agrees on, but by chance: 24 groups
-//! on 4 endpoints often put 9 on one and 3 on another. Here each endpoint takes at most
-//! ceil(groups / endpoints) groups: groups propose to endpoints in their rendezvous order, and an
-//! endpoint keeps the groups that rank it highest (deferred acceptance). The outcome depends only
-//! on the set of groups and endpoints, not on the order requests arrived in, so gateways that have
-//! seen the same groups agree, and a restarted gateway agrees again once it has seen them.
+//! Rendezvous alone gives each group a home every gateway agrees on, but by chance: 24 groups on
+//! 4 endpoints often put 9 on one and 3 on another, and under skewed traffic the hottest groups
+//! may share one. Here each group weighs its popularity relative to the mean (a power of two, at
+//! least 1) and each endpoint takes groups up to ceil(total weight / endpoints): groups propose to
+//! endpoints in their rendezvous order, and an endpoint keeps the heaviest, then the groups that
+//! rank it highest (deferred acceptance, in key order). The
+//! outcome depends only on the groups, their weights and the endpoints, not on the order requests
+//! arrived in, so gateways that have seen the same traffic agree, and a restarted gateway agrees
+//! again once it has seen it.
 //!
 //! The table is shared data: [`SHARDS`] values of up to [`PER_SHARD`] records (group key, last
-//! seen, requests seen), least recently seen evicted, so its size is bounded whatever the traffic.
+//! seen, requests seen, halving every [`HALF_LIFE_MS`]), least recently seen evicted, so its size
+//! is bounded whatever the traffic.
+
+use std::collections::VecDeque;
 
 use hashbrown::HashMap;
 
@@ -18,22 +25,28 @@ use crate::store::{self, SharedStore, Update};
 
 pub const SHARDS: usize = 16;
 pub const PER_SHARD: usize = 64;
-/// A group counts once this many requests of it were seen: one-off prompts are no group.
-pub const MIN_REQUESTS: u32 = 2;
+/// A group counts once more than one request of it was seen lately (the count decays, so two
+/// requests a moment apart make a little under 2): one-off prompts are no group.
+pub const MIN_REQUESTS: f32 = 1.5;
 /// A group not seen for this long no longer takes a place.
 pub const TTL_MS: u64 = 60_000;
-/// A record seen again sooner than this is not rewritten.
-pub const REFRESH_MS: u64 = 1_000;
+/// Request counts halve over this time: popularity is recent popularity.
+pub const HALF_LIFE_MS: u64 = 30_000;
+/// How often a worker writes the requests it counted to the table.
+pub const FLUSH_MS: u64 = 1_000;
+/// The heaviest weight a group can have, in multiples of the mean group.
+pub const MAX_WEIGHT: u32 = 64;
 
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 const RECORD_LEN: usize = 20;
 
 /// One group as the table remembers it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Seen {
     pub key: u64,
     pub last_ms: u64,
-    pub requests: u32,
+    /// Requests seen, decayed to `last_ms`.
+    pub requests: f32,
 }
 
 impl Seen {
@@ -42,48 +55,68 @@ impl Seen {
         self.requests >= MIN_REQUESTS && now_ms.saturating_sub(self.last_ms) < TTL_MS
     }
 
-    /// Whether a request of this group at `now_ms` needs to be written down.
-    pub fn stale(&self, now_ms: u64) -> bool {
-        self.requests < MIN_REQUESTS || now_ms.saturating_sub(self.last_ms) >= REFRESH_MS
+    /// Requests seen, decayed to `now_ms`.
+    pub fn requests_at(&self, now_ms: u64) -> f64 {
+        let age = now_ms.saturating_sub(self.last_ms) as f64;
+        f64::from(self.requests) * 0.5f64.powf(age / HALF_LIFE_MS as f64)
     }
 }
 
-fn shard_key(group: u64) -> String {
-    format!("kvroute.groups.{}", group % SHARDS as u64)
+fn shard_of(group: u64) -> usize {
+    (group % SHARDS as u64) as usize
 }
 
-/// Records a request of `group` at `now_ms`; returns the record as written.
-pub fn touch(store: &dyn SharedStore, group: u64, now_ms: u64) -> Option<Seen> {
-    let mut written = None;
-    let outcome = store::update(store, &shard_key(group), |current| {
-        let mut records = current.map(decode).unwrap_or_default();
-        let seen = match records.iter_mut().find(|r| r.key == group) {
-            Some(r) => {
-                r.last_ms = r.last_ms.max(now_ms);
-                r.requests = r.requests.saturating_add(1);
-                *r
+fn shard_key(shard: usize) -> String {
+    format!("kvroute.groups.{shard}")
+}
+
+/// Adds `count` requests of each group at `now_ms`, one write per shard touched. Returns the
+/// records as written.
+pub fn record(store: &dyn SharedStore, counts: &[(u64, u32)], now_ms: u64) -> Vec<Seen> {
+    let mut written = Vec::new();
+    for shard in 0..SHARDS {
+        let mine: Vec<(u64, u32)> = counts
+            .iter()
+            .copied()
+            .filter(|(g, _)| shard_of(*g) == shard)
+            .collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let mut result = Vec::new();
+        let outcome = store::update(store, &shard_key(shard), |current| {
+            let mut records = current.map(decode).unwrap_or_default();
+            result.clear();
+            for &(group, count) in &mine {
+                result.push(add(&mut records, group, count, now_ms));
             }
-            None => {
-                let fresh = Seen {
-                    key: group,
-                    last_ms: now_ms,
-                    requests: 1,
-                };
-                if records.len() < PER_SHARD {
-                    records.push(fresh);
-                } else if let Some(lru) = records.iter_mut().min_by_key(|r| r.last_ms) {
-                    *lru = fresh;
-                }
-                fresh
-            }
-        };
-        written = Some(seen);
-        Some(encode(&records))
-    });
-    match outcome {
-        Update::Created | Update::Written => written,
-        Update::Declined | Update::Failed => None,
+            Some(encode(&records))
+        });
+        if matches!(outcome, Update::Created | Update::Written) {
+            written.extend(result);
+        }
     }
+    written
+}
+
+/// Adds `count` requests of `group` to a shard's records, evicting the least recently seen.
+fn add(records: &mut Vec<Seen>, group: u64, count: u32, now_ms: u64) -> Seen {
+    if let Some(r) = records.iter_mut().find(|r| r.key == group) {
+        r.requests = (r.requests_at(now_ms) + f64::from(count)) as f32;
+        r.last_ms = r.last_ms.max(now_ms);
+        return *r;
+    }
+    let fresh = Seen {
+        key: group,
+        last_ms: now_ms,
+        requests: count as f32,
+    };
+    if records.len() < PER_SHARD {
+        records.push(fresh);
+    } else if let Some(lru) = records.iter_mut().min_by_key(|r| r.last_ms) {
+        *lru = fresh;
+    }
+    fresh
 }
 
 /// Every shard's records and version (to tell whether anything changed since the last read).
@@ -91,49 +124,97 @@ pub fn read(store: &dyn SharedStore) -> (Vec<Seen>, Vec<Option<u32>>) {
     let mut all = Vec::new();
     let mut versions = Vec::with_capacity(SHARDS);
     for shard in 0..SHARDS {
-        let (value, version) = store.get(&format!("kvroute.groups.{shard}"));
+        let (value, version) = store.get(&shard_key(shard));
         all.extend(value.as_deref().map(decode).unwrap_or_default());
         versions.push(version);
     }
     (all, versions)
 }
 
-/// Each group's home among `endpoints` (ids): at most ceil(groups / endpoints) groups per
-/// endpoint, each group as high in its rendezvous order as that allows. Independent of the order
+/// The groups that take a place at `now_ms`, sorted by key, each with its weight: its recent
+/// requests over the mean group's, as a power of two from 1 to [`MAX_WEIGHT`] (coarse, so that
+/// gateways whose counts differ a little still weigh a group alike).
+pub fn weighted(seen: &[Seen], now_ms: u64) -> Vec<(u64, u32)> {
+    let counted: Vec<(u64, f64)> = seen
+        .iter()
+        .filter(|s| s.counts(now_ms))
+        .map(|s| (s.key, s.requests_at(now_ms)))
+        .collect();
+    let mean = counted.iter().map(|(_, r)| r).sum::<f64>() / counted.len().max(1) as f64;
+    let mut out: Vec<(u64, u32)> = counted
+        .into_iter()
+        .map(|(g, r)| (g, weight(r / mean.max(f64::MIN_POSITIVE))))
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+/// A popularity (requests over the mean group's) as a weight: 1 below 3× the mean (ordinary
+/// ups and downs of equally popular groups move nothing), then doubling with every doubling.
+fn weight(popularity: f64) -> u32 {
+    let w = (popularity / 1.5).log2().floor().exp2();
+    w.clamp(1.0, f64::from(MAX_WEIGHT)) as u32
+}
+
+/// Each group's home among `endpoints` (ids): groups (key, weight) fill endpoints up to
+/// ceil(total weight / endpoints), each as high in its rendezvous order as that allows; an
+/// endpoint always keeps the group that ranks it highest, however heavy. Independent of the order
 /// of `groups`.
-pub fn assign(groups: &[u64], endpoints: &[u32]) -> HashMap<u64, u32> {
+pub fn assign(groups: &[(u64, u32)], endpoints: &[u32]) -> HashMap<u64, u32> {
     let mut homes = HashMap::new();
     if endpoints.is_empty() {
         return homes;
     }
-    let capacity = groups.len().div_ceil(endpoints.len());
+    let mut groups = groups.to_vec();
+    groups.sort_unstable();
+    let total: u64 = groups.iter().map(|&(_, w)| u64::from(w)).sum();
+    let capacity = total.div_ceil(endpoints.len() as u64);
     let orders: Vec<Vec<usize>> = groups
         .iter()
-        .map(|&g| rendezvous::order(g, endpoints))
+        .map(|&(g, _)| rendezvous::order(g, endpoints))
         .collect();
-    // How an endpoint ranks a group: by the group's rendezvous weight for it, then by key.
-    let rank = |g: usize, e: usize| (rendezvous::weight(groups[g], endpoints[e]), groups[g]);
+    // How an endpoint ranks a group: heavier first (light ones are easier to place elsewhere),
+    // then by the group's rendezvous weight for it, then by key.
+    let rank = |g: usize, e: usize| {
+        let (key, w) = groups[g];
+        (w, rendezvous::weight(key, endpoints[e]), key)
+    };
     let mut next = vec![0usize; groups.len()];
     let mut held: Vec<Vec<usize>> = vec![Vec::new(); endpoints.len()];
-    let mut free: Vec<usize> = (0..groups.len()).collect();
-    while let Some(g) = free.pop() {
-        let Some(&e) = orders[g].get(next[g]) else {
-            continue;
+    let mut load = vec![0u64; endpoints.len()];
+    let mut free: VecDeque<usize> = (0..groups.len()).collect();
+    while let Some(g) = free.pop_front() {
+        // Refused everywhere (the room it needed went to heavier or better-ranked groups): the
+        // least-loaded endpoint, earliest in its order among equals, takes it.
+        let e = match orders[g].get(next[g]) {
+            Some(&e) => e,
+            None => {
+                let e = orders[g]
+                    .iter()
+                    .copied()
+                    .enumerate()
+                    .min_by_key(|&(rank, e)| (load[e], rank))
+                    .map_or(0, |(_, e)| e);
+                held[e].push(g);
+                load[e] += u64::from(groups[g].1);
+                continue;
+            }
         };
         next[g] += 1;
         held[e].push(g);
-        if held[e].len() > capacity {
-            let worst = held[e]
-                .iter()
-                .enumerate()
-                .min_by_key(|&(_, &h)| rank(h, e))
-                .map_or(0, |(i, _)| i);
-            free.push(held[e].swap_remove(worst));
+        load[e] += u64::from(groups[g].1);
+        held[e].sort_unstable_by_key(|&h| std::cmp::Reverse(rank(h, e)));
+        // Refuse the lowest-ranked groups while over capacity, keeping the best one.
+        while load[e] > capacity && held[e].len() > 1 {
+            if let Some(worst) = held[e].pop() {
+                load[e] -= u64::from(groups[worst].1);
+                free.push_back(worst);
+            }
         }
     }
     for (e, gs) in held.iter().enumerate() {
         for &g in gs {
-            homes.insert(groups[g], endpoints[e]);
+            homes.insert(groups[g].0, endpoints[e]);
         }
     }
     homes
@@ -145,7 +226,7 @@ fn encode(records: &[Seen]) -> Vec<u8> {
     for r in records {
         out.extend_from_slice(&r.key.to_le_bytes());
         out.extend_from_slice(&r.last_ms.to_le_bytes());
-        out.extend_from_slice(&r.requests.to_le_bytes());
+        out.extend_from_slice(&r.requests.to_bits().to_le_bytes());
     }
     out
 }
@@ -161,7 +242,7 @@ fn decode(bytes: &[u8]) -> Vec<Seen> {
             Some(Seen {
                 key: u64::from_le_bytes(r.get(0..8)?.try_into().ok()?),
                 last_ms: u64::from_le_bytes(r.get(8..16)?.try_into().ok()?),
-                requests: u32::from_le_bytes(r.get(16..20)?.try_into().ok()?),
+                requests: f32::from_bits(u32::from_le_bytes(r.get(16..20)?.try_into().ok()?)),
             })
         })
         .collect()
@@ -179,16 +260,23 @@ mod tests {
             .collect()
     }
 
-    fn groups(n: u64) -> Vec<u64> {
+    /// `n` groups of weight 1.
+    fn groups(n: u64) -> Vec<(u64, u32)> {
         (0..n)
-            .map(|g| g.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .map(|g| (g.wrapping_mul(0x9e37_79b9_7f4a_7c15), 1))
             .collect()
     }
 
-    fn per_endpoint(homes: &HashMap<u64, u32>, endpoints: &[u32]) -> Vec<usize> {
-        endpoints
-            .iter()
-            .map(|e| homes.values().filter(|h| *h == e).count())
+    /// Total weight homed on each endpoint.
+    fn per_endpoint(homes: &HashMap<u64, u32>, groups: &[(u64, u32)], eps: &[u32]) -> Vec<u32> {
+        eps.iter()
+            .map(|e| {
+                groups
+                    .iter()
+                    .filter(|(g, _)| homes[g] == *e)
+                    .map(|(_, w)| w)
+                    .sum()
+            })
             .collect()
     }
 
@@ -196,18 +284,39 @@ mod tests {
     fn every_endpoint_gets_its_share_of_groups() {
         let eps = endpoints(4);
         for n in [4u64, 12, 24, 25, 100] {
-            let homes = assign(&groups(n), &eps);
+            let gs = groups(n);
+            let homes = assign(&gs, &eps);
             assert_eq!(homes.len(), n as usize);
-            let counts = per_endpoint(&homes, &eps);
-            let cap = (n as usize).div_ceil(4);
-            assert!(counts.iter().all(|&c| c <= cap), "{n} groups: {counts:?}");
+            let loads = per_endpoint(&homes, &gs, &eps);
+            let cap = (n as u32).div_ceil(4);
+            assert!(loads.iter().all(|&c| c <= cap), "{n} groups: {loads:?}");
         }
+    }
+
+    #[test]
+    fn a_hot_group_takes_the_room_of_several() {
+        let eps = endpoints(4);
+        let mut gs = groups(24);
+        gs[0].1 = 6; // as busy as six average groups
+        let homes = assign(&gs, &eps);
+        let loads = per_endpoint(&homes, &gs, &eps);
+        assert!(loads.iter().all(|&l| l <= 8), "{loads:?}"); // total 29 → at most 8 each
+        let with_hot = gs
+            .iter()
+            .filter(|(g, _)| homes[g] == homes[&gs[0].0])
+            .count();
+        assert!(
+            with_hot <= 3,
+            "the hot group's home also holds {} others",
+            with_hot - 1
+        );
     }
 
     #[test]
     fn the_assignment_does_not_depend_on_the_order_groups_were_seen() {
         let eps = endpoints(4);
-        let gs = groups(30);
+        let mut gs = groups(30);
+        gs[3].1 = 5;
         let mut reversed = gs.clone();
         reversed.reverse();
         assert_eq!(assign(&gs, &eps), assign(&reversed, &eps));
@@ -220,7 +329,7 @@ mod tests {
         let homes = assign(&gs, &eps);
         let first = gs
             .iter()
-            .filter(|&&g| homes[&g] == eps[rendezvous::order(g, &eps)[0]])
+            .filter(|(g, _)| homes[g] == eps[rendezvous::order(*g, &eps)[0]])
             .count();
         assert!(first >= 12, "only {first} of 24 at their first choice");
     }
@@ -231,20 +340,48 @@ mod tests {
         let gs = groups(40);
         let before = assign(&gs[..39], &eps);
         let after = assign(&gs, &eps);
-        let moved = gs[..39].iter().filter(|&g| before[g] != after[g]).count();
+        let moved = gs[..39]
+            .iter()
+            .filter(|(g, _)| before[g] != after[g])
+            .count();
         assert!(moved <= 6, "{moved} groups moved");
+    }
+
+    #[test]
+    fn weights_are_recent_requests_over_the_mean_and_one_offs_do_not_count() {
+        let at = |key, requests| Seen {
+            key,
+            last_ms: 1000,
+            requests,
+        };
+        let seen = [
+            at(1, 100.0),
+            at(2, 10.0),
+            at(3, 10.0),
+            at(5, 10.0),
+            at(4, 1.0),
+        ];
+        assert_eq!(weighted(&seen, 1000), vec![(1, 2), (2, 1), (3, 1), (5, 1)]);
+        let w = [0.1, 1.4, 2.9, 3.0, 6.0, 1e9].map(weight);
+        assert_eq!(w, [1, 1, 1, 2, 4, 64]);
+        let later = 1000 + HALF_LIFE_MS;
+        assert!((seen[0].requests_at(later) - 50.0).abs() < 1e-6);
+        assert!(weighted(&seen, 1000 + TTL_MS).is_empty(), "all expired");
     }
 
     #[test]
     fn the_table_counts_requests_and_stays_bounded() {
         let store = MemoryStore::new();
-        assert_eq!(touch(&store, 7, 10).map(|s| s.requests), Some(1));
-        let seen = touch(&store, 7, 20).unwrap();
-        assert_eq!((seen.requests, seen.last_ms), (2, 20));
-        assert!(seen.counts(20) && !seen.counts(20 + TTL_MS));
-        assert!(!seen.stale(500) && seen.stale(20 + REFRESH_MS));
+        assert_eq!(record(&store, &[(7, 1)], 10)[0].requests, 1.0);
+        let seen = record(&store, &[(7, 3), (8, 1)], 20);
+        assert_eq!(seen.len(), 2);
+        assert!((seen.iter().find(|s| s.key == 7).unwrap().requests - 4.0).abs() < 1e-3);
         for g in 0..10_000u64 {
-            touch(&store, g.wrapping_mul(0x9e37_79b9_7f4a_7c15), 100 + g);
+            record(
+                &store,
+                &[(g.wrapping_mul(0x9e37_79b9_7f4a_7c15), 1)],
+                100 + g,
+            );
         }
         let (all, versions) = read(&store);
         assert_eq!(all.len(), SHARDS * PER_SHARD);
@@ -259,7 +396,7 @@ mod tests {
         let r = vec![Seen {
             key: u64::MAX,
             last_ms: 5,
-            requests: u32::MAX,
+            requests: 3.5,
         }];
         assert_eq!(decode(&encode(&r)), r);
     }

@@ -26,20 +26,24 @@ async fn placements(
     out
 }
 
-/// Asks `group` until it is decided `want` (every worker's view changed), then two more polls.
-async fn until_decision(fleet: &Fleet, group: usize, want: &str) {
+/// Places every group, one request each, until `done` holds for the placements (every worker's
+/// view changed), at most 20 s; returns the last placements. One request of each group per round
+/// keeps them equally popular, so their balanced homes stay as they were.
+async fn placements_until(
+    fleet: &Fleet,
+    groups: &[usize],
+    done: impl Fn(&BTreeMap<usize, (usize, String)>) -> bool,
+) -> BTreeMap<usize, (usize, String)> {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let reply = fleet
-            .chat(&chat_body(&system_prompt(group), "poke", false))
-            .await;
-        if reply.decision.as_deref() == Some(want) {
+        let now = placements(fleet, groups, "poll").await;
+        if done(&now) {
             wait_for_fresh_poll(fleet).await;
-            return;
+            return placements(fleet, groups, "settled").await;
         }
         assert!(
             Instant::now() < deadline,
-            "no `{want}` within 20 s: {reply:?}"
+            "not settled within 20 s: {now:?}"
         );
     }
 }
@@ -64,8 +68,7 @@ async fn a_queueing_engine_sheds_its_groups_until_it_drains() {
     );
 
     fleet.backends[0].set_engine_waiting(500);
-    until_decision(&fleet, on_zero[0], "spread").await;
-    let queued = placements(&fleet, &groups, "queued").await;
+    let queued = placements_until(&fleet, &groups, |p| p.values().all(|(b, _)| *b != 0)).await;
     for (g, (b, d)) in &queued {
         if on_zero.contains(g) {
             assert_ne!(*b, 0, "group {g} went to the queueing engine");
@@ -76,8 +79,7 @@ async fn a_queueing_engine_sheds_its_groups_until_it_drains() {
     }
 
     fleet.backends[0].set_engine_waiting(0);
-    until_decision(&fleet, on_zero[0], "home").await;
-    let after = placements(&fleet, &groups, "drained").await;
+    let after = placements_until(&fleet, &groups, |p| on_zero.iter().all(|g| p[g].0 == 0)).await;
     for (g, (b, d)) in &after {
         assert_eq!(
             (*b, d.as_str()),

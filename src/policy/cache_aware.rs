@@ -57,9 +57,12 @@ struct GroupView {
     born_ms: Option<u64>,
     seen: HashMap<u64, Seen>,
     versions: Vec<Option<u32>>,
-    /// The groups that take a place, sorted, and their homes for the endpoint ids they were
-    /// computed for.
-    counted: Vec<u64>,
+    /// Requests of known groups routed by this worker since it last wrote them to the table.
+    pending: HashMap<u64, u32>,
+    flushed_ms: u64,
+    /// The groups that take a place, with their weights, sorted, and their homes for the
+    /// endpoint ids they were computed for.
+    counted: Vec<(u64, u32)>,
     homes: Option<(Vec<u32>, HashMap<u64, u32>)>,
 }
 
@@ -87,7 +90,12 @@ impl CacheAware {
         let warm = view
             .born_ms
             .is_some_and(|born| now_ms.saturating_sub(born) >= self.warmup_ms);
-        if !warm || view.counted.binary_search(&group).is_err() {
+        if !warm
+            || view
+                .counted
+                .binary_search_by_key(&group, |&(g, _)| g)
+                .is_err()
+        {
             return first;
         }
         let ids = || candidates.iter().map(|c| c.id);
@@ -137,18 +145,18 @@ impl Policy for CacheAware {
     }
 
     fn routed(&self, candidates: &[Candidate], input: &Input, pick: &Pick) -> usize {
+        // A group new to this worker goes into the table at once; the requests of known ones
+        // are counted here and written on the tick.
         let group = input.keys.group;
-        let stale = self
-            .view
-            .borrow()
-            .seen
-            .get(&group)
-            .is_none_or(|s| s.stale(input.now_ms));
-        if stale {
-            if let Some(seen) = groups::touch(input.store, group, input.now_ms) {
-                self.view.borrow_mut().seen.insert(group, seen);
+        let mut view = self.view.borrow_mut();
+        if view.seen.contains_key(&group) {
+            *view.pending.entry(group).or_default() += 1;
+        } else {
+            for seen in groups::record(input.store, &[(group, 1)], input.now_ms) {
+                view.seen.insert(seen.key, seen);
             }
         }
+        drop(view);
         let chosen = candidates[pick.index].id;
         let from = unchanged_prefix(pick.matched.as_ref(), chosen, input.now_ms);
         AffinityMap::new(input.store, self.capacity).record(
@@ -161,18 +169,18 @@ impl Policy for CacheAware {
     fn tick(&self, store: &dyn SharedStore, now_ms: u64) -> usize {
         let mut view = self.view.borrow_mut();
         let born = *view.born_ms.get_or_insert(now_ms);
+        if now_ms.saturating_sub(view.flushed_ms) >= groups::FLUSH_MS && !view.pending.is_empty() {
+            let pending: Vec<(u64, u32)> = view.pending.drain().collect();
+            groups::record(store, &pending, now_ms);
+            view.flushed_ms = now_ms;
+        }
         let (records, versions) = groups::read(store);
         if versions != view.versions {
             view.seen = records.into_iter().map(|r| (r.key, r)).collect();
             view.versions = versions;
         }
-        let mut counted: Vec<u64> = view
-            .seen
-            .values()
-            .filter(|s| s.counts(now_ms))
-            .map(|s| s.key)
-            .collect();
-        counted.sort_unstable();
+        let seen: Vec<Seen> = view.seen.values().copied().collect();
+        let counted = groups::weighted(&seen, now_ms);
         if counted != view.counted {
             view.counted = counted;
             view.homes = None;
