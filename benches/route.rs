@@ -36,7 +36,7 @@ fn bench(c: &mut Criterion) {
                     max_chunks: 256,
                     group_bytes: 4096,
                 };
-                bench.iter(|| PrefixKeys::new(&p.model, &p.text, p.head, shape))
+                bench.iter(|| PrefixKeys::new(&p.model, &p.text, p.head, p.history, shape))
             },
         );
         let router = Router::new(Config::default());

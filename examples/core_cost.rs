@@ -41,6 +41,7 @@ fn main() {
                 &prompt.model,
                 black_box(&prompt.text),
                 prompt.head,
+                prompt.history,
                 shape,
             ));
         });

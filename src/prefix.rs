@@ -24,15 +24,17 @@ pub struct PrefixKeys {
     /// Hash of the prompt's head, at most `group_bytes` of it: where the request's group lives.
     /// Every gateway computes it from the request alone, so all place a group alike.
     pub group: u64,
-    /// Keys that cover some of the head: a match deeper than this reaches into what follows it
-    /// (a conversation's history), which only the endpoints that served it hold.
+    /// Keys that cover some of the head: a match deeper than this reaches into the request's
+    /// earlier turns, which only the endpoints that served them hold. All the keys when the
+    /// request has no earlier turns (what follows its head is new).
     pub head_chunks: usize,
 }
 
 impl PrefixKeys {
     /// Splits `text` into chunks (the last may be shorter) and chains their hashes; the group
-    /// key hashes the first `head` bytes (capped at `group_bytes`).
-    pub fn new(model: &str, text: &str, head: usize, shape: Shape) -> PrefixKeys {
+    /// key hashes the first `head` bytes (capped at `group_bytes`). `history`: earlier turns
+    /// follow the head.
+    pub fn new(model: &str, text: &str, head: usize, history: bool, shape: Shape) -> PrefixKeys {
         let model = xxh3_64(model.as_bytes());
         let chunk_size = shape.chunk_size.max(1);
         let head = head.min(text.len());
@@ -43,11 +45,15 @@ impl PrefixKeys {
             previous = xxh3_64_with_seed(chunk, previous);
             keys.push(previous);
         }
+        let head_chunks = match history {
+            true => head.div_ceil(chunk_size),
+            false => keys.len(),
+        };
         PrefixKeys {
             model,
             keys,
             group,
-            head_chunks: head.div_ceil(chunk_size),
+            head_chunks,
         }
     }
 }
@@ -67,8 +73,8 @@ mod tests {
     #[test]
     fn equal_prefixes_give_equal_leading_keys_and_then_diverge() {
         let shared = "s".repeat(100);
-        let a = PrefixKeys::new("m", &format!("{shared}aaaa"), 0, shape(16, 64));
-        let b = PrefixKeys::new("m", &format!("{shared}bbbb"), 0, shape(16, 64));
+        let a = PrefixKeys::new("m", &format!("{shared}aaaa"), 0, true, shape(16, 64));
+        let b = PrefixKeys::new("m", &format!("{shared}bbbb"), 0, true, shape(16, 64));
         assert_eq!(a.keys.len(), 7);
         assert_eq!(a.keys[..6], b.keys[..6]);
         assert_ne!(a.keys[6], b.keys[6]);
@@ -76,8 +82,8 @@ mod tests {
 
     #[test]
     fn a_key_depends_on_every_chunk_before_it() {
-        let a = PrefixKeys::new("m", "xxxxyyyy", 0, shape(4, 8));
-        let b = PrefixKeys::new("m", "zzzzyyyy", 0, shape(4, 8));
+        let a = PrefixKeys::new("m", "xxxxyyyy", 0, true, shape(4, 8));
+        let b = PrefixKeys::new("m", "zzzzyyyy", 0, true, shape(4, 8));
         assert_ne!(
             a.keys[1], b.keys[1],
             "same second chunk, different first chunk"
@@ -86,8 +92,8 @@ mod tests {
 
     #[test]
     fn the_model_namespaces_keys() {
-        let a = PrefixKeys::new("m1", "same text", 9, shape(4, 8));
-        let b = PrefixKeys::new("m2", "same text", 9, shape(4, 8));
+        let a = PrefixKeys::new("m1", "same text", 9, true, shape(4, 8));
+        let b = PrefixKeys::new("m2", "same text", 9, true, shape(4, 8));
         assert!(a.keys.iter().zip(&b.keys).all(|(x, y)| x != y));
         assert_ne!(a.group, b.group);
     }
@@ -95,14 +101,17 @@ mod tests {
     #[test]
     fn keys_stop_at_max_chunks_and_empty_text_has_no_keys() {
         assert_eq!(
-            PrefixKeys::new("m", &"x".repeat(1000), 0, shape(10, 8))
+            PrefixKeys::new("m", &"x".repeat(1000), 0, true, shape(10, 8))
                 .keys
                 .len(),
             8
         );
-        let empty = PrefixKeys::new("m", "", 4096, shape(10, 8));
+        let empty = PrefixKeys::new("m", "", 4096, true, shape(10, 8));
         assert!(empty.keys.is_empty());
-        assert_eq!(empty.group, PrefixKeys::new("m", "", 0, shape(10, 8)).group);
+        assert_eq!(
+            empty.group,
+            PrefixKeys::new("m", "", 0, true, shape(10, 8)).group
+        );
     }
 
     #[test]
@@ -110,7 +119,8 @@ mod tests {
         let house = "house rules. ".repeat(80); // about 1 KB every group shares
         let doc = |d: usize| format!("{house}document {d}: {}", "text ".repeat(600));
         let (a, b) = (doc(1), doc(2));
-        let group = |text: &str, head: usize| PrefixKeys::new("m", text, head, shape(512, 64));
+        let group =
+            |text: &str, head: usize| PrefixKeys::new("m", text, head, true, shape(512, 64));
         assert_ne!(
             group(&a, a.len()).group,
             group(&b, b.len()).group,
@@ -133,12 +143,17 @@ mod tests {
     fn keys_are_the_same_on_every_platform() {
         // Pinned values: a wasm32 build must agree with a native one, or two Envoys on different
         // hosts (and this test under wasm) would disagree on placement.
-        let k = PrefixKeys::new("m", "hello world", 5, shape(4, 8));
+        let k = PrefixKeys::new("m", "hello world", 5, true, shape(4, 8));
         assert_eq!(k.keys.len(), 3);
         assert_eq!(k.model, xxh3_64(b"m"));
         assert_eq!(k.keys[0], xxh3_64_with_seed(b"hell", xxh3_64(b"m")));
         assert_eq!(k.model, 0xf090_4807_418c_57fc_u64, "{:#x}", k.model);
         assert_eq!(k.group, xxh3_64_with_seed(b"hello", k.model));
         assert_eq!(k.head_chunks, 2, "the head's 5 bytes touch chunks 0 and 1");
+        let single = PrefixKeys::new("m", "hello world", 5, false, shape(4, 8));
+        assert_eq!(
+            single.head_chunks, 3,
+            "no earlier turns: no key reaches into history"
+        );
     }
 }

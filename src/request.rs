@@ -38,6 +38,9 @@ pub struct Prompt {
     /// messages that open a chat, or its first message when none does; a whole completion prompt.
     /// Requests of one group (one app, one document, one conversation) share it; it keys placement.
     pub head: usize,
+    /// Whether earlier turns follow the head (a conversation past its first turn): only then is
+    /// what follows the head cached somewhere already.
+    pub history: bool,
 }
 
 /// Why a body cannot be routed. Each reason is a counter, so these names are stable.
@@ -234,7 +237,13 @@ fn parse_chat(body: &[u8]) -> Result<Prompt, ParseError> {
         }
     }
     let head = head.unwrap_or(text.len());
-    Ok(Prompt { model, text, head })
+    let history = messages.len() > lead + 1;
+    Ok(Prompt {
+        model,
+        text,
+        head,
+        history,
+    })
 }
 
 fn push_part(text: &mut String, part: &Part) {
@@ -273,7 +282,12 @@ fn parse_completion(body: &[u8]) -> Result<Prompt, ParseError> {
         Field::Other => return Err(ParseError::NoPrompt),
     };
     let head = text.len();
-    Ok(Prompt { model, text, head })
+    Ok(Prompt {
+        model,
+        text,
+        head,
+        history: false,
+    })
 }
 
 #[cfg(test)]
@@ -317,6 +331,7 @@ mod tests {
         assert!(head.contains("S1") && head.contains("S2") && !head.contains("question"));
         let later_turn = chat(r#"{"model":"m","messages":[{"role":"system","content":"S1"},{"role":"developer","content":"S2"},{"role":"user","content":"other"},{"role":"assistant","content":"a"},{"role":"user","content":"b"}]}"#).unwrap();
         assert_eq!(later_turn.text[..later_turn.head], *head);
+        assert!(later_turn.history && !with_system.history);
         let no_system = chat(r#"{"model":"m","messages":[{"role":"user","content":"first"},{"role":"assistant","content":"reply"}]}"#).unwrap();
         let head = &no_system.text[..no_system.head];
         assert!(head.contains("first") && !head.contains("reply"));

@@ -144,7 +144,13 @@ impl Router {
             max_chunks: config.max_chunks,
             group_bytes: config.group_bytes,
         };
-        let keys = PrefixKeys::new(&prompt.model, &prompt.text, prompt.head, shape);
+        let keys = PrefixKeys::new(
+            &prompt.model,
+            &prompt.text,
+            prompt.head,
+            prompt.history,
+            shape,
+        );
         let candidates = candidates(&counters::read(store), hosts);
         if candidates.is_empty() {
             return Err(Fallback::NoHealthyEndpoint);

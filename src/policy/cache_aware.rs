@@ -37,8 +37,8 @@ use crate::store::SharedStore;
 /// prefixes' writes to a handful per second instead of one per chunk per request.
 pub const REFRESH_MS: u64 = 1000;
 
-/// Polls (ticks) a gateway waits, seeing groups, before it places them by the balanced
-/// assignment rather than by their first rendezvous choice.
+/// Poll intervals (`stats_interval_ms`) a gateway waits, seeing groups, before it places them
+/// by the balanced assignment rather than by their first rendezvous choice.
 pub const WARMUP_POLLS: u64 = 10;
 
 pub struct CacheAware {
@@ -256,18 +256,29 @@ mod tests {
         rendezvous_order(c, keys.group)
     }
 
-    /// A request of a group: the group's system prompt, then a question.
+    /// A first-turn request of a group: the group's system prompt, then a question.
     fn ask(group: &str, question: &str) -> PrefixKeys {
+        turn(group, question, false)
+    }
+
+    /// A later turn: the group's system prompt, then earlier turns and a new question.
+    fn follow_up(group: &str, turns: &str) -> PrefixKeys {
+        turn(group, turns, true)
+    }
+
+    fn turn(group: &str, after_head: &str, history: bool) -> PrefixKeys {
         let system = format!("{group} ").repeat(40);
+        let shape = crate::prefix::Shape {
+            chunk_size: 10,
+            max_chunks: 64,
+            group_bytes: 40,
+        };
         PrefixKeys::new(
             "m",
-            &format!("{system}{question}"),
+            &format!("{system}{after_head}"),
             system.len(),
-            crate::prefix::Shape {
-                chunk_size: 10,
-                max_chunks: 64,
-                group_bytes: 40,
-            },
+            history,
+            shape,
         )
     }
 
@@ -290,6 +301,38 @@ mod tests {
             (home, Decision::Home)
         );
         assert!(remembered.matched.is_some_and(|m| m.depth >= 8));
+    }
+
+    #[test]
+    fn once_warm_a_gateway_gives_the_groups_it_has_seen_balanced_homes() {
+        let (p, store, c) = (policy(), MemoryStore::new(), candidates(&[0, 0, 0, 0]));
+        p.tick(&store, 0);
+        let groups: Vec<String> = (0..8).map(|g| format!("group {g}")).collect();
+        let home = |now| -> Vec<usize> {
+            groups
+                .iter()
+                .map(|g| {
+                    let keys = ask(g, &format!("question at {now}"));
+                    let input = Input {
+                        now_ms: now,
+                        ..input(&keys, &store)
+                    };
+                    let pick = p.pick(&c, &input).unwrap();
+                    p.routed(&c, &input, &pick);
+                    pick.index
+                })
+                .collect()
+        };
+        home(10);
+        home(20); // each group seen twice
+        p.tick(&store, 2000); // counts written, past the warm-up
+        assert_eq!(p.tick(&store, 2001), 8, "all 8 groups placed by balance");
+        let homes = home(2002);
+        for e in 0..4 {
+            let n = homes.iter().filter(|&&h| h == e).count();
+            assert_eq!(n, 2, "endpoint {e} has {n} of 8 groups: {homes:?}");
+        }
+        assert_eq!(home(2003), homes, "stable");
     }
 
     #[test]
@@ -347,7 +390,7 @@ mod tests {
         loads[o[0]] = 30; // home overloaded when turn 1 came
         let first = route(&policy(), &candidates(&loads), &turn1, &store);
         assert_eq!(first.index, o[1]);
-        let turn2 = ask("g", &format!("{history}next question"));
+        let turn2 = follow_up("g", &format!("{history}next question"));
         assert_eq!(turn2.group, turn1.group);
         let second = route(&policy(), &candidates(&[0, 0, 0, 0]), &turn2, &store);
         assert_eq!((second.index, second.decision), (o[1], Decision::Affinity));

@@ -178,7 +178,7 @@ pub(crate) mod testing {
             max_chunks: 64,
             group_bytes: 40,
         };
-        PrefixKeys::new("m", text, 40, shape)
+        PrefixKeys::new("m", text, 40, true, shape)
     }
 
     pub fn input<'a>(keys: &'a PrefixKeys, store: &'a MemoryStore) -> Input<'a> {
