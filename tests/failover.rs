@@ -6,8 +6,7 @@
 mod common;
 
 use common::{
-    chat_body, debug_config, served_by, system_prompt, take_routing_headers, wait_for_fresh_poll,
-    Fleet,
+    ask, debug_config, first_homes, served_by, take_routing_headers, wait_for_fresh_poll, Fleet,
 };
 use std::time::Duration;
 
@@ -17,11 +16,7 @@ async fn killed_backend_is_avoided_once_unhealthy_and_no_request_fails() {
         o.health_check_interval = Some(Duration::from_millis(200))
     })
     .await;
-    let ask = |g: usize, i: usize| chat_body(&system_prompt(g), &format!("question {i}"), false);
-    let mut homes = Vec::new();
-    for g in 0..4 {
-        homes.push(served_by(&fleet, &fleet.chat(&ask(g, 0)).await));
-    }
+    let homes = first_homes(&fleet, 4).await;
     let victim = homes[0];
     // Requests go one at a time, so the kill falls between requests: every failure would be
     // kvroute's (or the retry policy's), not a response cut by the kill itself.

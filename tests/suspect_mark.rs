@@ -7,8 +7,8 @@
 mod common;
 
 use common::{
-    chat_body, client_per_request, first_named, kv_stat, served_by, system_prompt,
-    take_routing_headers, Fleet,
+    ask, client_per_request, first_homes, first_named, kv_stat, served_by, take_routing_headers,
+    Fleet,
 };
 use serde_json::json;
 use std::time::Duration;
@@ -37,11 +37,7 @@ async fn failed_replica_is_not_named_again_before_the_next_poll(failure: Failure
     // One keep-alive connection, so one Envoy worker, until the failure: that worker then holds
     // an idle pooled connection to the replica, and the first request after the failure goes out
     // on it (and meets a 503, or a reset after the request was written).
-    let ask = |g: usize, i: usize| chat_body(&system_prompt(g), &format!("question {i}"), false);
-    let mut homes = Vec::new();
-    for g in 0..4 {
-        homes.push(served_by(&fleet, &fleet.chat(&ask(g, 0)).await));
-    }
+    let homes = first_homes(&fleet, 4).await;
     let victim = homes[0];
     for i in 1..4 {
         let reply = fleet.chat(&ask(0, i)).await;

@@ -164,6 +164,20 @@ pub fn chat_body(system: &str, user: &str, stream: bool) -> Value {
     })
 }
 
+/// Question `i` of group `g` (its `system_prompt`), not streamed.
+pub fn ask(g: usize, i: usize) -> Value {
+    chat_body(&system_prompt(g), &format!("question {i}"), false)
+}
+
+/// Sends question 0 of groups `0..groups`, one at a time: the backend that served each.
+pub async fn first_homes(fleet: &Fleet, groups: usize) -> Vec<usize> {
+    let mut homes = Vec::new();
+    for g in 0..groups {
+        homes.push(served_by(fleet, &fleet.chat(&ask(g, 0)).await));
+    }
+    homes
+}
+
 /// The plugin config most tests use: the shipped one plus the decision header, polled quickly.
 pub fn debug_config() -> Value {
     json!({ "debug_header": true, "stats_interval_ms": 200 })
