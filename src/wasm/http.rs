@@ -114,15 +114,7 @@ impl Stream {
             .ok()
             .flatten()
             .unwrap_or_default();
-        self.shared.borrow_mut().ensure_snapshot();
-        // Which cluster's hosts are candidates: the one the route chose. A static endpoint list
-        // does not depend on it, so it costs no host call then.
-        let static_endpoints = !self.shared.borrow().router.config.endpoints.is_empty();
-        let cluster = if static_endpoints {
-            None
-        } else {
-            route_cluster()
-        };
+        let cluster = candidate_cluster(&self.shared);
         let shared = self.shared.borrow();
         let now = now_ms();
         let Some(hosts) = shared.hosts(cluster.as_deref(), now) else {
@@ -233,13 +225,7 @@ pub(super) fn route_from_headers(shared: &RefCell<Shared>) {
         .ok()
         .flatten();
     if let Some(session) = session {
-        shared.borrow_mut().ensure_snapshot();
-        let static_endpoints = !shared.borrow().router.config.endpoints.is_empty();
-        let cluster = if static_endpoints {
-            None
-        } else {
-            route_cluster()
-        };
+        let cluster = candidate_cluster(shared);
         let s = shared.borrow();
         if let Some(hosts) = s.hosts(cluster.as_deref(), now_ms()) {
             let endpoints = body_access::session_endpoints(
@@ -270,6 +256,18 @@ fn response_flags() -> u64 {
         .flatten()
         .and_then(|b| b.get(..8)?.try_into().ok())
         .map_or(0, u64::from_le_bytes)
+}
+
+/// Which cluster's hosts are the effective stream's candidates: the one its route chose, with a
+/// host snapshot read first if this worker has none yet. A static endpoint list does not depend
+/// on the route, so it costs no host call then.
+fn candidate_cluster(shared: &RefCell<Shared>) -> Option<String> {
+    shared.borrow_mut().ensure_snapshot();
+    if shared.borrow().router.config.endpoints.is_empty() {
+        route_cluster()
+    } else {
+        None
+    }
 }
 
 /// The upstream cluster of the request's route.
