@@ -34,8 +34,8 @@ pub const TTL_MS: u64 = 60_000;
 pub const HALF_LIFE_MS: u64 = 30_000;
 /// How often a worker writes the requests it counted to the table.
 pub const FLUSH_MS: u64 = 1_000;
-/// The heaviest weight a group can have, in multiples of the mean group.
-pub const MAX_WEIGHT: u32 = 64;
+/// The heaviest weight a group can have, in halves of the mean group.
+pub const MAX_WEIGHT: u32 = 128;
 
 const VERSION: u8 = 2;
 const RECORD_LEN: usize = 20;
@@ -132,8 +132,7 @@ pub fn read(store: &dyn SharedStore) -> (Vec<Seen>, Vec<Option<u32>>) {
 }
 
 /// The groups that take a place at `now_ms`, sorted by key, each with its weight: its recent
-/// requests over the mean group's, as a power of two from 1 to [`MAX_WEIGHT`] (coarse, so that
-/// gateways whose counts differ a little still weigh a group alike).
+/// requests over the mean group's, in halves of the mean (see [`weight`]).
 pub fn weighted(seen: &[Seen], now_ms: u64) -> Vec<(u64, u32)> {
     let counted: Vec<(u64, f64)> = seen
         .iter()
@@ -149,10 +148,19 @@ pub fn weighted(seen: &[Seen], now_ms: u64) -> Vec<(u64, u32)> {
     out
 }
 
-/// A popularity (requests over the mean group's) as a weight: 1 below 3× the mean (ordinary
-/// ups and downs of equally popular groups move nothing), then doubling with every doubling.
+/// A popularity (requests over the mean group's) as a weight in halves of the mean group. Groups
+/// within 0.5–2× the mean all weigh 2, so the ordinary ups and downs of equally popular groups,
+/// which each gateway counts a little differently, move nothing; rarer groups weigh 1; hotter
+/// ones weigh what they are worth (a group with 9× the mean's traffic takes the room of nine), so
+/// the endpoint that homes a hot group takes few others and a skewed fleet stays balanced.
 fn weight(popularity: f64) -> u32 {
-    let w = (popularity / 1.5).log2().floor().exp2();
+    let w = if popularity < 0.5 {
+        1.0
+    } else if popularity < 2.0 {
+        2.0
+    } else {
+        (2.0 * popularity).round()
+    };
     w.clamp(1.0, f64::from(MAX_WEIGHT)) as u32
 }
 
@@ -313,6 +321,38 @@ mod tests {
     }
 
     #[test]
+    fn zipf_skewed_groups_leave_no_endpoint_with_twice_the_traffic_of_another() {
+        // 32 groups with Zipf(1.1) popularity, as the bench's zipf-pressure workload sends them:
+        // the hottest has 28% of the traffic, more than a quarter of a 4-endpoint fleet.
+        let eps = endpoints(4);
+        let share: Vec<f64> = (1..=32).map(|k| 1.0 / f64::from(k).powf(1.1)).collect();
+        let seen: Vec<Seen> = share
+            .iter()
+            .enumerate()
+            .map(|(i, s)| Seen {
+                key: (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                last_ms: 1000,
+                requests: (1000.0 * s) as f32,
+            })
+            .collect();
+        let homes = assign(&weighted(&seen, 1000), &eps);
+        let traffic: Vec<f64> = eps
+            .iter()
+            .map(|e| {
+                seen.iter()
+                    .zip(&share)
+                    .filter(|(s, _)| homes[&s.key] == *e)
+                    .map(|(_, x)| x)
+                    .sum()
+            })
+            .collect();
+        let (max, min) = traffic
+            .iter()
+            .fold((0.0f64, f64::MAX), |(hi, lo), &t| (hi.max(t), lo.min(t)));
+        assert!(max / min <= 2.0, "traffic per endpoint {traffic:?}");
+    }
+
+    #[test]
     fn the_assignment_does_not_depend_on_the_order_groups_were_seen() {
         let eps = endpoints(4);
         let mut gs = groups(30);
@@ -361,9 +401,10 @@ mod tests {
             at(5, 10.0),
             at(4, 1.0),
         ];
-        assert_eq!(weighted(&seen, 1000), vec![(1, 2), (2, 1), (3, 1), (5, 1)]);
-        let w = [0.1, 1.4, 2.9, 3.0, 6.0, 1e9].map(weight);
-        assert_eq!(w, [1, 1, 1, 2, 4, 64]);
+        // Mean 32.5: the first is 3.1× the mean, the others under half of it.
+        assert_eq!(weighted(&seen, 1000), vec![(1, 6), (2, 1), (3, 1), (5, 1)]);
+        let w = [0.1, 0.49, 0.5, 1.4, 1.99, 2.0, 3.0, 9.2, 1e9].map(weight);
+        assert_eq!(w, [1, 1, 2, 2, 2, 4, 6, 18, 128]);
         let later = 1000 + HALF_LIFE_MS;
         assert!((seen[0].requests_at(later) - 50.0).abs() < 1e-6);
         assert!(weighted(&seen, 1000 + TTL_MS).is_empty(), "all expired");
