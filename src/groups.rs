@@ -4,8 +4,8 @@
 //!
 //! Rendezvous alone gives each group a home every gateway agrees on, but by chance: 24 groups on
 //! 4 endpoints often put 9 on one and 3 on another, and under skewed traffic the hottest groups
-//! may share one. Here each group weighs its popularity relative to the mean (a power of two, at
-//! least 1) and each endpoint takes groups up to ceil(total weight / endpoints): groups propose to
+//! may share one. Here each group weighs its popularity relative to the mean (in halves of the
+//! mean, with the band around the mean flattened: see [`weight`]) and each endpoint takes groups up to ceil(total weight / endpoints): groups propose to
 //! endpoints in their rendezvous order, and an endpoint keeps the heaviest, then the groups that
 //! rank it highest (deferred acceptance, in key order). The
 //! outcome depends only on the groups, their weights and the endpoints, not on the order requests
