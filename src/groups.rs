@@ -4,8 +4,8 @@
 //!
 //! Rendezvous alone gives each group a home every gateway agrees on, but by chance: 24 groups on
 //! 4 endpoints often put 9 on one and 3 on another, and under skewed traffic the hottest groups
-//! may share one. Here each group weighs its popularity relative to the mean (in halves of the
-//! mean, with the band around the mean flattened: see [`weight`]) and each endpoint takes groups up to ceil(total weight / endpoints): groups propose to
+//! may share one. Here each group weighs its popularity relative to the mean (in quarters of
+//! the mean, with the band around the mean flattened: see [`weight`]) and each endpoint takes groups up to ceil(total weight / endpoints): groups propose to
 //! endpoints in their rendezvous order, and an endpoint keeps the heaviest, then the groups that
 //! rank it highest (deferred acceptance, in key order). The
 //! outcome depends only on the groups, their weights and the endpoints, not on the order requests
@@ -34,8 +34,8 @@ pub const TTL_MS: u64 = 60_000;
 pub const HALF_LIFE_MS: u64 = 30_000;
 /// How often a worker writes the requests it counted to the table.
 pub const FLUSH_MS: u64 = 1_000;
-/// The heaviest weight a group can have, in halves of the mean group.
-pub const MAX_WEIGHT: u32 = 128;
+/// The heaviest weight a group can have, in quarters of the mean group.
+pub const MAX_WEIGHT: u32 = 256;
 
 const VERSION: u8 = 2;
 const RECORD_LEN: usize = 20;
@@ -132,7 +132,7 @@ pub fn read(store: &dyn SharedStore) -> (Vec<Seen>, Vec<Option<u32>>) {
 }
 
 /// The groups that take a place at `now_ms`, sorted by key, each with its weight: its recent
-/// requests over the mean group's, in halves of the mean (see [`weight`]).
+/// requests over the mean group's, in quarters of the mean (see [`weight`]).
 pub fn weighted(seen: &[Seen], now_ms: u64) -> Vec<(u64, u32)> {
     let counted: Vec<(u64, f64)> = seen
         .iter()
@@ -148,18 +148,17 @@ pub fn weighted(seen: &[Seen], now_ms: u64) -> Vec<(u64, u32)> {
     out
 }
 
-/// A popularity (requests over the mean group's) as a weight in halves of the mean group. Groups
-/// within 0.5–2× the mean all weigh 2, so the ordinary ups and downs of equally popular groups,
-/// which each gateway counts a little differently, move nothing; rarer groups weigh 1; hotter
-/// ones weigh what they are worth (a group with 9× the mean's traffic takes the room of nine), so
-/// the endpoint that homes a hot group takes few others and a skewed fleet stays balanced.
+/// A popularity (requests over the mean group's) as a weight in quarters of the mean group. Groups
+/// within 0.5–2× the mean all weigh 4, so the ordinary ups and downs of equally popular groups,
+/// which each gateway counts a little differently, move nothing; outside that band a group weighs
+/// what it is worth (a group with 9× the mean's traffic takes the room of nine, a rare one a
+/// quarter), so the endpoint that homes a hot group takes few others, the rare groups of a skewed
+/// fleet are not taken for average ones, and the traffic stays balanced.
 fn weight(popularity: f64) -> u32 {
-    let w = if popularity < 0.5 {
-        1.0
-    } else if popularity < 2.0 {
-        2.0
+    let w = if (0.5..2.0).contains(&popularity) {
+        4.0
     } else {
-        (2.0 * popularity).round()
+        (4.0 * popularity).round()
     };
     w.clamp(1.0, f64::from(MAX_WEIGHT)) as u32
 }
@@ -401,10 +400,10 @@ mod tests {
             at(5, 10.0),
             at(4, 1.0),
         ];
-        // Mean 32.5: the first is 3.1× the mean, the others under half of it.
-        assert_eq!(weighted(&seen, 1000), vec![(1, 6), (2, 1), (3, 1), (5, 1)]);
-        let w = [0.1, 0.49, 0.5, 1.4, 1.99, 2.0, 3.0, 9.2, 1e9].map(weight);
-        assert_eq!(w, [1, 1, 2, 2, 2, 4, 6, 18, 128]);
+        // Mean 32.5: the first is 3.1× the mean, the others under a third of it.
+        assert_eq!(weighted(&seen, 1000), vec![(1, 12), (2, 1), (3, 1), (5, 1)]);
+        let w = [0.01, 0.2, 0.4, 0.5, 1.4, 1.99, 2.0, 3.0, 9.2, 1e9].map(weight);
+        assert_eq!(w, [1, 1, 2, 4, 4, 4, 8, 12, 37, 256]);
         let later = 1000 + HALF_LIFE_MS;
         assert!((seen[0].requests_at(later) - 50.0).abs() < 1e-6);
         assert!(weighted(&seen, 1000 + TTL_MS).is_empty(), "all expired");
