@@ -506,6 +506,28 @@ mod tests {
     }
 
     #[test]
+    fn engines_that_stopped_answering_are_avoided_and_all_stale_falls_back() {
+        let (r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
+        let mut hs = hosts(2);
+        let fresh = EngineLoad::observe(None, &Metrics::default(), 0);
+        let mut stale = fresh;
+        for _ in 0..crate::freshness::STALE_POLLS {
+            stale = stale.missed_poll();
+        }
+        hs[0].engine = Some(stale);
+        hs[1].engine = Some(fresh);
+        for g in 0..10 {
+            let routed = send(&r, &store, &hs, &chat(&system(g), "q")).unwrap();
+            assert_eq!(routed.endpoints[0], "127.0.0.1:8002", "group {g}");
+        }
+        hs[1].engine = Some(stale);
+        assert_eq!(
+            send(&r, &store, &hs, &chat(&system(0), "q")),
+            Err(Fallback::StaleEngineLoads)
+        );
+    }
+
+    #[test]
     fn round_robin_cycles_and_other_baselines_route() {
         let (store, hosts) = (MemoryStore::new(), hosts(3));
         let rr = router(PolicyKind::RoundRobin);
