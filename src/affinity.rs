@@ -87,6 +87,30 @@ impl<'s, S: SharedStore + ?Sized> AffinityMap<'s, S> {
             .count()
     }
 
+    /// Records that `endpoint` no longer holds the prefixes `keys`: it never served them (the
+    /// request failed, or another host answered), or its engine evicted them. Other holders stay;
+    /// a record left with none is dropped. Deepest keys first, so presence stays monotone even if
+    /// this stops half-way. Returns how many records changed.
+    pub fn forget(&self, keys: &[u64], endpoint: u32) -> usize {
+        keys.iter()
+            .rev()
+            .filter(|&&key| {
+                let update = store::update(self.store, &self.slot_key(key), |current| {
+                    let mut records = current.map(decode)?;
+                    let r = records.iter_mut().find(|r| r.key == key)?;
+                    let before = r.holders.len();
+                    r.holders.retain(|&h| h != endpoint);
+                    if r.holders.len() == before {
+                        return None;
+                    }
+                    records.retain(|r| !r.holders.is_empty());
+                    Some(encode(&records))
+                });
+                update == Update::Written
+            })
+            .count()
+    }
+
     fn upsert(&self, key: u64, endpoint: u32, now_ms: u64) -> Update {
         store::update(self.store, &self.slot_key(key), |current| {
             let mut records = current.map(decode).unwrap_or_default();
@@ -226,6 +250,20 @@ mod tests {
         assert!(map.get(3).is_none());
         map.record(&[3], 9, 1);
         assert_eq!(map.get(3).unwrap().holders, vec![9]);
+    }
+
+    #[test]
+    fn forgetting_an_endpoint_keeps_other_holders_and_the_shallower_prefix() {
+        let store = MemoryStore::new();
+        let map = AffinityMap::new(&store, 1024);
+        map.record(&[1, 2, 3, 4], 7, 1);
+        map.record(&[1, 2], 8, 2);
+        assert_eq!(map.forget(&[2, 3, 4], 7), 3);
+        assert_eq!(map.get(1).unwrap().holders, vec![7, 8]);
+        assert_eq!(map.get(2).unwrap().holders, vec![8]);
+        assert!(map.get(3).is_none() && map.get(4).is_none());
+        assert_eq!(map.longest_match(&[1, 2, 3, 4]).unwrap().depth, 2);
+        assert_eq!(map.forget(&[3, 9], 7), 0, "nothing left to forget");
     }
 
     #[test]

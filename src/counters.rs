@@ -55,6 +55,33 @@ pub fn add<S: SharedStore + ?Sized>(store: &S, id: u32, delta: i64) -> Option<u3
     }
 }
 
+/// Corrects the counts against what Envoy itself has in flight to each endpoint (`caps`:
+/// endpoint id → Envoy's `rq_active`). kvroute's count can only drift upward (a stream whose end
+/// it never saw, as across a VM reload), so a count above Envoy's is lowered to it. Endpoints not
+/// in `caps` are left alone. Returns how many requests were removed in all.
+pub fn correct<S: SharedStore + ?Sized>(store: &S, caps: &[(u32, u64)]) -> u64 {
+    let mut removed = 0;
+    store::update(store, KEY, |current| {
+        removed = 0;
+        let mut counts = current.map(decode)?;
+        for c in counts.iter_mut() {
+            if let Some(&(_, cap)) = caps.iter().find(|(id, _)| *id == c.id) {
+                let cap = u32::try_from(cap).unwrap_or(u32::MAX);
+                if c.inflight > cap {
+                    removed += u64::from(c.inflight - cap);
+                    c.inflight = cap;
+                }
+            }
+        }
+        if removed == 0 {
+            return None;
+        }
+        counts.retain(|c| c.inflight > 0);
+        Some(encode(&counts))
+    });
+    removed
+}
+
 fn apply(counts: &mut Vec<Counts>, id: u32, delta: i64) -> u32 {
     let pos = match counts.iter().position(|c| c.id == id) {
         Some(p) => p,
@@ -127,6 +154,23 @@ mod tests {
         assert_eq!(add(&store, 1, 1), Some(1));
         assert_eq!(read(&store).inflight(1), 1);
         assert_eq!(read(&store).inflight(7), 0);
+    }
+
+    #[test]
+    fn counts_above_envoys_are_lowered_to_it_and_others_kept() {
+        let store = MemoryStore::new();
+        for _ in 0..5 {
+            add(&store, 1, 1);
+        }
+        add(&store, 2, 1);
+        add(&store, 3, 1);
+        // Endpoint 1 lost 3 streams' ends; 2 has more at Envoy (other traffic); 3 unknown.
+        assert_eq!(correct(&store, &[(1, 2), (2, 4)]), 3);
+        let t = read(&store);
+        assert_eq!((t.inflight(1), t.inflight(2), t.inflight(3)), (2, 1, 1));
+        assert_eq!(correct(&store, &[(1, 0)]), 2);
+        assert_eq!(read(&store).inflight(1), 0);
+        assert_eq!(correct(&MemoryStore::new(), &[(1, 0)]), 0);
     }
 
     #[test]

@@ -63,6 +63,11 @@ pub struct EngineLoad {
     /// kvroute's own in-flight count to it when the metrics were read: requests sent since
     /// then are on top of what it reported.
     pub own_at_poll: u32,
+    /// Polls since the engine last answered: its numbers are that old. Past
+    /// [`STALE_POLLS`](crate::freshness::STALE_POLLS) they are not trusted (an engine too busy
+    /// to answer would otherwise look as idle as it last was).
+    #[serde(default)]
+    pub missed: u32,
 }
 
 impl EngineLoad {
@@ -80,7 +85,21 @@ impl EngineLoad {
             waiting: m.waiting,
             capacity,
             own_at_poll: own,
+            missed: 0,
         }
+    }
+
+    /// The same load, one more poll without an answer from the engine.
+    pub fn missed_poll(&self) -> Self {
+        EngineLoad {
+            missed: self.missed.saturating_add(1),
+            ..*self
+        }
+    }
+
+    /// Too many polls without an answer to route on its numbers.
+    pub fn stale(&self) -> bool {
+        u64::from(self.missed) >= crate::freshness::STALE_POLLS
     }
 
     /// Requests at the engine now: what it reported, corrected by kvroute's own requests sent or
@@ -91,9 +110,10 @@ impl EngineLoad {
         (reported + since).max(i64::from(own_now)).max(0) as u64
     }
 
-    /// Whether the engine queues new requests: it said so, or it has more than it can run.
+    /// Whether the engine queues new requests: it said so, or it has more than it can run, or it
+    /// has stopped answering (taken as too busy to).
     pub fn queueing(&self, estimate: u64) -> bool {
-        self.waiting > 0 || self.capacity.is_some_and(|c| estimate > c)
+        self.waiting > 0 || self.stale() || self.capacity.is_some_and(|c| estimate > c)
     }
 }
 
@@ -139,6 +159,18 @@ mod tests {
         );
         let stall = EngineLoad::observe(None, &metrics(0, 9), 0);
         assert_eq!(stall.capacity, None, "a stall");
+    }
+
+    #[test]
+    fn an_engine_that_stops_answering_is_taken_as_queueing() {
+        let mut load = EngineLoad::observe(None, &metrics(0, 0), 0);
+        for _ in 0..crate::freshness::STALE_POLLS {
+            assert!(!load.queueing(0));
+            load = load.missed_poll();
+        }
+        assert!(load.stale() && load.queueing(0));
+        let back = EngineLoad::observe(Some(&load), &metrics(1, 0), 0);
+        assert!(!back.stale() && !back.queueing(1));
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod config;
 pub mod counters;
 pub mod endpoints;
 pub mod engine;
+pub mod freshness;
 pub mod groups;
 pub mod policy;
 pub mod prefix;
@@ -22,6 +23,7 @@ pub mod request;
 pub mod router;
 pub mod store;
 pub mod suspects;
+pub mod usage;
 
 #[cfg(all(target_arch = "wasm32", feature = "filter", not(test)))]
 mod wasm;

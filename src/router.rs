@@ -31,11 +31,15 @@ pub enum Fallback {
     /// Envoy never hands the body to the filter (`allow_on_headers_stop_iteration` missing):
     /// routed from headers alone.
     NoBodyAccess,
+    /// The last host snapshot is older than its maximum age (the admin poll keeps failing).
+    StaleHosts,
+    /// No healthy endpoint's engine has answered its metrics poll lately.
+    StaleEngineLoads,
 }
 
 impl Fallback {
     /// Every reason, so each counter exists (at zero) before it first moves.
-    pub const ALL: [Fallback; 12] = [
+    pub const ALL: [Fallback; 14] = [
         Fallback::Method,
         Fallback::Path,
         Fallback::EmptyBody,
@@ -48,6 +52,8 @@ impl Fallback {
         Fallback::NoHealthyEndpoint,
         Fallback::NoSession,
         Fallback::NoBodyAccess,
+        Fallback::StaleHosts,
+        Fallback::StaleEngineLoads,
     ];
 
     pub fn name(self) -> &'static str {
@@ -64,6 +70,8 @@ impl Fallback {
             Fallback::NoHealthyEndpoint => "no_healthy_endpoint",
             Fallback::NoSession => "no_session",
             Fallback::NoBodyAccess => "no_body_access",
+            Fallback::StaleHosts => "stale_hosts",
+            Fallback::StaleEngineLoads => "stale_engine_loads",
         }
     }
 }
@@ -112,6 +120,10 @@ pub struct Routed {
     pub slots_created: usize,
     /// kvroute's in-flight count of the chosen endpoint, this request included.
     pub inflight: u32,
+    /// The request's prefix keys, and how many leading ones the affinity map said the chosen
+    /// endpoint held before it: what to settle once the response says who served it, and how.
+    pub keys: Vec<u64>,
+    pub held: usize,
 }
 
 /// The configured pipeline: built once per VM, then used for every request.
@@ -155,6 +167,9 @@ impl Router {
         if candidates.is_empty() {
             return Err(Fallback::NoHealthyEndpoint);
         }
+        if all_engines_stale(hosts) {
+            return Err(Fallback::StaleEngineLoads);
+        }
         let input = Input {
             keys: &keys,
             session: req.session.map(|s| xxh3_64(s.as_bytes())),
@@ -173,6 +188,11 @@ impl Router {
             .matched
             .as_ref()
             .map(|m| m.depth as f64 / keys.keys.len().max(1) as f64);
+        let held = pick
+            .matched
+            .as_ref()
+            .filter(|m| m.record.holders.contains(&chosen.id))
+            .map_or(0, |m| m.depth);
         Ok(Routed {
             endpoints: endpoint_list(
                 &candidates,
@@ -185,6 +205,8 @@ impl Router {
             match_fraction,
             slots_created,
             inflight,
+            keys: keys.keys,
+            held,
         })
     }
 }
@@ -231,6 +253,14 @@ fn candidates<'h>(table: &Table, hosts: &'h [Host]) -> Vec<Candidate<'h>> {
     out.sort_by(|a, b| a.addr.cmp(b.addr));
     out.dedup_by(|a, b| a.addr == b.addr);
     out
+}
+
+/// Every healthy host's engine load is known and too old: nothing to weigh load by.
+fn all_engines_stale(hosts: &[Host]) -> bool {
+    hosts
+        .iter()
+        .filter(|h| h.healthy)
+        .all(|h| h.engine.is_some_and(|e| e.stale()))
 }
 
 /// The chosen endpoint, then up to `fallbacks` others in the request's rendezvous order: where
@@ -473,6 +503,28 @@ mod tests {
             let routed = send(&r, &store, &hs, &chat(&system(g), "q")).unwrap();
             assert_eq!(routed.endpoints[0], "127.0.0.1:8001");
         }
+    }
+
+    #[test]
+    fn engines_that_stopped_answering_are_avoided_and_all_stale_falls_back() {
+        let (r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
+        let mut hs = hosts(2);
+        let fresh = EngineLoad::observe(None, &Metrics::default(), 0);
+        let mut stale = fresh;
+        for _ in 0..crate::freshness::STALE_POLLS {
+            stale = stale.missed_poll();
+        }
+        hs[0].engine = Some(stale);
+        hs[1].engine = Some(fresh);
+        for g in 0..10 {
+            let routed = send(&r, &store, &hs, &chat(&system(g), "q")).unwrap();
+            assert_eq!(routed.endpoints[0], "127.0.0.1:8002", "group {g}");
+        }
+        hs[1].engine = Some(stale);
+        assert_eq!(
+            send(&r, &store, &hs, &chat(&system(0), "q")),
+            Err(Fallback::StaleEngineLoads)
+        );
     }
 
     #[test]

@@ -27,6 +27,7 @@ pub async fn compare(
     routers: &[Router],
 ) -> Result<Results, String> {
     let mut results = Vec::new();
+    let mut sent = 0;
     for (i, router) in routers.iter().enumerate() {
         eprintln!("== [{}/{}] {}", i + 1, routers.len(), router.name());
         let run = run_one(fleet_spec, workload, router).await?;
@@ -45,11 +46,31 @@ pub async fn compare(
                 replica_shares(&run.per_replica, " ")
             );
         }
+        if let RouterResult::Measured(m) = &run.result {
+            sent = sent.max(m.requests as usize);
+        }
         results.push(run.result);
+    }
+    let ceiling = (sent > 0)
+        .then(|| crate::ceiling::hit_rate(workload, fleet_spec, sent))
+        .transpose()?;
+    if let Some(ceiling) = ceiling {
+        eprintln!("   ceiling hit rate (unbounded cache, perfect routing): {ceiling:.4}");
+        for r in &results {
+            if let RouterResult::Measured(m) = r {
+                if m.prefix_hit_rate > ceiling + 1e-4 {
+                    eprintln!(
+                        "   WARNING: {} hit rate {} is above the ceiling",
+                        m.router, m.prefix_hit_rate
+                    );
+                }
+            }
+        }
     }
     Ok(Results {
         workload: serde_json::to_value(workload).map_err(|e| e.to_string())?,
         fleet: fleet_spec.clone(),
+        ceiling_hit_rate: ceiling.map(|c| (c * 1e4).round() / 1e4),
         results,
     })
 }
@@ -82,10 +103,19 @@ pub async fn run_one(
         return skipped(reason);
     }
     let before = fleet.state().await?;
+    let usage_before = running.kvroute_usage().await;
     let outcome = driver::run(&running.url, workload, &fleet.model, &name).await;
     let after = fleet.state().await?;
+    let usage_after = running.kvroute_usage().await;
     let decisions = running.kvroute_decisions().await;
-    let measured: Measured = measure(&name, &outcome, &before, &after);
+    let mut measured: Measured = measure(&name, &outcome, &before, &after);
+    if let (Some((c0, p0)), Some((c1, p1))) = (usage_before, usage_after) {
+        let prompt = p1.saturating_sub(p0);
+        if prompt > 0 {
+            let rate = c1.saturating_sub(c0) as f64 / prompt as f64;
+            measured.engine_reported_hit_rate = Some((rate * 1e4).round() / 1e4);
+        }
+    }
     Ok(RouterRun {
         result: RouterResult::Measured(measured),
         per_replica: after.growth_since(&before, |r| r.requests),

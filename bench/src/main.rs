@@ -1,6 +1,7 @@
 //! kvroute-bench: drives one workload through several routers, each against a fresh simulated
 //! fleet, and writes results.json / results.md / ttft.svg. `demo` is the short `make run` tour.
 
+mod ceiling;
 mod compare;
 mod demo;
 mod driver;

@@ -13,6 +13,10 @@ use std::path::Path;
 pub struct Results {
     pub workload: Value,
     pub fleet: Value,
+    /// The workload's prefix hit rate with an unbounded cache and perfect routing (every prefix
+    /// computed once, fleet-wide), counted as the simulator counts hits: no router can beat it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ceiling_hit_rate: Option<f64>,
     pub results: Vec<RouterResult>,
 }
 
@@ -38,6 +42,10 @@ pub struct Measured {
     pub req_s: f64,
     pub prefix_hit_rate: f64,
     pub share_max_over_min: Option<f64>,
+    /// kvroute only: the hit rate the engines reported in their responses' `usage`, as kvroute's
+    /// Envoy stats (`kvroute.usage.cached_tokens` / `prompt_tokens`) counted it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_reported_hit_rate: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -93,6 +101,7 @@ pub fn measure(
         req_s: round(ok.len() as f64 / wall),
         prefix_hit_rate: (ratio(hits, queries) * 1e4).round() / 1e4,
         share_max_over_min: max_over_min(&per_replica).map(round),
+        engine_reported_hit_rate: None,
     }
 }
 
@@ -294,6 +303,7 @@ mod tests {
         Results {
             workload: serde_json::json!({"name": "t"}),
             fleet: serde_json::json!({"replicas": 2}),
+            ceiling_hit_rate: None,
             results: vec![
                 RouterResult::Measured(m),
                 RouterResult::Skipped {

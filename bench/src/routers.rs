@@ -196,6 +196,36 @@ pub enum Process {
 }
 
 impl Running {
+    /// kvroute's engine-reported usage so far, `(cached_tokens, prompt_tokens)` from its Envoy
+    /// stats, summed over its Envoys; `None` for other routers.
+    pub async fn kvroute_usage(&self) -> Option<(u64, u64)> {
+        let envoys: Vec<&Envoy> = match &self.process {
+            Process::Envoy(envoy) => vec![envoy],
+            Process::Scaled { instances, .. } => instances
+                .iter()
+                .filter_map(|r| match &r.process {
+                    Process::Envoy(envoy) => Some(envoy),
+                    _ => None,
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        let mut found = false;
+        let (mut cached, mut prompt) = (0, 0);
+        for envoy in envoys {
+            let stats = envoy.stats("kvroute.usage.").await.unwrap_or_default();
+            for (name, v) in stats {
+                if name.ends_with("kvroute.usage.cached_tokens") {
+                    cached += v;
+                    found = true;
+                } else if name.ends_with("kvroute.usage.prompt_tokens") {
+                    prompt += v;
+                }
+            }
+        }
+        found.then_some((cached, prompt))
+    }
+
     /// kvroute's routing decisions so far (`kvroute.routed.<decision>` counters), if it is kvroute;
     /// for `kvroute@N` summed over the N Envoys.
     pub async fn kvroute_decisions(&self) -> Vec<(String, u64)> {

@@ -11,6 +11,7 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType, MetricType};
 
 use super::host::{inflight_gauge, now_ms, HostStore, Metrics};
+use super::response::{self, response_flags, Response};
 use super::root::Shared;
 use crate::body_access::{self, BodyAccess};
 use crate::config::PolicyKind;
@@ -31,6 +32,8 @@ pub struct Stream {
     routed: Option<(u32, String)>,
     /// The chosen endpoint was already found at fault (at most one mark per request).
     blamed: bool,
+    /// Who served the response and what its engine reported (see `response`).
+    response: Response,
 }
 
 impl Stream {
@@ -44,6 +47,7 @@ impl Stream {
             outcome: None,
             routed: None,
             blamed: false,
+            response: Response::default(),
         }
     }
 
@@ -117,6 +121,10 @@ impl Stream {
         let cluster = candidate_cluster(&self.shared);
         let shared = self.shared.borrow();
         let now = now_ms();
+        if shared.snapshot_stale() {
+            drop(shared);
+            return self.fallback(Fallback::StaleHosts);
+        }
         let Some(hosts) = shared.hosts(cluster.as_deref(), now) else {
             drop(shared);
             return self.fallback(Fallback::NoCluster);
@@ -144,7 +152,8 @@ impl Stream {
         }
     }
 
-    fn apply(&mut self, routed: Routed) -> Action {
+    fn apply(&mut self, mut routed: Routed) -> Action {
+        self.response.routed(&mut routed);
         let mut shared = self.shared.borrow_mut();
         let value = routed.endpoints.join(",");
         let _ = hostcalls::set_map_value(
@@ -249,15 +258,6 @@ pub(super) fn route_from_headers(shared: &RefCell<Shared>) {
     ));
 }
 
-/// Envoy's `response.flags` (legacy bit set), 0 when unavailable.
-fn response_flags() -> u64 {
-    hostcalls::get_property(vec!["response", "flags"])
-        .ok()
-        .flatten()
-        .and_then(|b| b.get(..8)?.try_into().ok())
-        .map_or(0, u64::from_le_bytes)
-}
-
 /// Which cluster's hosts are the effective stream's candidates: the one its route chose, with a
 /// host snapshot read first if this worker has none yet. A static endpoint list does not depend
 /// on the route, so it costs no host call then.
@@ -285,6 +285,7 @@ impl Context for Stream {
             self.shared.borrow_mut().body.forget(self.id);
         }
         self.blame_at_end();
+        self.response.end(&self.shared, response_flags());
         self.settle();
         true
     }
@@ -308,6 +309,7 @@ impl HttpContext for Stream {
             Ok(_) if end_of_stream => return self.fallback(Fallback::EmptyBody),
             Ok(api) => api,
         };
+        self.response.want_usage();
         let content_length = self.content_length();
         if content_length.is_some_and(|n| n > max_body) {
             // Known to be too large: never start buffering it. Once a filter has buffered, Envoy
@@ -350,13 +352,10 @@ impl HttpContext for Stream {
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
         self.settle_watch(false);
+        let status = response::status();
         if self.routed.is_some() {
             // Retries are over by now (Envoy retries only before it forwards response headers):
             // this is the final answer, and the host that gave it.
-            let status = hostcalls::get_map_value(MapType::HttpResponseHeaders, ":status")
-                .ok()
-                .flatten()
-                .and_then(|s| s.parse().ok());
             // Only a 503 needs the flags (was it Envoy's own?): the common case costs no read.
             let flags = if status == Some(503) {
                 response_flags()
@@ -365,6 +364,9 @@ impl HttpContext for Stream {
             };
             self.blame(status, flags);
         }
+        self.routed = self
+            .response
+            .headers(&self.shared, status, self.routed.take());
         if self.shared.borrow().router.config.debug_header {
             if let Some(outcome) = &self.outcome {
                 let _ = hostcalls::set_map_value(
@@ -377,8 +379,14 @@ impl HttpContext for Stream {
         Action::Continue
     }
 
+    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        self.response.body(body_size);
+        Action::Continue
+    }
+
     fn on_log(&mut self) {
         self.blame_at_end();
+        self.response.end(&self.shared, response_flags());
         self.settle();
     }
 }

@@ -4,6 +4,7 @@
 mod host;
 mod http;
 mod poll;
+mod response;
 mod root;
 
 proxy_wasm::main! {{

@@ -17,7 +17,8 @@ use crate::engine::{self, EngineLoad, EngineLoads, Metrics};
 use crate::rendezvous::endpoint_id;
 use crate::store::{self, SharedStore};
 
-const LEASE_KEY: &str = "kvroute.poll_lease";
+/// The poll round (see `freshness::RoundLease`); a new name, since the value is a round now.
+pub const LEASE_KEY: &str = "kvroute.poll_round";
 const ENGINE_KEY: &str = "kvroute.engine";
 
 /// The round of calls this worker has in flight.
@@ -30,6 +31,10 @@ pub struct Poller {
     snapshot: Option<Snapshot>,
     /// This round's engine answers, with kvroute's own count there when each came.
     reports: HashMap<String, (Metrics, u32)>,
+    /// By endpoint id: how far kvroute's in-flight count was above Envoy's `rq_active` at this
+    /// worker's last admin answer. Only an excess seen twice is corrected: a request counted
+    /// just before Envoy sent it upstream is not a lost one.
+    excess: HashMap<u32, u64>,
 }
 
 impl Poller {
@@ -89,6 +94,10 @@ impl Poller {
         if self.admin == Some(token) {
             self.admin = None;
             self.snapshot = admin_response(shared, ok_body, status);
+            if let Some(snapshot) = self.snapshot.take() {
+                self.correct_inflight(shared, &snapshot);
+                self.snapshot = Some(snapshot);
+            }
         } else if let Some(addr) = self.engines.remove(&token) {
             match ok_body.as_deref().and_then(engine::parse) {
                 Some(metrics) => {
@@ -108,10 +117,61 @@ impl Poller {
         }
     }
 
+    /// Lowers in-flight counts that stay above Envoy's own `rq_active` (streams whose end kvroute
+    /// never saw, as across a VM reload).
+    fn correct_inflight(&mut self, shared: &mut Shared, snapshot: &Snapshot) {
+        let admin = shared.router.config.admin_cluster.as_deref();
+        let mut active: HashMap<u32, u64> = HashMap::new();
+        for (_, hosts) in snapshot
+            .iter()
+            .filter(|(name, _)| Some(name.as_str()) != admin)
+        {
+            for h in hosts {
+                let a = active.entry(h.id()).or_default();
+                *a = (*a).max(h.rq_active);
+            }
+        }
+        let table = counters::read(&HostStore);
+        let mut excess = HashMap::new();
+        let mut caps = Vec::new();
+        for (&id, &rq_active) in &active {
+            let own = u64::from(table.inflight(id));
+            let now = own.saturating_sub(rq_active);
+            if now == 0 {
+                continue;
+            }
+            let lasting = now.min(self.excess.get(&id).copied().unwrap_or(0));
+            if lasting > 0 {
+                caps.push((id, own - lasting));
+            }
+            excess.insert(id, now);
+        }
+        self.excess = excess;
+        if caps.is_empty() {
+            return;
+        }
+        let removed = counters::correct(&HostStore, &caps);
+        if removed > 0 {
+            shared.metrics.add(
+                proxy_wasm::types::MetricType::Counter,
+                "kvroute.inflight_corrected",
+                removed as i64,
+            );
+        }
+    }
+
     /// Folds this round's engine reports into the snapshot and shares it with every worker.
     fn publish(&mut self, shared: &mut Shared, mut snapshot: Snapshot) {
         if shared.router.config.engine_metrics_cluster.is_some() {
             let loads = engine_loads(&self.reports, &snapshot);
+            let stale = loads.values().filter(|l| l.stale()).count();
+            if stale > 0 {
+                shared.metrics.add(
+                    proxy_wasm::types::MetricType::Counter,
+                    "kvroute.engine_poll.stale",
+                    stale as i64,
+                );
+            }
             endpoints::apply_engine_loads(&mut snapshot, &loads);
         }
         let _ = HostStore.set(HOSTS_KEY, &endpoints::encode_snapshot(&snapshot), None);
@@ -166,7 +226,8 @@ fn engine_loads(reports: &HashMap<String, (Metrics, u32)>, snapshot: &Snapshot) 
                 let previous = known.get(&h.addr);
                 let load = match reports.get(&h.addr) {
                     Some((metrics, own)) => EngineLoad::observe(previous, metrics, *own),
-                    None => *previous?,
+                    // No answer this round: the same numbers, one poll older.
+                    None => previous?.missed_poll(),
                 };
                 Some((h.addr.clone(), load))
             })
@@ -174,19 +235,4 @@ fn engine_loads(reports: &HashMap<String, (Metrics, u32)>, snapshot: &Snapshot) 
         serde_json::to_vec(&loads).ok()
     });
     loads
-}
-
-/// One poll per interval across all workers: whoever first moves the shared deadline polls.
-pub fn take_lease(now: u64, interval_ms: u64) -> bool {
-    let mut taken = false;
-    store::update(&HostStore, LEASE_KEY, |current| {
-        let deadline = current
-            .and_then(|v| v.try_into().ok())
-            .map(u64::from_le_bytes)
-            .unwrap_or(0);
-        taken = now >= deadline;
-        // A little under the interval, so tick jitter does not skip every other poll.
-        taken.then(|| (now + interval_ms * 9 / 10).to_le_bytes().to_vec())
-    });
-    taken
 }

@@ -17,6 +17,7 @@ use super::poll::{self, Poller};
 use crate::body_access::{self, BodyWatch, WATCH_TICK_MS};
 use crate::config::Config;
 use crate::endpoints::{self, Host, Snapshot};
+use crate::freshness::{self, Age, MonoClock, RoundLease};
 use crate::policy::Decision;
 use crate::router::{Fallback, Router};
 use crate::store::SharedStore;
@@ -44,6 +45,10 @@ pub struct Shared {
     /// Endpoints to avoid for now: this worker's own marks at once, other workers' from the tick.
     suspects: Suspects,
     suspects_cas: Option<u32>,
+    /// This worker's monotonic time, advanced on its ticks, and how long the host snapshot has
+    /// gone unchanged by it (every successful poll publishes a new version).
+    clock: MonoClock,
+    snapshot_age: Age<Option<u32>>,
 }
 
 impl Shared {
@@ -54,6 +59,18 @@ impl Shared {
             let _ = hostcalls::set_tick_period(Duration::from_millis(ms));
             self.tick_ms = ms;
         }
+    }
+
+    /// The host snapshot is older than polls allow: the admin poll has been failing. Requests go
+    /// to Envoy's own load balancer until a poll succeeds again.
+    pub fn snapshot_stale(&self) -> bool {
+        let config = &self.router.config;
+        config.admin_cluster.is_some()
+            && self.snapshot_cas.is_some()
+            && self
+                .snapshot_age
+                .age(self.clock.now())
+                .is_some_and(|age| age > freshness::max_age_ms(config.stats_interval_ms))
     }
 
     /// A paused stream is now watched: tick at least every [`WATCH_TICK_MS`] until a verdict.
@@ -158,6 +175,7 @@ impl Shared {
 pub struct Root {
     shared: Option<Rc<RefCell<Shared>>>,
     poller: Poller,
+    lease: RoundLease,
 }
 
 impl Root {
@@ -170,13 +188,17 @@ impl Root {
             (config.admin_cluster.clone(), config.stats_interval_ms)
         };
         let now = now_ms();
-        let has_snapshot = {
+        let (has_snapshot, mono) = {
             let mut s = shared.borrow_mut();
+            let tick = s.tick_ms.max(1);
+            let mono = s.clock.advance(now, tick);
             s.refresh_snapshot();
+            let version = s.snapshot_cas;
+            s.snapshot_age.observe(version, mono);
             s.refresh_suspects(now);
             let placed = s.router.tick(&HostStore, now);
             s.metrics.gauge("kvroute.groups_placed", placed as u64);
-            s.snapshot_cas.is_some()
+            (s.snapshot_cas.is_some(), mono)
         };
         let Some(admin) = admin else { return };
         let lease = if has_snapshot {
@@ -184,7 +206,7 @@ impl Root {
         } else {
             STARTUP_TICK_MS.min(interval)
         };
-        if poll::take_lease(now_ms(), lease) {
+        if self.lease.take(&HostStore, poll::LEASE_KEY, mono, lease) {
             self.poller.poll(&mut shared.borrow_mut(), &admin);
         }
     }
@@ -292,6 +314,11 @@ impl RootContext for Root {
         }
         metrics.define_counter("kvroute.suspect_marked");
         metrics.define_counter("kvroute.suspect_learned");
+        metrics.define_counter("kvroute.inflight_corrected");
+        metrics.define_counter("kvroute.engine_poll.stale");
+        for name in super::response::COUNTERS {
+            metrics.define_counter(name);
+        }
         self.shared = Some(Rc::new(RefCell::new(Shared {
             router: Router::new(config),
             metrics,
@@ -301,6 +328,8 @@ impl RootContext for Root {
             tick_ms: 0,
             suspects: Suspects::new(),
             suspects_cas: None,
+            clock: MonoClock::default(),
+            snapshot_age: Age::default(),
         })));
         self.on_tick();
         true

@@ -1,0 +1,196 @@
+//! The response side of a stream: which host actually served it (after Envoy's retries), whether
+//! it succeeded, and what its engine says it took from its prefix cache. In-flight counts move to
+//! the serving host; affinity the request recorded for the host kvroute chose is withdrawn when
+//! that host did not serve it successfully, and recorded for the host that did; the engine's
+//! `usage` becomes Envoy stats, in total and per endpoint.
+
+use std::cell::RefCell;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType, MetricType};
+
+use super::host::{inflight_gauge, now_ms, HostStore};
+use super::root::Shared;
+use crate::affinity::AffinityMap;
+use crate::config::PolicyKind;
+use crate::counters;
+use crate::rendezvous::endpoint_id;
+use crate::router::{self, Routed};
+use crate::suspects::UPSTREAM_FAILURE_FLAGS;
+use crate::usage::{self, Tail};
+
+/// Counters defined at configure time, so dashboards see them at zero.
+pub const COUNTERS: [&str; 5] = [
+    "kvroute.served_elsewhere",
+    "kvroute.affinity.withdrawn",
+    "kvroute.usage.responses",
+    "kvroute.usage.prompt_tokens",
+    "kvroute.usage.cached_tokens",
+];
+
+/// What the chosen endpoint was meant to hold once this request is served.
+struct Chosen {
+    addr: String,
+    keys: Vec<u64>,
+    held: usize,
+}
+
+/// A stream's response, followed from its headers to its end.
+#[derive(Default)]
+pub struct Response {
+    chosen: Option<Chosen>,
+    status: Option<u16>,
+    served: Option<String>,
+    /// The end of the body so far, when the request is one an engine reports usage for.
+    tail: Option<Tail>,
+}
+
+impl Response {
+    /// The request is an OpenAI generation request: its response may carry usage.
+    pub fn want_usage(&mut self) {
+        self.tail = Some(Tail::default());
+    }
+
+    pub fn routed(&mut self, routed: &mut Routed) {
+        self.chosen = Some(Chosen {
+            addr: routed.endpoints.first().cloned().unwrap_or_default(),
+            keys: std::mem::take(&mut routed.keys),
+            held: routed.held,
+        });
+    }
+
+    /// Response headers: the final status and the host that gave it (retries are over). If that
+    /// is not the host kvroute counted, the in-flight count moves there. Takes and returns the
+    /// counted `(id, addr)`.
+    pub fn headers(
+        &mut self,
+        shared: &RefCell<Shared>,
+        status: Option<u16>,
+        counted: Option<(u32, String)>,
+    ) -> Option<(u32, String)> {
+        self.status = status;
+        if self.chosen.is_none() && self.tail.is_none() {
+            return counted;
+        }
+        self.served = hostcalls::get_property(vec!["upstream", "address"])
+            .ok()
+            .flatten()
+            .and_then(|b| String::from_utf8(b).ok());
+        let (Some((id, addr)), Some(served)) = (counted.as_ref(), self.served.as_ref()) else {
+            return counted;
+        };
+        if served == addr {
+            return counted;
+        }
+        let served_id = endpoint_id(served);
+        let now_there = counters::add(&HostStore, served_id, 1).unwrap_or(0);
+        let left = router::finish(&HostStore, *id).unwrap_or(0);
+        let mut s = shared.borrow_mut();
+        s.metrics.count("kvroute.served_elsewhere");
+        s.metrics.gauge(&inflight_gauge(addr), u64::from(left));
+        s.metrics
+            .gauge(&inflight_gauge(served), u64::from(now_there));
+        Some((served_id, served.clone()))
+    }
+
+    /// A response body chunk of `size` bytes: keeps its end, for a successful response.
+    pub fn body(&mut self, size: usize) {
+        let Some(tail) = self.tail.as_mut() else {
+            return;
+        };
+        if !self.status.is_some_and(|s| (200..300).contains(&s)) || size == 0 {
+            return;
+        }
+        let want = Tail::wanted(size);
+        if let Ok(Some(end)) =
+            hostcalls::get_buffer(BufferType::HttpResponseBody, size - want, want)
+        {
+            tail.push(&end);
+        }
+    }
+
+    /// The stream is over: usage stats, and affinity settled on the host that served it.
+    pub fn end(&mut self, shared: &RefCell<Shared>, flags: u64) {
+        let ok = self.status.is_some_and(|s| (200..300).contains(&s))
+            && flags & UPSTREAM_FAILURE_FLAGS == 0;
+        if let (true, Some(tail)) = (ok, self.tail.take()) {
+            if let Some(u) = tail.usage() {
+                let mut s = shared.borrow_mut();
+                let m = &mut s.metrics;
+                m.count("kvroute.usage.responses");
+                m.add(
+                    MetricType::Counter,
+                    "kvroute.usage.prompt_tokens",
+                    u.prompt_tokens as i64,
+                );
+                m.add(
+                    MetricType::Counter,
+                    "kvroute.usage.cached_tokens",
+                    u.cached_tokens as i64,
+                );
+                if let Some(served) = &self.served {
+                    let seg = usage::stat_segment(served);
+                    let prompt = format!("kvroute.usage.prompt_tokens.{seg}");
+                    let cached = format!("kvroute.usage.cached_tokens.{seg}");
+                    m.add(MetricType::Counter, &prompt, u.prompt_tokens as i64);
+                    m.add(MetricType::Counter, &cached, u.cached_tokens as i64);
+                }
+            }
+        }
+        let Some(chosen) = self.chosen.take() else {
+            return;
+        };
+        let s = shared.borrow();
+        let config = &s.router.config;
+        if config.policy != PolicyKind::CacheAware || chosen.keys.is_empty() {
+            return;
+        }
+        let served_there = self.served.as_deref() == Some(chosen.addr.as_str());
+        if ok && served_there {
+            return;
+        }
+        // The chosen host did not serve this prompt: it holds no more of it than before.
+        let map = AffinityMap::new(&HostStore, config.affinity_capacity);
+        let withdrawn = map.forget(
+            &chosen.keys[chosen.held.min(chosen.keys.len())..],
+            endpoint_id(&chosen.addr),
+        );
+        let recorded = match (&self.served, ok) {
+            (Some(served), true) => map.record(&chosen.keys, endpoint_id(served), now_ms()),
+            _ => 0,
+        };
+        drop(s);
+        let mut s = shared.borrow_mut();
+        if withdrawn > 0 {
+            s.metrics.add(
+                MetricType::Counter,
+                "kvroute.affinity.withdrawn",
+                withdrawn as i64,
+            );
+        }
+        if recorded > 0 {
+            s.metrics.add(
+                MetricType::Gauge,
+                "kvroute.affinity.slots_used",
+                recorded as i64,
+            );
+        }
+    }
+}
+
+/// Envoy's `response.flags` (legacy bit set), 0 when unavailable.
+pub fn response_flags() -> u64 {
+    hostcalls::get_property(vec!["response", "flags"])
+        .ok()
+        .flatten()
+        .and_then(|b| b.get(..8)?.try_into().ok())
+        .map_or(0, u64::from_le_bytes)
+}
+
+/// The response status from its headers.
+pub fn status() -> Option<u16> {
+    hostcalls::get_map_value(MapType::HttpResponseHeaders, ":status")
+        .ok()
+        .flatten()
+        .and_then(|s| s.parse().ok())
+}

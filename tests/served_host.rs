@@ -1,0 +1,100 @@
+#![cfg(not(target_arch = "wasm32"))]
+//! The host that served a request is the one kvroute settles on: when the chosen replica refuses
+//! the connection and Envoy retries on the fallback address, the in-flight count moves to the
+//! fallback while the response streams, and the mismatch is counted.
+
+use kvroute_harness::{Envoy, EnvoyOptions, Lb};
+use kvroute_sim::engine::Faults;
+use kvroute_sim::fleet::Fleet as SimFleet;
+use kvroute_sim::spec::FleetSpec;
+use serde_json::json;
+use std::time::Duration;
+
+fn gauge(stats: &std::collections::HashMap<String, u64>, addr: std::net::SocketAddr) -> u64 {
+    let name = format!(
+        "kvroute.inflight.{}",
+        addr.to_string().replace(['.', ':'], "_")
+    );
+    stats
+        .iter()
+        .find(|(k, _)| k.ends_with(&name))
+        .map_or(0, |(_, v)| *v)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_to_the_fallback_host_moves_the_in_flight_count() {
+    // Streamed answers take about a second (headers first, then tokens), long enough to look.
+    let spec = FleetSpec {
+        replicas: 2,
+        time_scale: 0.05,
+        ..FleetSpec::default()
+    };
+    let sim = SimFleet::start(spec, 0, 0).await.expect("sim fleet starts");
+    let envoy = Envoy::start(EnvoyOptions {
+        backends: sim.replicas.iter().map(|r| r.addr).collect(),
+        lb: Lb::Kvroute {
+            plugin_config: json!({ "stats_interval_ms": 200 }),
+        },
+        ..EnvoyOptions::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    envoy
+        .wait_for_stat(
+            "kvroute.endpoints_known",
+            |v| v == 2,
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", envoy.url());
+    let body = |q: usize, max_tokens: usize| {
+        json!({"model": sim.spec.model, "max_tokens": max_tokens, "stream": true,
+               "messages": [{"role": "system", "content": "You are the group's assistant. ".repeat(60)},
+                            {"role": "user", "content": format!("question {q}")}]})
+    };
+    let replica = |resp: &reqwest::Response| -> usize {
+        let h = resp.headers().get("x-sim-replica").expect("x-sim-replica");
+        h.to_str().unwrap().parse().unwrap()
+    };
+    let first = http.post(&url).json(&body(0, 1)).send().await.unwrap();
+    let home = replica(&first);
+    first.bytes().await.unwrap();
+    assert_eq!(
+        envoy.stat("kvroute.served_elsewhere").await.unwrap(),
+        Some(0)
+    );
+    // The group's home stops listening (refused connections) before Envoy's health check or
+    // kvroute's poll can notice: Envoy retries on the fallback address kvroute listed.
+    let victim = &sim.replicas[home].replica;
+    victim.set_faults(Faults {
+        stopped: true,
+        ..victim.faults()
+    });
+    let resp = http.post(&url).json(&body(1, 200)).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let other = 1 - home;
+    assert_eq!(replica(&resp), other, "the retry went to the fallback");
+    // Response headers are in, the body is streaming: the count is where the request is.
+    let stats = envoy.stats("kvroute.inflight.").await.unwrap();
+    let during = (
+        gauge(&stats, sim.replicas[home].addr),
+        gauge(&stats, sim.replicas[other].addr),
+    );
+    resp.bytes().await.unwrap();
+    assert_eq!(during, (0, 1), "in flight (home, fallback) while streaming");
+    envoy
+        .wait_for_stat(
+            "kvroute.served_elsewhere",
+            |v| v == 1,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let after = envoy.stats("kvroute.inflight.").await.unwrap();
+    assert!(
+        after.values().all(|v| *v == 0),
+        "counts settle to zero: {after:?}"
+    );
+}
