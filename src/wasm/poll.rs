@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use hashbrown::HashMap;
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{BufferType, LogLevel, MapType};
+use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType};
 
-use super::host::HostStore;
+use super::host::{inflight_gauge, HostStore};
 use super::root::{Shared, HOSTS_KEY};
 use crate::counters;
 use crate::endpoints::{self, Snapshot};
@@ -43,6 +43,16 @@ impl Poller {
         // A round still waiting on a slow engine: share what it has before starting the next.
         if let Some(snapshot) = self.snapshot.take() {
             self.publish(shared, snapshot);
+        }
+        // Calls of the last round still unanswered after a whole interval (a jammed admin or
+        // engine) failed: their late answers are ignored, so count them here or never.
+        if self.admin.take().is_some() {
+            shared.metrics.count("kvroute.stats_poll.failed");
+        }
+        if !self.engines.is_empty() {
+            let late = self.engines.len() as i64;
+            let m = &mut shared.metrics;
+            m.add(MetricType::Counter, "kvroute.engine_poll.failed", late);
         }
         self.reports.clear();
         self.engines.clear();
@@ -121,20 +131,20 @@ impl Poller {
     /// never saw, as across a VM reload).
     fn correct_inflight(&mut self, shared: &mut Shared, snapshot: &Snapshot) {
         let admin = shared.router.config.admin_cluster.as_deref();
-        let mut active: HashMap<u32, u64> = HashMap::new();
+        let mut active: HashMap<u32, (u64, &str)> = HashMap::new();
         for (_, hosts) in snapshot
             .iter()
             .filter(|(name, _)| Some(name.as_str()) != admin)
         {
             for h in hosts {
-                let a = active.entry(h.id()).or_default();
-                *a = (*a).max(h.rq_active);
+                let a = active.entry(h.id()).or_insert((0, h.addr.as_str()));
+                a.0 = a.0.max(h.rq_active);
             }
         }
         let table = counters::read(&HostStore);
         let mut excess = HashMap::new();
         let mut caps = Vec::new();
-        for (&id, &rq_active) in &active {
+        for (&id, &(rq_active, _)) in &active {
             let own = u64::from(table.inflight(id));
             let now = own.saturating_sub(rq_active);
             if now == 0 {
@@ -153,10 +163,18 @@ impl Poller {
         let removed = counters::correct(&HostStore, &caps);
         if removed > 0 {
             shared.metrics.add(
-                proxy_wasm::types::MetricType::Counter,
+                MetricType::Counter,
                 "kvroute.inflight_corrected",
                 removed as i64,
             );
+            // The gauges move on requests only: without this they would keep the drifted count.
+            let table = counters::read(&HostStore);
+            for (id, _) in &caps {
+                if let Some((_, addr)) = active.get(id) {
+                    let gauge = inflight_gauge(addr);
+                    shared.metrics.gauge(&gauge, u64::from(table.inflight(*id)));
+                }
+            }
         }
     }
 
@@ -167,7 +185,7 @@ impl Poller {
             let stale = loads.values().filter(|l| l.stale()).count();
             if stale > 0 {
                 shared.metrics.add(
-                    proxy_wasm::types::MetricType::Counter,
+                    MetricType::Counter,
                     "kvroute.engine_poll.stale",
                     stale as i64,
                 );
