@@ -52,6 +52,8 @@ struct Shared {
     failing: AtomicBool,
     /// What `/metrics` reports as `vllm:num_requests_waiting`.
     engine_waiting: AtomicU64,
+    /// Set by [`Backend::set_metrics_missing`]: `/metrics` answers 404.
+    metrics_missing: AtomicBool,
     not_recording: AtomicBool,
     received: AtomicU64,
     completed: AtomicU64,
@@ -126,6 +128,15 @@ impl Backend {
     /// When failing, `/health` answers 503 and every other request 500.
     pub fn set_failing(&self, failing: bool) {
         self.shared.failing.store(failing, Ordering::Relaxed);
+    }
+
+    /// When set, `GET /metrics` answers 404: the engine reports no load, while requests and
+    /// health checks are served as before. Not a 5xx, which outlier detection would count: the
+    /// host stays in the pool and only kvroute's view of its load goes stale.
+    pub fn set_metrics_missing(&self, missing: bool) {
+        self.shared
+            .metrics_missing
+            .store(missing, Ordering::Relaxed);
     }
 
     /// Requests `GET /metrics` reports waiting (`vllm:num_requests_waiting`), as an engine busy
@@ -380,6 +391,10 @@ async fn handle(
         return Ok(reply(&shared, status, "text/plain", ReplyBody::full("ok")));
     }
     if req.uri().path() == "/metrics" {
+        if shared.metrics_missing.load(Ordering::Relaxed) {
+            let body = ReplyBody::full("no metrics");
+            return Ok(reply(&shared, StatusCode::NOT_FOUND, "text/plain", body));
+        }
         let waiting = shared.engine_waiting.load(Ordering::Relaxed);
         let text = format!(
             "vllm:num_requests_running{{model_name=\"m\"}} 0\nvllm:num_requests_waiting{{model_name=\"m\"}} {waiting}\n"

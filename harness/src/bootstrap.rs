@@ -64,6 +64,19 @@ pub fn render(shipped: &str, patch: &Patch) -> Result<String, HarnessError> {
     serde_yaml::to_string(&root).map_err(|e| cfg(format!("serialize: {e}")))
 }
 
+/// `yaml` (a rendered bootstrap) with the `kvroute_admin` cluster sent to `addr` instead of
+/// Envoy's own admin: a test puts a gate there to make the admin poll fail.
+pub fn redirect_admin_cluster(yaml: &str, addr: SocketAddr) -> Result<String, HarnessError> {
+    let mut root: Value = serde_yaml::from_str(yaml).map_err(|e| cfg(format!("parse: {e}")))?;
+    let clusters = seq_mut(get_mut(&mut root, &["static_resources", "clusters"])?)?;
+    let admin = clusters
+        .iter_mut()
+        .find(|c| c.get("name").and_then(Value::as_str) == Some(ADMIN_CLUSTER))
+        .ok_or_else(|| cfg(format!("no {ADMIN_CLUSTER} cluster")))?;
+    set_endpoints(admin, &[addr])?;
+    serde_yaml::to_string(&root).map_err(|e| cfg(format!("serialize: {e}")))
+}
+
 /// Points the wasm filter at the built filter and its config, or removes it for the plain policies.
 fn patch_filters(listener: &mut Value, patch: &Patch) -> Result<(), HarnessError> {
     let chain = seq_mut(get_mut(listener, &["filter_chains"])?)?

@@ -46,6 +46,9 @@ pub struct EnvoyOptions {
     /// Load kvroute the way Istio's `WasmPlugin` does: without `allow_on_headers_stop_iteration`
     /// (which it has no field for), without a `vm_id`, named `<namespace>.<name>`.
     pub wasm_plugin_like: bool,
+    /// Sends kvroute's admin poll (the `kvroute_admin` cluster) here instead of to Envoy's admin,
+    /// e.g. to a [`Gate`](crate::gate::Gate) that forwards to [`Envoy::admin_url`] until told to fail.
+    pub admin_cluster_via: Option<SocketAddr>,
 }
 
 impl Default for EnvoyOptions {
@@ -62,6 +65,7 @@ impl Default for EnvoyOptions {
             ready_timeout: Duration::from_secs(60),
             log_level: "warn".into(),
             wasm_plugin_like: false,
+            admin_cluster_via: None,
         }
     }
 }
@@ -100,6 +104,10 @@ impl Envoy {
                 wasm_plugin_like: opts.wasm_plugin_like,
             },
         )?;
+        let yaml = match opts.admin_cluster_via {
+            Some(addr) => bootstrap::redirect_admin_cluster(&yaml, addr)?,
+            None => yaml,
+        };
         let dir = temp_dir()?;
         let config = dir.join("envoy.yaml");
         std::fs::write(&config, yaml)?;
@@ -131,6 +139,11 @@ impl Envoy {
     /// Base URL of the listener, e.g. `http://127.0.0.1:40123`.
     pub fn url(&self) -> String {
         format!("http://127.0.0.1:{}", self.listener_port)
+    }
+
+    /// Address of the admin interface.
+    pub fn admin_addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.admin_port))
     }
 
     /// Base URL of the admin interface.
