@@ -4,13 +4,48 @@
 
 mod common;
 
-use common::{chat_body, debug_config, inflight_gauge_name, inflight_gauges, system_prompt, Fleet};
+use common::{
+    chat_body, debug_config, inflight_gauge_name, inflight_gauges, kv_stat, system_prompt, Fleet,
+};
+use kvroute_harness::Lb;
 use std::sync::Arc;
 use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inflight_gauges_return_to_zero_after_burst_with_client_aborts() {
     let fleet = Arc::new(Fleet::kvroute(4, debug_config(), |_| {}).await);
+    burst_with_aborts_settles(fleet).await;
+}
+
+/// The same with Envoy's admin polled only every 20 s: the correction against `rq_active` needs
+/// two polls that see the same excess, so it cannot act on a burst that is over in a second or
+/// two, and only the filter's own settling (Envoy calls `on_log` and `on_done` for a reset stream
+/// too) brings the gauges back to zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborted_streams_are_settled_by_the_filter_not_by_the_correction() {
+    let mut config = debug_config();
+    config["stats_interval_ms"] = 20_000.into();
+    let fleet = Fleet::start(
+        4,
+        Lb::Kvroute {
+            plugin_config: config,
+        },
+        |_| {},
+    )
+    .await;
+    // The first poll may precede the health checks: then the second, 20 s on, sees all four.
+    let known = fleet.envoy.wait_for_stat(
+        "kvroute.endpoints_known",
+        |v| v == 4,
+        Duration::from_secs(60),
+    );
+    known.await.unwrap_or_else(|e| panic!("{e}"));
+    let fleet = Arc::new(fleet);
+    burst_with_aborts_settles(fleet.clone()).await;
+    assert_eq!(kv_stat(&fleet, "inflight_corrected").await, 0);
+}
+
+async fn burst_with_aborts_settles(fleet: Arc<Fleet>) {
     for b in &fleet.backends {
         b.set_delay(Duration::from_millis(400));
     }
