@@ -18,7 +18,7 @@ async fn inflight_gauges_return_to_zero_after_burst_with_client_aborts() {
 }
 
 /// The same with Envoy's admin polled only every 20 s: the correction against `rq_active` needs
-/// two polls that see the same excess, so it cannot act on a burst that is over in a second or
+/// three polls in a row that see an excess, so it cannot act on a burst that is over in a second or
 /// two, and only the filter's own settling (Envoy calls `on_log` and `on_done` for a reset stream
 /// too) brings the gauges back to zero.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -31,11 +31,16 @@ pub struct Poller {
     snapshot: Option<Snapshot>,
     /// This round's engine answers, with kvroute's own count there when each came.
     reports: HashMap<String, (Metrics, u32)>,
-    /// By endpoint id: how far kvroute's in-flight count was above Envoy's `rq_active` at this
-    /// worker's last admin answer. Only an excess seen twice is corrected: a request counted
-    /// just before Envoy sent it upstream is not a lost one.
-    excess: HashMap<u32, u64>,
+    /// By endpoint id: the least that kvroute's in-flight count was above Envoy's `rq_active`
+    /// over this worker's last consecutive admin answers, and how many answers in a row showed an
+    /// excess. Only an excess seen [`EXCESS_POLLS`] times running is corrected: a request counted
+    /// just before Envoy attaches it upstream is not a lost one, and a busy host rarely has one
+    /// in that gap at every poll of a row.
+    excess: HashMap<u32, (u64, u32)>,
 }
+
+/// Admin answers in a row that must show kvroute's count above Envoy's before it is lowered.
+const EXCESS_POLLS: u32 = 3;
 
 impl Poller {
     /// Dispatches this interval's polls.
@@ -150,11 +155,15 @@ impl Poller {
             if now == 0 {
                 continue;
             }
-            let lasting = now.min(self.excess.get(&id).copied().unwrap_or(0));
-            if lasting > 0 {
-                caps.push((id, own - lasting));
+            let (least, polls) = match self.excess.get(&id) {
+                Some(&(least, polls)) => (least.min(now), polls + 1),
+                None => (now, 1),
+            };
+            if polls >= EXCESS_POLLS {
+                caps.push((id, own - least));
+            } else {
+                excess.insert(id, (least, polls));
             }
-            excess.insert(id, now);
         }
         self.excess = excess;
         if caps.is_empty() {
