@@ -126,7 +126,12 @@ fn admin_response(
     status: Option<String>,
 ) -> Option<Snapshot> {
     let parsed = match body {
-        Some(body) => endpoints::parse_admin_clusters(&body),
+        Some(body) => {
+            let config = &shared.router.config;
+            let keep =
+                endpoints::Keep::only(&config.clusters, config.engine_metrics_cluster.as_deref());
+            endpoints::parse_admin_clusters(&body, keep)
+        }
         None => Err(format!("admin answered status {status:?}")),
     };
     let snapshot = match parsed {
