@@ -30,6 +30,8 @@ pub struct Patch<'a> {
     pub active_health_checks: bool,
     /// Loads the filter the way Istio's `WasmPlugin` does (see [`as_wasm_plugin`]).
     pub wasm_plugin_like: bool,
+    /// Points the admin cluster here instead of at Envoy's own admin.
+    pub admin_target: Option<SocketAddr>,
 }
 
 /// Reads `shipped` (YAML text) and returns the patched bootstrap as YAML text.
@@ -55,7 +57,8 @@ pub fn render(shipped: &str, patch: &Patch) -> Result<String, HarnessError> {
         match cluster.get("name").and_then(Value::as_str) {
             Some(POOL_CLUSTER) => patch_pool(cluster, patch)?,
             Some(ADMIN_CLUSTER) => {
-                let admin = SocketAddr::from(([127, 0, 0, 1], patch.admin_port));
+                let own = SocketAddr::from(([127, 0, 0, 1], patch.admin_port));
+                let admin = patch.admin_target.unwrap_or(own);
                 set_endpoints(cluster, &[admin])?;
             }
             _ => {}
@@ -247,6 +250,7 @@ mod tests {
             health_check_interval: Some(Duration::from_millis(200)),
             active_health_checks,
             wasm_plugin_like: false,
+            admin_target: None,
         };
         serde_yaml::from_str(&render(&shipped(), &patch).unwrap()).unwrap()
     }
@@ -267,6 +271,7 @@ mod tests {
                 health_check_interval: None,
                 active_health_checks: true,
                 wasm_plugin_like,
+                admin_target: None,
             };
             render(&shipped(), &patch).unwrap()
         };

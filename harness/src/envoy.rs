@@ -46,6 +46,8 @@ pub struct EnvoyOptions {
     /// Load kvroute the way Istio's `WasmPlugin` does: without `allow_on_headers_stop_iteration`
     /// (which it has no field for), without a `vm_id`, named `<namespace>.<name>`.
     pub wasm_plugin_like: bool,
+    /// Where the `kvroute_admin` cluster points instead of Envoy's own admin (a fake admin).
+    pub admin_target: Option<SocketAddr>,
 }
 
 impl Default for EnvoyOptions {
@@ -62,6 +64,7 @@ impl Default for EnvoyOptions {
             ready_timeout: Duration::from_secs(60),
             log_level: "warn".into(),
             wasm_plugin_like: false,
+            admin_target: None,
         }
     }
 }
@@ -98,6 +101,7 @@ impl Envoy {
                 health_check_interval: opts.health_check_interval,
                 active_health_checks: opts.active_health_checks,
                 wasm_plugin_like: opts.wasm_plugin_like,
+                admin_target: opts.admin_target,
             },
         )?;
         let dir = temp_dir()?;

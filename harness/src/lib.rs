@@ -23,6 +23,7 @@ pub mod backend;
 pub mod bootstrap;
 mod envoy;
 mod error;
+pub mod mesh;
 pub mod paths;
 
 pub use envoy::{Envoy, EnvoyOptions, Lb};
