@@ -105,6 +105,30 @@ impl Envoy {
             },
         )?;
         let dir = temp_dir()?;
+        Envoy::spawn(&envoy_bin, yaml, [admin_port, listener_port], dir, &opts).await
+    }
+
+    /// Starts Envoy from a bootstrap the caller builds: `bootstrap(admin_port, listener_port, dir)`
+    /// returns the YAML and may write files it refers to into `dir` (Envoy's temp dir). With
+    /// `wait_healthy`, waits for `opts.backends` in the `inference_pool` cluster, as [`Envoy::start`].
+    pub async fn start_with(
+        bootstrap: impl FnOnce(u16, u16, &std::path::Path) -> Result<String, HarnessError>,
+        opts: EnvoyOptions,
+    ) -> Result<Envoy, HarnessError> {
+        let envoy_bin = paths::envoy_bin()?;
+        let [admin_port, listener_port] = free_ports()?;
+        let dir = temp_dir()?;
+        let yaml = bootstrap(admin_port, listener_port, &dir)?;
+        Envoy::spawn(&envoy_bin, yaml, [admin_port, listener_port], dir, &opts).await
+    }
+
+    async fn spawn(
+        envoy_bin: &std::path::Path,
+        yaml: String,
+        [admin_port, listener_port]: [u16; 2],
+        dir: PathBuf,
+        opts: &EnvoyOptions,
+    ) -> Result<Envoy, HarnessError> {
         let config = dir.join("envoy.yaml");
         std::fs::write(&config, yaml)?;
         let log = std::fs::File::create(dir.join("envoy.log"))?;
@@ -128,7 +152,7 @@ impl Envoy {
             listener_port,
             client,
         };
-        envoy.wait_ready(&opts).await?;
+        envoy.wait_ready(opts).await?;
         Ok(envoy)
     }
 
