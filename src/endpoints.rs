@@ -68,6 +68,41 @@ impl<'a> Keep<'a> {
     }
 }
 
+/// The admin path a poll asks: `/clusters?format=json`, with a `filter` (an RE2 regex on the
+/// cluster name, which Envoy's admin applies before writing the document) naming only the kept
+/// clusters. The parser filters again, for an Envoy that ignores the parameter.
+pub fn admin_clusters_path(keep: Keep) -> String {
+    let mut path = "/clusters?format=json".to_string();
+    if keep.names.is_empty() {
+        return path;
+    }
+    let names = keep.names.iter().map(String::as_str).chain(keep.also);
+    let alternatives: Vec<String> = names.map(regex_literal).collect();
+    path.push_str("&filter=");
+    let regex = format!("^(?:{})$", alternatives.join("|"));
+    for b in regex.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            path.push(b as char);
+        } else {
+            path.push_str(&format!("%{b:02X}"));
+        }
+    }
+    path
+}
+
+/// `name` as a regex matching exactly it: ASCII punctuation escaped (RE2 takes `\` before any
+/// of it), everything else literal.
+fn regex_literal(name: &str) -> String {
+    let mut out = String::with_capacity(name.len() * 2);
+    for c in name.chars() {
+        if c.is_ascii_punctuation() && c != '-' && c != '_' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// Reads the admin `/clusters?format=json` document, keeping the hosts (those with a socket
 /// address) of the clusters `keep` names. On a mesh gateway the document lists every cluster of
 /// the mesh, thousands of hosts: the others are skipped by the parser without being built.
@@ -359,6 +394,33 @@ mod tests {
         assert!(
             parse_admin_clusters(doc.as_bytes(), Keep::ALL).is_err(),
             "malformed if kept"
+        );
+    }
+
+    #[test]
+    fn the_poll_asks_envoy_for_the_kept_clusters_only() {
+        assert_eq!(admin_clusters_path(Keep::ALL), "/clusters?format=json");
+        let routed = ["outbound|8000||vllm.llm.svc.cluster.local".to_string()];
+        let path = admin_clusters_path(Keep::only(&routed, Some("pool-2")));
+        let (base, filter) = path.split_once("&filter=").unwrap();
+        assert_eq!(base, "/clusters?format=json");
+        assert!(filter
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._~%".contains(&b)));
+        let decoded = filter
+            .split('%')
+            .enumerate()
+            .map(|(i, part)| match i {
+                0 => part.to_string(),
+                _ => {
+                    let byte = u8::from_str_radix(&part[..2], 16).unwrap();
+                    format!("{}{}", byte as char, &part[2..])
+                }
+            })
+            .collect::<String>();
+        assert_eq!(
+            decoded,
+            r"^(?:outbound\|8000\|\|vllm\.llm\.svc\.cluster\.local|pool-2)$"
         );
     }
 

@@ -1,7 +1,8 @@
 #![cfg(not(target_arch = "wasm32"))]
 //! On a large mesh the gateway's admin `/clusters` lists every cluster (here 2,000 clusters, 10
 //! hosts each): kvroute keeps only the cluster it routes, its decisions stay right, and requests
-//! keep answering while polls of that document run.
+//! keep answering while polls of that document run. (The poll asks Envoy to filter the clusters;
+//! this admin, like an Envoy without that parameter, sends all of them.)
 
 mod common;
 
@@ -89,6 +90,13 @@ async fn a_2000_cluster_admin_keeps_routing_right_while_polls_run() {
     );
     assert_eq!(kv_stat(&fleet, "stats_poll.failed").await, 0);
     assert_eq!(kv_stat(&fleet, "endpoints_known").await, BACKENDS as u64);
+    // It asked for the pool alone; this admin, like an Envoy without `filter`, sent everything.
+    let asked = admin.last_path();
+    assert!(
+        asked.starts_with("/clusters?format=json&filter="),
+        "{asked}"
+    );
+    assert!(asked.contains("inference_pool"), "{asked}");
     let distinct: std::collections::HashSet<_> = homes.iter().collect();
     assert!(distinct.len() > 1, "all groups on one backend: {homes:?}");
 

@@ -68,10 +68,12 @@ pub fn clusters_json(
     json!({ "cluster_statuses": clusters }).to_string()
 }
 
-/// An HTTP server on 127.0.0.1 that answers every request with one JSON document, counting them.
+/// An HTTP server on 127.0.0.1 that answers every request with one JSON document, whatever its
+/// query (as an Envoy without `/clusters?filter` would), counting them.
 pub struct FakeAdmin {
     addr: SocketAddr,
     served: Arc<AtomicU64>,
+    last_path: Arc<std::sync::Mutex<String>>,
     accept: JoinHandle<()>,
 }
 
@@ -82,10 +84,15 @@ impl FakeAdmin {
         let served = Arc::new(AtomicU64::new(0));
         let body = Bytes::from(document);
         let counter = served.clone();
+        let last_path = Arc::new(std::sync::Mutex::new(String::new()));
+        let last = last_path.clone();
         let accept = tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
-                let (body, counter) = (body.clone(), counter.clone());
-                let svc = hyper::service::service_fn(move |_req: Request<_>| {
+                let (body, counter, last) = (body.clone(), counter.clone(), last.clone());
+                let svc = hyper::service::service_fn(move |req: Request<_>| {
+                    if let (Ok(mut path), Some(asked)) = (last.lock(), req.uri().path_and_query()) {
+                        *path = asked.to_string();
+                    }
                     counter.fetch_add(1, Ordering::SeqCst);
                     let resp = Response::builder()
                         .header("content-type", "application/json")
@@ -101,12 +108,18 @@ impl FakeAdmin {
         Ok(FakeAdmin {
             addr,
             served,
+            last_path,
             accept,
         })
     }
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Path and query of the last request.
+    pub fn last_path(&self) -> String {
+        self.last_path.lock().map(|p| p.clone()).unwrap_or_default()
     }
 
     /// Requests answered so far (each one a poll).
