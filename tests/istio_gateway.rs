@@ -12,6 +12,7 @@ mod common;
 mod istio;
 
 use common::{ask, client, served_by, warm_up, Fleet};
+use kvroute::endpoints::{admin_clusters_path, Keep};
 use kvroute_harness::backend::Backend;
 use kvroute_harness::{paths, Envoy, EnvoyOptions, HarnessError};
 use serde_json::{json, Value as Json};
