@@ -300,6 +300,26 @@ async fn the_gateway_routes_by_prefix_through_the_istio_config() {
     };
     // The filter came over ECDS, and its poll of prometheus_stats found the Service's hosts.
     fleet.wait_endpoints_known(addrs.len()).await;
+    // The admin honours the poll's filter: only the Service's cluster, not prometheus_stats.
+    let pool = [istio::pool_cluster(&docs)];
+    let path = admin_clusters_path(Keep::only(&pool, Some(pool[0].as_str())));
+    let url = format!("{}{path}", fleet.envoy.admin_url());
+    let listed: Json = fleet
+        .client
+        .get(url)
+        .send()
+        .await
+        .expect("admin")
+        .json()
+        .await
+        .expect("JSON");
+    let names: Vec<&str> = listed["cluster_statuses"]
+        .as_array()
+        .expect("cluster_statuses")
+        .iter()
+        .filter_map(|c| c["name"].as_str())
+        .collect();
+    assert_eq!(names, [pool[0].as_str()], "{path}");
     let reloads = fleet
         .envoy
         .stat("extension_config_discovery.http_filter.kvroute.config_reload");
