@@ -11,10 +11,13 @@ ENVOY_VERSION := 1.40.0
 export ENVOY_BIN := $(abspath $(ENVOY))
 export KVROUTE_WASM := $(abspath $(WASM))
 export KVROUTE_SIM := $(abspath target/release/kvroute-sim)
+# Istio's CRD schemas (PyPI cloudcoil-models-istio), for tools/istio-validate.py in tests/manifests.rs.
+ISTIO_VENV := .work/istio-venv
+export KVROUTE_ISTIO_PYTHON := $(abspath $(ISTIO_VENV))/bin/python
 # Unit tests compiled to wasm run under wasmtime (installed into the venv from PyPI).
 export CARGO_TARGET_WASM32_WASIP1_RUNNER := $(abspath $(VENV))/bin/python $(abspath tools/wasi-run.py)
 
-.PHONY: all build wasm bins image deps test test-native test-wasm run bench bench-overhead bench-core fmt lint clean
+.PHONY: all build wasm bins image deps istio-deps test test-native test-wasm run bench bench-overhead bench-core fmt lint clean
 
 all: build
 
@@ -45,7 +48,19 @@ $(ENVOY):
 	command -v skopeo >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq skopeo; }
 	@mkdir -p .work && touch $@
 
-deps: .work/wasm-target $(ENVOY) .work/skopeo
+# The Istio manifests are rendered with kubectl's kustomize and checked against Istio's schemas
+# (1.24.2.1 is the newest cloudcoil-models-istio for Python < 3.14; validate_by_name needs pydantic 2.11).
+$(ISTIO_VENV)/bin/python:
+	$(PYTHON) -m venv $(ISTIO_VENV)
+	$(ISTIO_VENV)/bin/pip install --quiet --disable-pip-version-check cloudcoil-models-istio==1.24.2.1 'pydantic>=2.11,<3'
+
+.work/kubectl:
+	command -v kubectl >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubectl; }
+	@mkdir -p .work && touch $@
+
+istio-deps: $(ISTIO_VENV)/bin/python .work/kubectl
+
+deps: .work/wasm-target $(ENVOY) .work/skopeo istio-deps
 
 test: deps build image test-native test-wasm
 

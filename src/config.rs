@@ -50,6 +50,9 @@ pub struct Config {
     pub session_header: String,
     /// Envoy cluster pointing at the admin interface, polled for `/clusters` (`admin_cluster`).
     pub admin_cluster: Option<String>,
+    /// The clusters kvroute routes; the poll keeps only their hosts (all clusters if empty).
+    /// Requests to any other cluster go to Envoy's load balancer untouched (`clusters`).
+    pub clusters: Vec<String>,
     /// Cluster whose hosts' own metrics (requests running + waiting) are polled as load, through
     /// Envoy with the routing header naming each host (`engine_metrics_cluster`).
     pub engine_metrics_cluster: Option<String>,
@@ -82,6 +85,7 @@ impl Default for Config {
             balance_rel_threshold: 1.5,
             session_header: "x-session-id".to_string(),
             admin_cluster: None,
+            clusters: Vec::new(),
             engine_metrics_cluster: None,
             engine_metrics_path: "/metrics".to_string(),
             stats_interval_ms: 1000,
@@ -162,6 +166,7 @@ impl Config {
                 "balance_abs_threshold" => c.balance_abs_threshold = int(f, v, 0, 1 << 32)?,
                 "balance_rel_threshold" => c.balance_rel_threshold = float(f, v, 1.0, 1e6)?,
                 "admin_cluster" => c.admin_cluster = optional_name(f, v)?,
+                "clusters" => c.clusters = names(f, v)?,
                 "engine_metrics_cluster" => c.engine_metrics_cluster = optional_name(f, v)?,
                 "engine_metrics_path" => {
                     let path = string(f, v)?;
@@ -234,6 +239,19 @@ fn header_name(field: &str, v: &Value) -> Result<String, ConfigError> {
     Ok(name.to_string())
 }
 
+/// A list of non-empty cluster names.
+fn names(field: &str, v: &Value) -> Result<Vec<String>, ConfigError> {
+    let list = v
+        .as_array()
+        .ok_or_else(|| err(field, "must be a list of cluster names"))?;
+    list.iter()
+        .map(|item| match optional_name(field, item)? {
+            Some(name) => Ok(name),
+            None => Err(err(field, "a cluster name is empty")),
+        })
+        .collect()
+}
+
 fn endpoints(field: &str, v: &Value) -> Result<Vec<String>, ConfigError> {
     let list = v
         .as_array()
@@ -270,6 +288,7 @@ mod tests {
             br#"{"policy":"session","header":"x-dest","chunk_size":64,"max_chunks":8,"group_bytes":100,
                 "cache_threshold":0.5,"balance_abs_threshold":4,"balance_rel_threshold":2,
                 "session_header":"x-user","admin_cluster":"admin","stats_interval_ms":200,
+                "clusters":["pool","other"],
                 "engine_metrics_cluster":"pool","engine_metrics_path":"/m",
                 "endpoints":["127.0.0.1:8001"],"max_body_bytes":1000,"affinity_capacity":64,
                 "debug_header":true,"fallback_endpoints":0}"#,
@@ -283,6 +302,7 @@ mod tests {
         assert_eq!(c.group_bytes, 100);
         assert_eq!(c.endpoints, vec!["127.0.0.1:8001"]);
         assert_eq!(c.admin_cluster.as_deref(), Some("admin"));
+        assert_eq!(c.clusters, vec!["pool", "other"]);
         assert_eq!(c.engine_metrics_cluster.as_deref(), Some("pool"));
         assert_eq!(c.engine_metrics_path, "/m");
         assert!(c.debug_header);
@@ -300,6 +320,8 @@ mod tests {
             (r#"{"endpoints":["nowhere"]}"#, "endpoints"),
             (r#"{"header":"X Bad"}"#, "header"),
             (r#"{"typo_field":1}"#, "typo_field"),
+            (r#"{"clusters":"pool"}"#, "clusters"),
+            (r#"{"clusters":[""]}"#, "clusters"),
             (r#"{"affinity_capacity":0}"#, "affinity_capacity"),
             (
                 r#"{"engine_metrics_path":"metrics"}"#,

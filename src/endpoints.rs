@@ -1,8 +1,10 @@
 //! Which endpoints a request may go to, from Envoy's admin `/clusters?format=json` or static config.
 
 use hashbrown::HashMap;
+use std::borrow::Cow;
+
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
 use crate::engine::{EngineLoad, EngineLoads};
 use crate::rendezvous::endpoint_id;
@@ -40,76 +42,272 @@ impl Host {
 /// Hosts by cluster name: what one stats poll learned.
 pub type Snapshot = HashMap<String, Vec<Host>>;
 
-/// Reads the admin `/clusters?format=json` document. Hosts with a socket address only.
-pub fn parse_admin_clusters(body: &[u8]) -> Result<Snapshot, String> {
-    let doc: Value = serde_json::from_slice(body).map_err(|e| format!("not JSON: {e}"))?;
-    let clusters = doc
-        .get("cluster_statuses")
-        .and_then(Value::as_array)
-        .ok_or("no cluster_statuses")?;
-    let mut snapshot = Snapshot::new();
-    for cluster in clusters {
-        let Some(name) = cluster.get("name").and_then(Value::as_str) else {
-            continue;
-        };
-        let hosts = cluster
-            .get("host_statuses")
-            .and_then(Value::as_array)
-            .map(|hosts| hosts.iter().filter_map(host).collect())
-            .unwrap_or_default();
-        snapshot.insert(name.to_string(), hosts);
-    }
-    Ok(snapshot)
+/// Which clusters a poll keeps: the named ones, or every cluster when none are named.
+#[derive(Debug, Clone, Copy)]
+pub struct Keep<'a> {
+    names: &'a [String],
+    also: Option<&'a str>,
 }
 
-fn host(status: &Value) -> Option<Host> {
-    let socket = status.get("address")?.get("socket_address")?;
-    let ip = socket.get("address")?.as_str()?;
-    let port = socket.get("port_value")?.as_u64()?;
-    let addr = if ip.contains(':') {
-        format!("[{ip}]:{port}")
-    } else {
-        format!("{ip}:{port}")
+impl<'a> Keep<'a> {
+    /// Every cluster (a small Envoy config, where nothing needs skipping).
+    pub const ALL: Keep<'static> = Keep {
+        names: &[],
+        also: None,
     };
-    let rq_active = status
-        .get("stats")
-        .and_then(Value::as_array)
-        .and_then(|stats| {
-            stats
-                .iter()
-                .find(|s| s.get("name") == Some(&Value::from("rq_active")))
-        })
-        .and_then(|s| s.get("value"))
-        .and_then(|v| v.as_u64().or_else(|| v.as_str()?.parse().ok()))
-        .unwrap_or(0);
-    Some(Host {
-        addr,
-        healthy: healthy(status.get("health_status")),
-        rq_active,
-        engine: None,
-    })
+
+    /// `names` (all clusters if empty), plus `also` (the engine metrics cluster) when set.
+    pub fn only(names: &'a [String], also: Option<&'a str>) -> Keep<'a> {
+        Keep { names, also }
+    }
+
+    fn keeps(&self, cluster: &str) -> bool {
+        self.names.is_empty()
+            || self.also == Some(cluster)
+            || self.names.iter().any(|n| n == cluster)
+    }
+}
+
+/// The admin path a poll asks: `/clusters?format=json`, with a `filter` (an RE2 regex on the
+/// cluster name, which Envoy's admin applies before writing the document) naming only the kept
+/// clusters. The parser filters again, for an Envoy that ignores the parameter.
+pub fn admin_clusters_path(keep: Keep) -> String {
+    let mut path = "/clusters?format=json".to_string();
+    if keep.names.is_empty() {
+        return path;
+    }
+    let names = keep.names.iter().map(String::as_str).chain(keep.also);
+    let alternatives: Vec<String> = names.map(regex_literal).collect();
+    path.push_str("&filter=");
+    let regex = format!("^(?:{})$", alternatives.join("|"));
+    for b in regex.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            path.push(b as char);
+        } else {
+            path.push_str(&format!("%{b:02X}"));
+        }
+    }
+    path
+}
+
+/// `name` as a regex matching exactly it: ASCII punctuation escaped (RE2 takes `\` before any
+/// of it), everything else literal.
+fn regex_literal(name: &str) -> String {
+    let mut out = String::with_capacity(name.len() * 2);
+    for c in name.chars() {
+        if c.is_ascii_punctuation() && c != '-' && c != '_' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Reads the admin `/clusters?format=json` document, keeping the hosts (those with a socket
+/// address) of the clusters `keep` names. On a mesh gateway the document lists every cluster of
+/// the mesh, thousands of hosts: the others are skipped by the parser without being built.
+pub fn parse_admin_clusters(body: &[u8], keep: Keep) -> Result<Snapshot, String> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let snapshot = DocumentSeed(keep)
+        .deserialize(&mut de)
+        .map_err(|e| format!("not a /clusters document: {e}"))?;
+    de.end()
+        .map_err(|e| format!("not a /clusters document: {e}"))?;
+    snapshot.ok_or_else(|| "no cluster_statuses".to_string())
+}
+
+/// The document: only `cluster_statuses` is read.
+struct DocumentSeed<'k>(Keep<'k>);
+
+impl<'de> DeserializeSeed<'de> for DocumentSeed<'_> {
+    type Value = Option<Snapshot>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for DocumentSeed<'_> {
+    type Value = Option<Snapshot>;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an object with cluster_statuses")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut snapshot = None;
+        while let Some(Text(key)) = map.next_key()? {
+            if key == "cluster_statuses" {
+                snapshot = Some(map.next_value_seed(ClustersSeed(self.0))?);
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        Ok(snapshot)
+    }
+}
+
+/// The list of clusters, each kept or skipped by name.
+struct ClustersSeed<'k>(Keep<'k>);
+
+impl<'de> DeserializeSeed<'de> for ClustersSeed<'_> {
+    type Value = Snapshot;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ClustersSeed<'_> {
+    type Value = Snapshot;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a list of cluster statuses")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut snapshot = Snapshot::new();
+        while let Some(cluster) = seq.next_element_seed(ClusterSeed(self.0))? {
+            if let Some((name, hosts)) = cluster {
+                snapshot.insert(name, hosts);
+            }
+        }
+        Ok(snapshot)
+    }
+}
+
+/// One cluster: its name and, if kept, its hosts.
+struct ClusterSeed<'k>(Keep<'k>);
+
+impl<'de> DeserializeSeed<'de> for ClusterSeed<'_> {
+    type Value = Option<(String, Vec<Host>)>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ClusterSeed<'_> {
+    type Value = Option<(String, Vec<Host>)>;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a cluster status")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut name: Option<Cow<'de, str>> = None;
+        let mut hosts: Option<Vec<Host>> = None;
+        while let Some(Text(key)) = map.next_key()? {
+            match key.as_ref() {
+                "name" => name = Some(map.next_value::<Text>()?.0),
+                // Envoy writes `name` first; only if it did not are hosts read before knowing.
+                "host_statuses" if name.as_deref().is_none_or(|n| self.0.keeps(n)) => {
+                    let statuses: Vec<HostStatus<'de>> = map.next_value()?;
+                    hosts = Some(statuses.into_iter().filter_map(HostStatus::host).collect());
+                }
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(name
+            .filter(|n| self.0.keeps(n))
+            .map(|n| (n.into_owned(), hosts.unwrap_or_default())))
+    }
+}
+
+/// A string borrowed from the document where it has no escapes (keys and names never do).
+#[derive(Deserialize)]
+struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
+
+/// A host status as Envoy writes it; strings borrowed from the document where it has no escapes.
+#[derive(Deserialize)]
+struct HostStatus<'a> {
+    #[serde(borrow)]
+    address: Option<Address<'a>>,
+    #[serde(borrow, default)]
+    stats: Vec<Stat<'a>>,
+    #[serde(borrow)]
+    health_status: Option<Health<'a>>,
+}
+
+#[derive(Deserialize)]
+struct Address<'a> {
+    #[serde(borrow)]
+    socket_address: Option<SocketAddress<'a>>,
+}
+
+#[derive(Deserialize)]
+struct SocketAddress<'a> {
+    #[serde(borrow)]
+    address: Cow<'a, str>,
+    port_value: u64,
+}
+
+#[derive(Deserialize)]
+struct Stat<'a> {
+    #[serde(borrow)]
+    name: Cow<'a, str>,
+    /// A uint64 in proto JSON: a string, or a number from some writers.
+    #[serde(default)]
+    value: Option<StatValue<'a>>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum StatValue<'a> {
+    Number(u64),
+    #[serde(borrow)]
+    Text(Cow<'a, str>),
 }
 
 /// A host is usable unless a health check or outlier detection failed it, or EDS says it is not
 /// serving. override_host does not check health itself, so this is the only guard.
-fn healthy(health: Option<&Value>) -> bool {
-    let Some(health) = health else { return true };
-    let flag = |name: &str| health.get(name).and_then(Value::as_bool).unwrap_or(false);
-    let failed = [
-        "failed_active_health_check",
-        "failed_outlier_check",
-        "failed_eds_health",
-        "pending_dynamic_removal",
-        "excluded_via_immediate_hc_fail",
-        "active_hc_timeout",
-    ]
-    .iter()
-    .any(|f| flag(f));
-    let eds_ok = match health.get("eds_health_status").and_then(Value::as_str) {
-        None => true,
-        Some(status) => matches!(status, "HEALTHY" | "UNKNOWN" | "DEGRADED"),
-    };
-    !failed && eds_ok
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Health<'a> {
+    failed_active_health_check: bool,
+    failed_outlier_check: bool,
+    failed_eds_health: bool,
+    pending_dynamic_removal: bool,
+    excluded_via_immediate_hc_fail: bool,
+    active_hc_timeout: bool,
+    #[serde(borrow)]
+    eds_health_status: Option<Cow<'a, str>>,
+}
+
+impl Health<'_> {
+    fn healthy(&self) -> bool {
+        let failed = self.failed_active_health_check
+            || self.failed_outlier_check
+            || self.failed_eds_health
+            || self.pending_dynamic_removal
+            || self.excluded_via_immediate_hc_fail
+            || self.active_hc_timeout;
+        let eds_ok = match self.eds_health_status.as_deref() {
+            None => true,
+            Some(status) => matches!(status, "HEALTHY" | "UNKNOWN" | "DEGRADED"),
+        };
+        !failed && eds_ok
+    }
+}
+
+impl HostStatus<'_> {
+    fn host(self) -> Option<Host> {
+        let socket = self.address?.socket_address?;
+        let (ip, port) = (socket.address, socket.port_value);
+        let addr = if ip.contains(':') {
+            format!("[{ip}]:{port}")
+        } else {
+            format!("{ip}:{port}")
+        };
+        let rq_active = self
+            .stats
+            .iter()
+            .find(|s| s.name == "rq_active")
+            .and_then(|s| match s.value.as_ref()? {
+                StatValue::Number(n) => Some(*n),
+                StatValue::Text(t) => t.parse().ok(),
+            })
+            .unwrap_or(0);
+        Some(Host {
+            addr,
+            healthy: self.health_status.is_none_or(|h| h.healthy()),
+            rq_active,
+            engine: None,
+        })
+    }
 }
 
 /// Writes the latest engine loads into a snapshot's hosts.
@@ -149,7 +347,7 @@ mod tests {
 
     #[test]
     fn admin_clusters_give_hosts_with_health_and_active_requests() {
-        let s = parse_admin_clusters(ADMIN.as_bytes()).unwrap();
+        let s = parse_admin_clusters(ADMIN.as_bytes(), Keep::ALL).unwrap();
         let pool = &s["inference_pool"];
         assert_eq!(pool.len(), 4);
         assert_eq!(
@@ -169,8 +367,66 @@ mod tests {
     }
 
     #[test]
+    fn only_the_routed_clusters_and_the_engine_cluster_are_kept() {
+        let all = parse_admin_clusters(ADMIN.as_bytes(), Keep::ALL).unwrap();
+        let routed = ["inference_pool".to_string()];
+        let s = parse_admin_clusters(ADMIN.as_bytes(), Keep::only(&routed, None)).unwrap();
+        assert_eq!(s.keys().collect::<Vec<_>>(), ["inference_pool"]);
+        assert_eq!(s["inference_pool"], all["inference_pool"]);
+        let other = ["elsewhere".to_string()];
+        let s = parse_admin_clusters(ADMIN.as_bytes(), Keep::only(&other, Some("kvroute_admin")));
+        assert_eq!(s.unwrap().keys().collect::<Vec<_>>(), ["kvroute_admin"]);
+    }
+
+    /// A skipped cluster's hosts are skipped whatever their shape; a kept one's are read even when
+    /// its name comes after them.
+    #[test]
+    fn skipping_does_not_depend_on_field_order_or_the_skipped_hosts() {
+        let doc = r#"{"cluster_statuses":[
+          {"name":"other","host_statuses":[{"address":7,"stats":"odd"}]},
+          {"host_statuses":[{"address":{"socket_address":{"address":"127.0.0.1","port_value":9}},
+             "stats":[{"name":"rq_active","value":3}]}],"name":"pool"}]}"#;
+        let routed = ["pool".to_string()];
+        let s = parse_admin_clusters(doc.as_bytes(), Keep::only(&routed, None)).unwrap();
+        assert_eq!(s.len(), 1);
+        assert_eq!(s["pool"][0].addr, "127.0.0.1:9");
+        assert_eq!(s["pool"][0].rq_active, 3);
+        assert!(
+            parse_admin_clusters(doc.as_bytes(), Keep::ALL).is_err(),
+            "malformed if kept"
+        );
+    }
+
+    #[test]
+    fn the_poll_asks_envoy_for_the_kept_clusters_only() {
+        assert_eq!(admin_clusters_path(Keep::ALL), "/clusters?format=json");
+        let routed = ["outbound|8000||vllm.llm.svc.cluster.local".to_string()];
+        let path = admin_clusters_path(Keep::only(&routed, Some("pool-2")));
+        let (base, filter) = path.split_once("&filter=").unwrap();
+        assert_eq!(base, "/clusters?format=json");
+        assert!(filter
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._~%".contains(&b)));
+        let decoded = filter
+            .split('%')
+            .enumerate()
+            .map(|(i, part)| match i {
+                0 => part.to_string(),
+                _ => {
+                    let byte = u8::from_str_radix(&part[..2], 16).unwrap();
+                    format!("{}{}", byte as char, &part[2..])
+                }
+            })
+            .collect::<String>();
+        assert_eq!(
+            decoded,
+            r"^(?:outbound\|8000\|\|vllm\.llm\.svc\.cluster\.local|pool-2)$"
+        );
+    }
+
+    #[test]
     fn engine_loads_land_on_their_hosts() {
-        let mut s = parse_admin_clusters(ADMIN.as_bytes()).unwrap();
+        let mut s = parse_admin_clusters(ADMIN.as_bytes(), Keep::ALL).unwrap();
         let load = EngineLoad::default();
         let loads = EngineLoads::from_iter([("127.0.0.1:8001".to_string(), load)]);
         apply_engine_loads(&mut s, &loads);
@@ -180,9 +436,9 @@ mod tests {
 
     #[test]
     fn snapshots_round_trip_and_garbage_is_an_error() {
-        let s = parse_admin_clusters(ADMIN.as_bytes()).unwrap();
+        let s = parse_admin_clusters(ADMIN.as_bytes(), Keep::ALL).unwrap();
         assert_eq!(decode_snapshot(&encode_snapshot(&s)), Some(s));
-        assert!(parse_admin_clusters(b"<html>").is_err());
-        assert!(parse_admin_clusters(b"{}").is_err());
+        assert!(parse_admin_clusters(b"<html>", Keep::ALL).is_err());
+        assert!(parse_admin_clusters(b"{}", Keep::ALL).is_err());
     }
 }

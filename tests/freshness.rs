@@ -82,7 +82,7 @@ async fn a_silent_admin_leaves_requests_to_envoy_until_it_answers_again() {
             plugin_config: debug_config(),
         },
         |o| {
-            o.admin_cluster_via = Some(gate.addr());
+            o.admin_target = Some(gate.addr());
         },
     )
     .await;

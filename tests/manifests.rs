@@ -1,7 +1,11 @@
 #![cfg(not(target_arch = "wasm32"))]
 //! The shipped Envoy and Istio configurations carry a kvroute config the filter accepts, and the
 //! Envoy settings kvroute depends on (header stop-iteration, override_host on the same header,
-//! an admin cluster under the configured name).
+//! an admin cluster under the configured name). The Istio manifests, rendered by kustomize as a
+//! user applies them, take every name from one file and pass Istio's own schemas.
+
+#[path = "common/istio.rs"]
+mod istio;
 
 use kvroute::config::Config;
 use serde::Deserialize;
@@ -57,15 +61,10 @@ fn plugin(docs: &[Value]) -> (&serde_yaml::Mapping, Config) {
     (plugin, config)
 }
 
-fn check(path: &str) {
-    let docs = documents(path);
-    let (plugin, config) = plugin(&docs);
-    assert_eq!(
-        get(plugin, "allow_on_headers_stop_iteration"),
-        Some(&Value::from(true)),
-        "{path}: body routing needs allow_on_headers_stop_iteration"
-    );
-    let all = mappings(&docs);
+/// The settings kvroute depends on, in any configuration: the routing header that override_host
+/// reads is kvroute's, and a client-sent one is removed first.
+fn check_routing_header(docs: &[Value], config: &Config, what: &str) {
+    let all = mappings(docs);
     let override_headers: Vec<&str> = all
         .iter()
         .filter_map(|m| get(m, "override_host_sources"))
@@ -80,28 +79,311 @@ fn check(path: &str) {
     assert_eq!(
         override_headers,
         vec![config.header.as_str()],
-        "{path}: override_host reads kvroute's header"
+        "{what}: override_host reads kvroute's header"
     );
     assert!(
         all.iter()
             .any(|m| get(m, "remove") == Some(&Value::from(config.header.as_str()))),
-        "{path}: client-sent routing headers are removed before kvroute runs"
+        "{what}: client-sent routing headers are removed before kvroute runs"
     );
+}
+
+#[test]
+fn the_envoy_bootstrap_is_consistent_with_kvroute() {
+    let path = "envoy/kvroute.yaml";
+    let docs = documents(path);
+    let (plugin, config) = plugin(&docs);
+    assert_eq!(
+        get(plugin, "allow_on_headers_stop_iteration"),
+        Some(&Value::from(true)),
+        "{path}: body routing needs allow_on_headers_stop_iteration"
+    );
+    check_routing_header(&docs, &config, path);
     let admin = config.admin_cluster.as_deref().expect("admin_cluster set");
     assert!(
-        all.iter()
+        mappings(&docs)
+            .iter()
             .any(|m| get(m, "name") == Some(&Value::from(admin))
                 && get(m, "load_assignment").is_some()),
         "{path}: a cluster named {admin} exists"
     );
 }
 
-#[test]
-fn the_envoy_bootstrap_is_consistent_with_kvroute() {
-    check("envoy/kvroute.yaml");
+/// `values.yaml`, the one file a user edits.
+fn values() -> Value {
+    documents("istio/base/values.yaml").remove(0)
+}
+
+/// Istio's name for the Service's cluster, from values.yaml.
+fn cluster_from(values: &Value) -> String {
+    let v = |k: &str| match &values[k] {
+        Value::Number(n) => n.to_string(),
+        other => other.as_str().expect(k).to_string(),
+    };
+    format!(
+        "outbound|{}||{}.{}.svc.cluster.local",
+        v("port"),
+        v("service"),
+        v("namespace")
+    )
 }
 
 #[test]
-fn the_istio_manifests_are_consistent_with_kvroute() {
-    check("istio/kvroute-gateway.yaml");
+fn the_body_routing_envoy_filter_is_consistent_with_kvroute() {
+    let docs = istio::rendered("body-routing");
+    let values = values();
+    let pool = istio::pool_cluster(&docs);
+    assert_eq!(pool, cluster_from(&values));
+    let ecds = &istio::patch(&docs, "kvroute", "EXTENSION_CONFIG", "kvroute")["patch"]["value"];
+    let plugin = &ecds["typed_config"]["config"];
+    assert_eq!(plugin["allow_on_headers_stop_iteration"], Value::from(true));
+    assert_eq!(plugin["failure_policy"], "FAIL_OPEN");
+    let json = plugin["configuration"]["value"]
+        .as_str()
+        .expect("a StringValue");
+    let config = Config::parse(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        config.clusters,
+        vec![pool.clone()],
+        "the poll keeps the pool"
+    );
+    assert_eq!(
+        config.engine_metrics_cluster.as_deref(),
+        Some(pool.as_str())
+    );
+    // Istio's bootstrap has it, pointing at the admin port: no cluster of our own.
+    assert_eq!(config.admin_cluster.as_deref(), Some("prometheus_stats"));
+    let remote = &plugin["vm_config"]["code"]["remote"];
+    assert_eq!(remote["http_uri"]["uri"], values["image"]);
+    assert!(values["image"].as_str().unwrap().starts_with("oci://"));
+    assert_eq!(remote["sha256"], values["sha256"]);
+    let filter = &istio::patch(&docs, "kvroute", "HTTP_FILTER", "kvroute")["patch"];
+    assert_eq!(filter["operation"], "INSERT_BEFORE");
+    assert_eq!(
+        filter["value"]["config_discovery"]["type_urls"][0],
+        plugin_type_url(ecds)
+    );
+    check_routing_header(&docs, &config, "istio/body-routing");
+}
+
+fn plugin_type_url(ecds: &Value) -> Value {
+    ecds["typed_config"]["@type"].clone()
+}
+
+#[test]
+fn the_header_routing_wasm_plugin_is_consistent_with_kvroute() {
+    let docs = istio::rendered("header-routing");
+    let values = values();
+    let pool = istio::pool_cluster(&docs);
+    let spec = &istio::object(&docs, "WasmPlugin", "kvroute")["spec"];
+    assert_eq!(spec["url"], values["image"]);
+    assert_eq!(spec["sha256"], values["sha256"]);
+    assert_eq!(spec["failStrategy"], "FAIL_OPEN");
+    let json = serde_json::to_vec(&spec["pluginConfig"]).expect("pluginConfig as JSON");
+    let config = Config::parse(&json).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(config.clusters, vec![pool.clone()]);
+    assert_eq!(
+        config.engine_metrics_cluster.as_deref(),
+        Some(pool.as_str())
+    );
+    assert_eq!(config.admin_cluster.as_deref(), Some("prometheus_stats"));
+    check_routing_header(&docs, &config, "istio/header-routing");
+    assert!(
+        docs.iter()
+            .all(|d| d["metadata"]["name"] != "kvroute" || d["kind"] == "WasmPlugin"),
+        "header routing has no body-routing EnvoyFilter"
+    );
+}
+
+/// Copies `from` to `to`, recursively.
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for entry in std::fs::read_dir(from).expect("read_dir") {
+        let entry = entry.expect("entry");
+        let target = to.join(entry.file_name());
+        if entry.file_type().expect("type").is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).expect("copy");
+        }
+    }
+}
+
+#[test]
+fn values_yaml_sets_every_name_in_one_place() {
+    let dir = std::env::temp_dir().join(format!("kvroute-istio-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    copy_dir(&root().join("istio"), &dir);
+    let path = dir.join("base/values.yaml");
+    let text = std::fs::read_to_string(&path).expect("values.yaml");
+    let digest = "ab".repeat(32);
+    let changed: String = text
+        .lines()
+        .map(|l| match l.split_once(':').map(|(k, _)| k) {
+            Some("service") => "service: qwen".to_string(),
+            Some("namespace") => "namespace: serving".to_string(),
+            Some("port") => "port: 8081".to_string(),
+            Some("image") => "image: oci://r.example/team/kvroute:v9".to_string(),
+            Some("sha256") => format!("sha256: \"{digest}\""),
+            _ => l.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(&path, changed).expect("write values.yaml");
+    let pool = "outbound|8081||qwen.serving.svc.cluster.local";
+    for variant in ["body-routing", "header-routing"] {
+        let text = istio::kustomize(&dir.join(variant));
+        for old in ["vllm.llm.svc", "|8000|", "registry.example", "00000000"] {
+            assert!(
+                !text.contains(old),
+                "{variant}: {old} left after changing values.yaml"
+            );
+        }
+        assert_eq!(
+            text.matches(pool).count(),
+            3,
+            "{variant}: cluster patch, clusters, engine cluster"
+        );
+        assert_eq!(text.matches(&digest).count(), 1, "{variant}");
+        assert_eq!(text.matches("oci://r.example/team/kvroute:v9").count(), 1);
+        let docs = istio::documents(&text);
+        assert_eq!(istio::pool_cluster(&docs), pool);
+        let vs = istio::object(&docs, "VirtualService", "vllm");
+        let dest = &vs["spec"]["http"][0]["route"][0]["destination"];
+        assert_eq!(dest["host"], Value::from("qwen.serving.svc.cluster.local"));
+        assert_eq!(dest["port"]["number"], Value::from(8081));
+        assert_eq!(vs["metadata"]["namespace"], "serving");
+        let gw = istio::object(&docs, "Gateway", "llm-gateway");
+        assert_eq!(gw["metadata"]["namespace"], "serving");
+        assert!(
+            istio::validate(&text).0,
+            "{variant} with other names is still valid"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Applies `change` to a copy of `docs` and renders it back to YAML.
+fn mutated(docs: &[Value], change: impl Fn(&mut Vec<Value>)) -> String {
+    let mut docs = docs.to_vec();
+    change(&mut docs);
+    docs.iter()
+        .map(|d| serde_yaml::to_string(d).expect("YAML"))
+        .collect::<Vec<_>>()
+        .join("---\n")
+}
+
+fn at<'a>(docs: &'a mut [Value], kind: &str) -> &'a mut serde_yaml::Mapping {
+    docs.iter_mut()
+        .find(|d| d["kind"] == kind)
+        .and_then(Value::as_mapping_mut)
+        .unwrap_or_else(|| panic!("a {kind}"))
+}
+
+fn map<'a>(v: &'a mut Value, path: &[&str]) -> &'a mut serde_yaml::Mapping {
+    let mut v = v;
+    for key in path {
+        v = match key.parse::<usize>() {
+            Ok(i) => &mut v[i],
+            Err(_) => &mut v[*key],
+        };
+    }
+    v.as_mapping_mut()
+        .unwrap_or_else(|| panic!("a mapping at {path:?}"))
+}
+
+#[test]
+fn every_istio_object_passes_istio_schemas_and_unknown_fields_are_rejected() {
+    // (what, YAML, whether valid, what the output must name)
+    let mut cases: Vec<(String, String, bool, &str)> = Vec::new();
+    for variant in ["body-routing", "header-routing"] {
+        let docs = istio::rendered(variant);
+        cases.push((
+            variant.into(),
+            mutated(&docs, |_| {}),
+            true,
+            " valid, 0 invalid",
+        ));
+        // The validator can fail: an unknown field in any object's spec is an error.
+        for (i, doc) in docs.iter().enumerate() {
+            let kind = doc["kind"].as_str().unwrap_or_default();
+            let bad = mutated(&docs, |d| {
+                map(&mut d[i], &["spec"]).insert("replicaz".into(), 1.into());
+            });
+            cases.push((
+                format!("{variant} {kind}.spec.replicaz"),
+                bad,
+                false,
+                "spec.replicaz",
+            ));
+        }
+    }
+    let body = istio::rendered("body-routing");
+    let header = istio::rendered("header-routing");
+    let wrong: Vec<(&str, String, &str)> = vec![
+        (
+            "a misspelt key deep in an EnvoyFilter match",
+            mutated(&body, |d| {
+                let ef = d
+                    .iter_mut()
+                    .find(|x| x["metadata"]["name"] == "kvroute-cluster")
+                    .unwrap();
+                let cluster_patch = &mut ef["spec"]["configPatches"][1];
+                assert_eq!(cluster_patch["applyTo"], "CLUSTER");
+                map(cluster_patch, &["match", "cluster"]).insert("nmae".into(), "x".into());
+            }),
+            "nmae",
+        ),
+        (
+            "a snake_case spelling of a camelCase field",
+            mutated(&header, |d| {
+                let spec = at(d, "WasmPlugin").get_mut("spec").unwrap();
+                let spec = spec.as_mapping_mut().unwrap();
+                let v = spec.remove("failStrategy").unwrap();
+                spec.insert("fail_strategy".into(), v);
+            }),
+            "fail_strategy",
+        ),
+        (
+            "a value outside an enum",
+            mutated(&header, |d| {
+                let spec = at(d, "WasmPlugin").get_mut("spec").unwrap();
+                spec["failStrategy"] = "FAIL_SOMETIMES".into();
+            }),
+            "failStrategy",
+        ),
+        (
+            "a port number as a string",
+            mutated(&body, |d| {
+                let vs = d
+                    .iter_mut()
+                    .find(|x| x["kind"] == "VirtualService")
+                    .unwrap();
+                vs["spec"]["http"][0]["route"][0]["destination"]["port"]["number"] = "8000".into();
+            }),
+            "number",
+        ),
+        (
+            "a digest that is not one",
+            mutated(&header, |d| {
+                let spec = at(d, "WasmPlugin").get_mut("spec").unwrap();
+                spec["sha256"] = "sha256:abc".into();
+            }),
+            "sha256",
+        ),
+    ];
+    cases.extend(
+        wrong
+            .into_iter()
+            .map(|(what, yaml, field)| (what.to_string(), yaml, false, field)),
+    );
+    let texts: Vec<String> = cases.iter().map(|c| c.1.clone()).collect();
+    let results = istio::validate_each(&texts);
+    for ((what, _, valid, named), (ok, out)) in cases.iter().zip(results) {
+        assert_eq!(ok, *valid, "{what}: {out}");
+        assert!(
+            out.contains(named),
+            "{what}: the output does not name {named}: {out}"
+        );
+    }
 }

@@ -30,6 +30,8 @@ pub struct Patch<'a> {
     pub active_health_checks: bool,
     /// Loads the filter the way Istio's `WasmPlugin` does (see [`as_wasm_plugin`]).
     pub wasm_plugin_like: bool,
+    /// Points the admin cluster here instead of at Envoy's own admin.
+    pub admin_target: Option<SocketAddr>,
 }
 
 /// Reads `shipped` (YAML text) and returns the patched bootstrap as YAML text.
@@ -55,25 +57,13 @@ pub fn render(shipped: &str, patch: &Patch) -> Result<String, HarnessError> {
         match cluster.get("name").and_then(Value::as_str) {
             Some(POOL_CLUSTER) => patch_pool(cluster, patch)?,
             Some(ADMIN_CLUSTER) => {
-                let admin = SocketAddr::from(([127, 0, 0, 1], patch.admin_port));
+                let own = SocketAddr::from(([127, 0, 0, 1], patch.admin_port));
+                let admin = patch.admin_target.unwrap_or(own);
                 set_endpoints(cluster, &[admin])?;
             }
             _ => {}
         }
     }
-    serde_yaml::to_string(&root).map_err(|e| cfg(format!("serialize: {e}")))
-}
-
-/// `yaml` (a rendered bootstrap) with the `kvroute_admin` cluster sent to `addr` instead of
-/// Envoy's own admin: a test puts a gate there to make the admin poll fail.
-pub fn redirect_admin_cluster(yaml: &str, addr: SocketAddr) -> Result<String, HarnessError> {
-    let mut root: Value = serde_yaml::from_str(yaml).map_err(|e| cfg(format!("parse: {e}")))?;
-    let clusters = seq_mut(get_mut(&mut root, &["static_resources", "clusters"])?)?;
-    let admin = clusters
-        .iter_mut()
-        .find(|c| c.get("name").and_then(Value::as_str) == Some(ADMIN_CLUSTER))
-        .ok_or_else(|| cfg(format!("no {ADMIN_CLUSTER} cluster")))?;
-    set_endpoints(admin, &[addr])?;
     serde_yaml::to_string(&root).map_err(|e| cfg(format!("serialize: {e}")))
 }
 
@@ -260,6 +250,7 @@ mod tests {
             health_check_interval: Some(Duration::from_millis(200)),
             active_health_checks,
             wasm_plugin_like: false,
+            admin_target: None,
         };
         serde_yaml::from_str(&render(&shipped(), &patch).unwrap()).unwrap()
     }
@@ -280,6 +271,7 @@ mod tests {
                 health_check_interval: None,
                 active_health_checks: true,
                 wasm_plugin_like,
+                admin_target: None,
             };
             render(&shipped(), &patch).unwrap()
         };

@@ -46,9 +46,9 @@ pub struct EnvoyOptions {
     /// Load kvroute the way Istio's `WasmPlugin` does: without `allow_on_headers_stop_iteration`
     /// (which it has no field for), without a `vm_id`, named `<namespace>.<name>`.
     pub wasm_plugin_like: bool,
-    /// Sends kvroute's admin poll (the `kvroute_admin` cluster) here instead of to Envoy's admin,
-    /// e.g. to a [`Gate`](crate::gate::Gate) that forwards to [`Envoy::admin_url`] until told to fail.
-    pub admin_cluster_via: Option<SocketAddr>,
+    /// Where the `kvroute_admin` cluster points instead of Envoy's own admin: a fake admin, or a
+    /// [`Gate`](crate::gate::Gate) that forwards to [`Envoy::admin_url`] until told to fail.
+    pub admin_target: Option<SocketAddr>,
 }
 
 impl Default for EnvoyOptions {
@@ -65,7 +65,7 @@ impl Default for EnvoyOptions {
             ready_timeout: Duration::from_secs(60),
             log_level: "warn".into(),
             wasm_plugin_like: false,
-            admin_cluster_via: None,
+            admin_target: None,
         }
     }
 }
@@ -102,13 +102,34 @@ impl Envoy {
                 health_check_interval: opts.health_check_interval,
                 active_health_checks: opts.active_health_checks,
                 wasm_plugin_like: opts.wasm_plugin_like,
+                admin_target: opts.admin_target,
             },
         )?;
-        let yaml = match opts.admin_cluster_via {
-            Some(addr) => bootstrap::redirect_admin_cluster(&yaml, addr)?,
-            None => yaml,
-        };
         let dir = temp_dir()?;
+        Envoy::spawn(&envoy_bin, yaml, [admin_port, listener_port], dir, &opts).await
+    }
+
+    /// Starts Envoy from a bootstrap the caller builds: `bootstrap(admin_port, listener_port, dir)`
+    /// returns the YAML and may write files it refers to into `dir` (Envoy's temp dir). With
+    /// `wait_healthy`, waits for `opts.backends` in the `inference_pool` cluster, as [`Envoy::start`].
+    pub async fn start_with(
+        bootstrap: impl FnOnce(u16, u16, &std::path::Path) -> Result<String, HarnessError>,
+        opts: EnvoyOptions,
+    ) -> Result<Envoy, HarnessError> {
+        let envoy_bin = paths::envoy_bin()?;
+        let [admin_port, listener_port] = free_ports()?;
+        let dir = temp_dir()?;
+        let yaml = bootstrap(admin_port, listener_port, &dir)?;
+        Envoy::spawn(&envoy_bin, yaml, [admin_port, listener_port], dir, &opts).await
+    }
+
+    async fn spawn(
+        envoy_bin: &std::path::Path,
+        yaml: String,
+        [admin_port, listener_port]: [u16; 2],
+        dir: PathBuf,
+        opts: &EnvoyOptions,
+    ) -> Result<Envoy, HarnessError> {
         let config = dir.join("envoy.yaml");
         std::fs::write(&config, yaml)?;
         let log = std::fs::File::create(dir.join("envoy.log"))?;
@@ -132,7 +153,7 @@ impl Envoy {
             listener_port,
             client,
         };
-        envoy.wait_ready(&opts).await?;
+        envoy.wait_ready(opts).await?;
         Ok(envoy)
     }
 

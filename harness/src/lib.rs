@@ -24,6 +24,7 @@ pub mod bootstrap;
 mod envoy;
 mod error;
 pub mod gate;
+pub mod mesh;
 pub mod paths;
 
 pub use envoy::{Envoy, EnvoyOptions, Lb};

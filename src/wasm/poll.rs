@@ -63,9 +63,12 @@ impl Poller {
         self.engines.clear();
         let config = &shared.router.config;
         let timeout = Duration::from_millis(config.stats_interval_ms.max(1000));
+        let keep =
+            endpoints::Keep::only(&config.clusters, config.engine_metrics_cluster.as_deref());
+        let path = endpoints::admin_clusters_path(keep);
         let headers = vec![
             (":method", "GET"),
-            (":path", "/clusters?format=json"),
+            (":path", path.as_str()),
             (":authority", admin_cluster),
         ];
         match hostcalls::dispatch_http_call(admin_cluster, headers, None, vec![], timeout) {
@@ -213,7 +216,12 @@ fn admin_response(
     status: Option<String>,
 ) -> Option<Snapshot> {
     let parsed = match body {
-        Some(body) => endpoints::parse_admin_clusters(&body),
+        Some(body) => {
+            let config = &shared.router.config;
+            let keep =
+                endpoints::Keep::only(&config.clusters, config.engine_metrics_cluster.as_deref());
+            endpoints::parse_admin_clusters(&body, keep)
+        }
         None => Err(format!("admin answered status {status:?}")),
     };
     let snapshot = match parsed {
