@@ -10,6 +10,8 @@ ENVOY_VERSION := 1.40.0
 # Where the harness, tests and benchmark find the real Envoy and the built filter.
 export ENVOY_BIN := $(abspath $(ENVOY))
 export KVROUTE_WASM := $(abspath $(WASM))
+# The floor for the overhead benchmark: a filter that pauses for the body, reads it, nothing else.
+export KVROUTE_FLOOR_WASM := $(abspath target/wasm32-wasip1/release/floor_filter.wasm)
 export KVROUTE_SIM := $(abspath target/release/kvroute-sim)
 # Unit tests compiled to wasm run under wasmtime (installed into the venv from PyPI).
 export CARGO_TARGET_WASM32_WASIP1_RUNNER := $(abspath $(VENV))/bin/python $(abspath tools/wasi-run.py)
@@ -21,7 +23,7 @@ all: build
 build: wasm bins
 
 wasm: .work/wasm-target
-	$(CARGO) build --release --target wasm32-wasip1 -p kvroute
+	$(CARGO) build --release --target wasm32-wasip1 -p kvroute -p floor-filter
 
 bins:
 	$(CARGO) build --release --workspace --bins

@@ -93,16 +93,25 @@ fn patch_filters(listener: &mut Value, patch: &Patch) -> Result<(), HarnessError
         .iter()
         .position(|f| f.get("name").and_then(Value::as_str) == Some(WASM_FILTER))
         .ok_or_else(|| cfg(format!("no {WASM_FILTER} http filter")))?;
-    let Lb::Kvroute { plugin_config } = patch.lb else {
-        filters.remove(wasm_at);
-        return Ok(());
+    let plugin_config = match patch.lb {
+        Lb::Kvroute { plugin_config } => plugin_config,
+        Lb::Floor => &Json::Object(Default::default()),
+        _ => {
+            filters.remove(wasm_at);
+            return Ok(());
+        }
     };
     let config = get_mut(&mut filters[wasm_at], &["typed_config", "config"])?;
     let wasm = patch
         .wasm
-        .ok_or_else(|| cfg("Lb::Kvroute needs a wasm path".into()))?;
+        .ok_or_else(|| cfg("the wasm filter needs a wasm path".into()))?;
     let local = get_mut(config, &["vm_config", "code", "local"])?;
     map_mut(local)?.insert("filename".into(), wasm.display().to_string().into());
+    if let Lb::Floor = patch.lb {
+        // Same filter slot and VM settings as kvroute's; the floor reads no configuration.
+        map_mut(get_mut(config, &["vm_config"])?)?.insert("vm_id".into(), "floor".into());
+        return Ok(());
+    }
     let value = get_mut(config, &["configuration", "value"])?;
     let shipped = value
         .as_str()
@@ -161,7 +170,7 @@ fn patch_pool(cluster: &mut Value, patch: &Patch) -> Result<(), HarnessError> {
     }
     let plain = match patch.lb {
         Lb::Kvroute { .. } => return Ok(()),
-        Lb::RoundRobin => ("round_robin", "round_robin.v3.RoundRobin"),
+        Lb::RoundRobin | Lb::Floor => ("round_robin", "round_robin.v3.RoundRobin"),
         Lb::LeastRequest => ("least_request", "least_request.v3.LeastRequest"),
         Lb::RingHash { .. } => ("ring_hash", "ring_hash.v3.RingHash"),
     };
