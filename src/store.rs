@@ -4,7 +4,7 @@
 //! through a version number (`cas`), and never deletes a key. Everything kvroute writes is
 //! therefore a whole value replaced atomically, under a key space bounded by construction.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use hashbrown::HashMap;
 
@@ -34,10 +34,21 @@ pub const CAS_RETRIES: usize = 16;
 pub fn update<S: SharedStore + ?Sized>(
     store: &S,
     key: &str,
+    update: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>,
+) -> Update {
+    update_from(store, key, None, update)
+}
+
+/// [`update`] whose first attempt starts from `read`, a `get` of `key` the caller just made: a
+/// read-modify-write then costs one host call, not two, unless someone wrote in between.
+pub fn update_from<S: SharedStore + ?Sized>(
+    store: &S,
+    key: &str,
+    mut read: Option<(Option<Vec<u8>>, Option<u32>)>,
     mut update: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>,
 ) -> Update {
     for _ in 0..CAS_RETRIES {
-        let (current, cas) = store.get(key);
+        let (current, cas) = read.take().unwrap_or_else(|| store.get(key));
         let Some(next) = update(current.as_deref()) else {
             return Update::Declined;
         };
@@ -64,6 +75,7 @@ pub enum Update {
 #[derive(Default)]
 pub struct MemoryStore {
     map: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+    calls: Cell<u64>,
 }
 
 impl MemoryStore {
@@ -79,10 +91,16 @@ impl MemoryStore {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Gets and sets so far: what each would cost in Envoy is a host call under a host-wide lock.
+    pub fn calls(&self) -> u64 {
+        self.calls.get()
+    }
 }
 
 impl SharedStore for MemoryStore {
     fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        self.calls.set(self.calls.get() + 1);
         match self.map.borrow().get(key) {
             Some((value, cas)) => (Some(value.clone()), Some(*cas)),
             None => (None, None),
@@ -90,6 +108,7 @@ impl SharedStore for MemoryStore {
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        self.calls.set(self.calls.get() + 1);
         let mut map = self.map.borrow_mut();
         match map.get_mut(key) {
             // Like Envoy: a version of 0 (or none) writes unconditionally.
