@@ -57,7 +57,10 @@ impl Metrics {
             m.routed[i] = m.id(MetricType::Counter, &format!("kvroute.routed.{}", d.name()));
         }
         for (i, f) in Fallback::ALL.iter().enumerate() {
-            m.fallback[i] = m.id(MetricType::Counter, &format!("kvroute.fallback.{}", f.name()));
+            m.fallback[i] = m.id(
+                MetricType::Counter,
+                &format!("kvroute.fallback.{}", f.name()),
+            );
         }
         m.match_percent = m.id(MetricType::Histogram, "kvroute.match_percent");
         m.slots_used = m.id(MetricType::Gauge, "kvroute.affinity.slots_used");

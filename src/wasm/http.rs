@@ -234,6 +234,15 @@ pub(super) fn route_from_headers(shared: &RefCell<Shared>) {
     shared.borrow_mut().metrics.fallback(Fallback::NoBodyAccess);
 }
 
+/// Traps the VM when `path` is the configured `unsafe_trap_path_for_tests` (tests of Envoy's
+/// failure policy; unset in production, where nothing reaches the panic).
+fn trap_for_tests(shared: &RefCell<Shared>, path: Option<&str>) {
+    let s = shared.borrow();
+    if path.is_some() && s.router.config.unsafe_trap_path_for_tests.as_deref() == path {
+        panic!("kvroute: trapping on purpose (unsafe_trap_path_for_tests)");
+    }
+}
+
 /// Envoy's `response.flags` (legacy bit set), 0 when unavailable.
 fn response_flags() -> u64 {
     hostcalls::get_property(vec!["response", "flags"])
@@ -301,6 +310,16 @@ impl HttpContext for Stream {
         // looking when the header map could not be read.)
         if routing || headers.is_empty() {
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, None);
+        }
+        let trap = self
+            .shared
+            .borrow()
+            .router
+            .config
+            .unsafe_trap_path_for_tests
+            .is_some();
+        if trap {
+            trap_for_tests(&self.shared, path);
         }
         let api = match router::routable(method.unwrap_or_default(), path.unwrap_or_default()) {
             Err(reason) => return self.fallback(reason),
