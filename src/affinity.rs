@@ -298,6 +298,19 @@ mod tests {
     }
 
     #[test]
+    fn a_slot_of_another_format_version_is_ignored_not_misread() {
+        let store = MemoryStore::new();
+        let map = AffinityMap::new(&store, 8);
+        map.record(&[3], 9, 1);
+        let (mut value, _) = store.get(&map.slot_key(3));
+        let value = value.as_mut().unwrap();
+        value[0] = VERSION + 1;
+        store.set(&map.slot_key(3), value, None).unwrap();
+        assert!(map.get(3).is_none());
+        assert!(decode(value).is_empty());
+    }
+
+    #[test]
     fn records_round_trip() {
         let records = vec![
             Record {

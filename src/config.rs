@@ -262,6 +262,20 @@ fn endpoints(field: &str, v: &Value) -> Result<Vec<String>, ConfigError> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_test_trap_is_off_unless_configured_and_never_shipped() {
+        assert_eq!(Config::default().unsafe_trap_path_for_tests, None);
+        for shipped in [
+            include_str!("../envoy/kvroute.yaml"),
+            include_str!("../istio/kvroute-gateway.yaml"),
+        ] {
+            assert!(!shipped.contains("unsafe_trap"));
+        }
+        let c = Config::parse(br#"{"unsafe_trap_path_for_tests":"/trap"}"#).unwrap();
+        assert_eq!(c.unsafe_trap_path_for_tests.as_deref(), Some("/trap"));
+        assert!(Config::parse(br#"{"unsafe_trap_path_for_tests":"trap"}"#).is_err());
+    }
+
     use super::*;
 
     #[test]

@@ -25,6 +25,24 @@ pub trait SharedStore {
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
 }
 
+/// Prefixes `body` with its format `version`. Every value kvroute writes starts with one, so a
+/// kvroute of another format sharing the `vm_id` (during an upgrade) ignores it instead of
+/// misreading it.
+pub fn versioned(version: u8, body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(1 + body.len());
+    out.push(version);
+    out.extend_from_slice(body);
+    out
+}
+
+/// The body of a value [`versioned`] with `version`; `None` for any other version.
+pub fn unversioned(version: u8, value: &[u8]) -> Option<&[u8]> {
+    match value.split_first() {
+        Some((&v, body)) if v == version => Some(body),
+        _ => None,
+    }
+}
+
 /// How many times a read-modify-write is retried after losing a race before giving up.
 pub const CAS_RETRIES: usize = 16;
 
@@ -140,6 +158,18 @@ mod tests {
         store.set("k", b"b", cas).unwrap();
         assert_eq!(store.set("k", b"c", cas), Err(StoreError::CasMismatch));
         assert_eq!(store.get("k").0.as_deref(), Some(&b"b"[..]));
+    }
+
+    #[test]
+    fn a_value_of_another_version_reads_as_nothing() {
+        let v = versioned(3, b"body");
+        assert_eq!(unversioned(3, &v), Some(&b"body"[..]));
+        assert_eq!(unversioned(4, &v), None);
+        assert_eq!(unversioned(3, b""), None);
+        assert_eq!(
+            unversioned(b'{', br#"{"old":"json"}"#),
+            Some(&br#""old":"json"}"#[..])
+        );
     }
 
     #[test]

@@ -19,6 +19,10 @@ use crate::store::{self, SharedStore};
 
 const LEASE_KEY: &str = "kvroute.poll_lease";
 const ENGINE_KEY: &str = "kvroute.engine";
+/// Formats of the values under `ENGINE_KEY` (a version byte, then JSON) and `LEASE_KEY` (a
+/// version byte, then the deadline): another version reads as nothing.
+const ENGINE_VERSION: u8 = 1;
+const LEASE_VERSION: u8 = 1;
 
 /// The round of calls this worker has in flight.
 #[derive(Default)]
@@ -157,6 +161,7 @@ fn engine_loads(reports: &HashMap<String, (Metrics, u32)>, snapshot: &Snapshot) 
     let mut loads = EngineLoads::default();
     store::update(&HostStore, ENGINE_KEY, |current| {
         let known: EngineLoads = current
+            .and_then(|v| store::unversioned(ENGINE_VERSION, v))
             .and_then(|v| serde_json::from_slice(v).ok())
             .unwrap_or_default();
         loads = snapshot
@@ -171,7 +176,8 @@ fn engine_loads(reports: &HashMap<String, (Metrics, u32)>, snapshot: &Snapshot) 
                 Some((h.addr.clone(), load))
             })
             .collect();
-        serde_json::to_vec(&loads).ok()
+        let json = serde_json::to_vec(&loads).ok()?;
+        Some(store::versioned(ENGINE_VERSION, &json))
     });
     loads
 }
@@ -181,12 +187,14 @@ pub fn take_lease(now: u64, interval_ms: u64) -> bool {
     let mut taken = false;
     store::update(&HostStore, LEASE_KEY, |current| {
         let deadline = current
+            .and_then(|v| store::unversioned(LEASE_VERSION, v))
             .and_then(|v| v.try_into().ok())
             .map(u64::from_le_bytes)
             .unwrap_or(0);
         taken = now >= deadline;
         // A little under the interval, so tick jitter does not skip every other poll.
-        taken.then(|| (now + interval_ms * 9 / 10).to_le_bytes().to_vec())
+        let next = now + interval_ms * 9 / 10;
+        taken.then(|| store::versioned(LEASE_VERSION, &next.to_le_bytes()))
     });
     taken
 }
