@@ -16,7 +16,7 @@ export KVROUTE_SIM := $(abspath target/release/kvroute-sim)
 # Unit tests compiled to wasm run under wasmtime (installed into the venv from PyPI).
 export CARGO_TARGET_WASM32_WASIP1_RUNNER := $(abspath $(VENV))/bin/python $(abspath tools/wasi-run.py)
 
-.PHONY: all build wasm bins image deps test test-native test-wasm run bench bench-overhead bench-core fmt lint clean
+.PHONY: all build wasm bins image deps test test-native test-wasm run bench bench-overhead bench-core fuzz fmt lint clean
 
 all: build
 
@@ -62,6 +62,16 @@ bench-core: deps
 	$(CARGO) bench -p kvroute --bench route
 	$(CARGO) build --release --target wasm32-wasip1 -p kvroute --no-default-features --example core_cost
 	$(VENV)/bin/python tools/wasi-run.py target/wasm32-wasip1/release/examples/core_cost.wasm
+
+# Property tests (tests/fuzz.rs) over request parsing, prefix keys, the config and shared-data
+# decoding, FUZZ_CASES per property (six properties: over ten million cases); `make test` runs a
+# short pass of the same tests.
+FUZZ_CASES ?= 1700000
+
+fuzz:
+	@mkdir -p .work
+	set -o pipefail; KVROUTE_FUZZ_CASES=$(FUZZ_CASES) $(CARGO) test --release -p kvroute --test fuzz -- --nocapture --test-threads 2 | tee .work/fuzz.log
+	@grep -oE '[0-9]+ cases in' .work/fuzz.log | awk '{ n += $$1 } END { printf "fuzz: %d cases in all, none failed\n", n }'
 
 include bench/bench.mk
 
