@@ -188,6 +188,21 @@ pub async fn overhead(
         load_after.map_or("?".into(), |l| format!("{l:.2}")),
     );
     print_ratios(&rows);
+    for t in &targets {
+        if let Some(envoy) = &t.envoy {
+            let stats = envoy
+                .stats("cluster.inference_pool.upstream_")
+                .await
+                .map_err(|e| e.to_string())?;
+            let get = |s: &str| stats.get(&format!("cluster.inference_pool.{s}")).copied();
+            if let (Some(cx), Some(rq)) = (get("upstream_cx_total"), get("upstream_rq_total")) {
+                println!(
+                    "{}: {rq} upstream requests on {cx} upstream connections",
+                    t.name
+                );
+            }
+        }
+    }
     if let Some(kvroute) = targets.iter().find(|t| t.name == "kvroute") {
         if let Some(envoy) = &kvroute.envoy {
             let routed = envoy
