@@ -290,6 +290,21 @@ mod tests {
     }
 
     #[test]
+    fn the_floor_is_the_same_filter_slot_and_failure_policy_in_front_of_round_robin() {
+        let text = serde_yaml::to_string(&render_with(&Lb::Floor)).unwrap();
+        for needle in [
+            "filename: /x/kvroute.wasm",
+            "vm_id: floor",
+            "allow_on_headers_stop_iteration: true",
+            "failure_policy: FAIL_RELOAD",
+            "round_robin.v3.RoundRobin",
+        ] {
+            assert!(text.contains(needle), "{needle} missing from:\n{text}");
+        }
+        assert!(!text.contains("override_host"));
+    }
+
+    #[test]
     fn kvroute_render_keeps_shipped_plugin_config_and_patches_the_rest() {
         let text = serde_yaml::to_string(&render_with(&Lb::Kvroute {
             plugin_config: serde_json::json!({ "debug_header": true }),
