@@ -10,6 +10,8 @@ ENVOY_VERSION := 1.40.0
 # Where the harness, tests and benchmark find the real Envoy and the built filter.
 export ENVOY_BIN := $(abspath $(ENVOY))
 export KVROUTE_WASM := $(abspath $(WASM))
+# The floor for the overhead benchmark: a filter that pauses for the body, reads it, nothing else.
+export KVROUTE_FLOOR_WASM := $(abspath target/wasm32-wasip1/release/floor_filter.wasm)
 export KVROUTE_SIM := $(abspath target/release/kvroute-sim)
 # Istio's CRD schemas (PyPI cloudcoil-models-istio), for tools/istio-validate.py in tests/manifests.rs.
 ISTIO_VENV := .work/istio-venv
@@ -17,14 +19,14 @@ export KVROUTE_ISTIO_PYTHON := $(abspath $(ISTIO_VENV))/bin/python
 # Unit tests compiled to wasm run under wasmtime (installed into the venv from PyPI).
 export CARGO_TARGET_WASM32_WASIP1_RUNNER := $(abspath $(VENV))/bin/python $(abspath tools/wasi-run.py)
 
-.PHONY: all build wasm bins image deps istio-deps test test-native test-wasm run bench bench-overhead bench-core fmt lint clean
+.PHONY: all build wasm bins image deps istio-deps test test-native test-wasm run bench bench-overhead bench-core fuzz fmt lint clean
 
 all: build
 
 build: wasm bins
 
 wasm: .work/wasm-target
-	$(CARGO) build --release --target wasm32-wasip1 -p kvroute
+	$(CARGO) build --release --target wasm32-wasip1 -p kvroute -p floor-filter
 
 bins:
 	$(CARGO) build --release --workspace --bins
@@ -75,6 +77,16 @@ bench-core: deps
 	$(CARGO) bench -p kvroute --bench route
 	$(CARGO) build --release --target wasm32-wasip1 -p kvroute --no-default-features --example core_cost
 	$(VENV)/bin/python tools/wasi-run.py target/wasm32-wasip1/release/examples/core_cost.wasm
+
+# Property tests (tests/fuzz.rs) over request parsing, prefix keys, the config and shared-data
+# decoding, FUZZ_CASES per property (six properties: over ten million cases); `make test` runs a
+# short pass of the same tests.
+FUZZ_CASES ?= 1700000
+
+fuzz:
+	@mkdir -p .work
+	set -o pipefail; KVROUTE_FUZZ_CASES=$(FUZZ_CASES) $(CARGO) test --release -p kvroute --test fuzz -- --nocapture --test-threads 2 | tee .work/fuzz.log
+	@grep -oE '[0-9]+ cases in' .work/fuzz.log | awk '{ n += $$1 } END { printf "fuzz: %d cases in all, none failed\n", n }'
 
 include bench/bench.mk
 

@@ -2,7 +2,8 @@
 #   make run    the demo: kvroute vs round robin on an embedded small fleet (1-2 minutes)
 #   make bench  the llm-d-shaped comparison across every router, prints the table
 #               (results.json, results.md, ttft.svg in $(BENCH_OUT))
-#   make bench-overhead  latency and throughput kvroute adds to Envoy (kvroute-bench overhead)
+#   make bench-overhead  CPU and latency kvroute adds, next to plain Envoy, the floor filter, smg
+#               and vllm-router (kvroute-bench overhead; the rows in $(BENCH_OUT)/overhead.json)
 #   make peers  installs the peer routers (smg, vllm-router), each in its own venv
 .PHONY: run bench peers bench-all bench-overhead
 
@@ -25,8 +26,9 @@ run: deps build
 bench: deps build peers
 	$(BENCH) compare --fleet $(BENCH_FLEET) --workload $(BENCH_WORKLOAD) --routers $(BENCH_ROUTERS) --out $(BENCH_OUT)
 
-bench-overhead: deps build
-	$(BENCH) overhead
+bench-overhead: deps build peers
+	@mkdir -p $(BENCH_OUT)
+	$(BENCH) overhead --json $(BENCH_OUT)/overhead.json
 
 # Every default workload in turn (takes much longer than `make bench`).
 bench-all: deps build peers

@@ -1,10 +1,14 @@
 //! CPU cost of the routing core per request, natively (the filter runs the same code in V8, plus
-//! host calls): parse, prefix keys and a full cache-aware route, for 1 KB and 24 KB prompts.
+//! host calls): parse, prefix keys and a full cache-aware route, for 1 KB and 24 KB prompts, on
+//! the common path (a known group) and the costly ones: a new group, a conversation seen for the
+//! first time (every key of its history written), and one whose record has gone stale. Each route
+//! also reports its shared-data calls (each a host call under a host-wide lock in Envoy).
 //! `cargo bench -p kvroute --bench route`; Envoy-level overhead is `make bench-overhead`.
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
 use kvroute::config::Config;
 use kvroute::endpoints::Host;
+use kvroute::policy::cache_aware::REFRESH_MS;
 use kvroute::prefix::{PrefixKeys, Shape};
 use kvroute::request::{self, Api};
 use kvroute::router::{self, RequestInfo, Router};
@@ -15,6 +19,29 @@ fn body(prompt_bytes: usize, question: usize) -> String {
     format!(
         r#"{{"model":"Qwen/Qwen3-32B","stream":true,"messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"question number {question}"}}]}}"#
     )
+}
+
+/// A conversation's next turn: a short system prompt, then about `history_bytes` of earlier turns.
+fn follow_up(history_bytes: usize, conversation: u64) -> String {
+    let answer = format!("Answer of conversation {conversation}. ").repeat(history_bytes / 30);
+    format!(
+        r#"{{"model":"Qwen/Qwen3-32B","messages":[{{"role":"system","content":"Be brief."}},{{"role":"user","content":"q1"}},{{"role":"assistant","content":"{answer}"}},{{"role":"user","content":"q2"}}]}}"#
+    )
+}
+
+/// Routes `body` and ends the request; the shared-data calls it made.
+fn route_once(router: &Router, store: &MemoryStore, hosts: &[Host], body: &str, now: u64) -> u64 {
+    let before = store.calls();
+    let req = RequestInfo {
+        api: Api::Chat,
+        body: body.as_bytes(),
+        session: None,
+        request_id: None,
+    };
+    if let Ok(r) = router.route(store, hosts, &req, now) {
+        router::finish(store, r.endpoint_id);
+    }
+    store.calls() - before
 }
 
 fn bench(c: &mut Criterion) {
@@ -61,6 +88,59 @@ fn bench(c: &mut Criterion) {
                     }
                 })
             },
+        );
+        // A group never seen: its first request records the group and its question.
+        let mut group = 0u64;
+        c.bench_with_input(BenchmarkId::new("route_new_group", size), &size, |bench, &size| {
+            bench.iter_batched(
+                || {
+                    group += 1;
+                    let system = format!("Assistant {group}. ").repeat(size / 16);
+                    format!(
+                        r#"{{"model":"m","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"q"}}]}}"#
+                    )
+                },
+                |b| route_once(&router, &store, &hosts, &b, 1),
+                BatchSize::SmallInput,
+            )
+        });
+        // A conversation seen for the first time: every key of its history is new.
+        let mut conversation = 0u64;
+        c.bench_with_input(
+            BenchmarkId::new("route_new_history", size),
+            &size,
+            |bench, &size| {
+                bench.iter_batched(
+                    || {
+                        conversation += 1;
+                        follow_up(size, conversation)
+                    },
+                    |b| route_once(&router, &store, &hosts, &b, 1),
+                    BatchSize::SmallInput,
+                )
+            },
+        );
+        // A conversation whose record is stale every time it is followed.
+        let stale_body = follow_up(size, u64::MAX);
+        let mut now = 0;
+        c.bench_with_input(
+            BenchmarkId::new("route_stale_history", size),
+            &stale_body,
+            |bench, b| {
+                bench.iter(|| {
+                    now += 2 * REFRESH_MS;
+                    route_once(&router, &store, &hosts, b, now)
+                })
+            },
+        );
+        let calls = |body: &str, now| route_once(&router, &store, &hosts, body, now);
+        let (first, stale) = (follow_up(size, 1 << 40), 10 * REFRESH_MS);
+        println!(
+            "shared-data calls per request at {size} B: known group {}, new group {}, new history {}, stale history {}",
+            calls(&body(size, 1), 1),
+            calls(&body(size, 1).replace("careful", "fresh"), 1),
+            calls(&first, 1),
+            calls(&first, stale),
         );
     }
 }

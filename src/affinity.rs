@@ -6,9 +6,11 @@
 //! least-recently used one of its slot. At most `capacity` keys are ever written, whatever the
 //! traffic. Writes are whole-value compare-and-swap, so a lost race loses an update, never a record.
 //!
-//! Chained keys make presence monotone (a request that wrote key i also wrote keys 0..i), so the
-//! longest held prefix is found by binary search: about log2(chunks) reads per request.
-
+//! Each shared-data call takes a host-wide lock, so a request touches few keys: it records only
+//! the keys past what it found (a conversation's new turn), and finds the longest held prefix by
+//! galloping back from its last key (the newest keys of a conversation are the ones its next turn
+//! finds), then bisecting: about 2·log2(new chunks) reads. Older keys of a conversation are never
+//! refreshed and age out of their slots first, which a search from the end does not mind.
 use crate::store::{self, SharedStore, Update};
 
 /// Records per slot.
@@ -59,28 +61,45 @@ impl<'s, S: SharedStore + ?Sized> AffinityMap<'s, S> {
     /// The record for `key`, if its slot still holds it.
     pub fn get(&self, key: u64) -> Option<Record> {
         let (value, _) = self.store.get(&self.slot_key(key));
-        decode(value.as_deref()?).into_iter().find(|r| r.key == key)
+        find(value.as_deref()?, key)
     }
 
-    /// The longest run of leading `keys` present in the map.
-    pub fn longest_match(&self, keys: &[u64]) -> Option<Match> {
-        let (mut lo, mut hi) = (0usize, keys.len());
-        let mut best = None;
-        while lo < hi {
-            let mid = lo + (hi - lo).div_ceil(2);
-            match self.get(keys[mid - 1]) {
-                Some(record) => {
-                    lo = mid;
-                    best = Some(record);
-                }
-                None => hi = mid - 1,
+    /// The deepest of `keys[from..]` present in the map, as the number of leading keys it stands
+    /// for (chained keys: the key of chunk i implies the whole prefix up to it). Probes the last
+    /// key, then 2, 4, 8, ... back from it, then bisects between the deepest hit and the
+    /// shallowest miss above it.
+    pub fn longest_match(&self, keys: &[u64], from: usize) -> Option<Match> {
+        let n = keys.len();
+        if from >= n {
+            return None;
+        }
+        let (mut miss, mut step) = (n, 1usize);
+        let (mut lo, mut best) = loop {
+            let i = n.saturating_sub(step).max(from);
+            if let Some(record) = self.get(keys[i]) {
+                break (i, record);
+            }
+            if i == from {
+                return None;
+            }
+            miss = i;
+            step = step.saturating_mul(2);
+        };
+        while miss - lo > 1 {
+            let mid = lo + (miss - lo) / 2;
+            match self.get(keys[mid]) {
+                Some(record) => (lo, best) = (mid, record),
+                None => miss = mid,
             }
         }
-        best.map(|record| Match { depth: lo, record })
+        Some(Match {
+            depth: lo + 1,
+            record: best,
+        })
     }
 
-    /// Records that `endpoint` now holds the prefixes `keys` (all of them, which keeps presence
-    /// monotone), stamped `now_ms`. Returns how many slots this created (slots ever written).
+    /// Records that `endpoint` now holds the prefixes `keys`, stamped `now_ms`. Returns how many
+    /// slots this created (slots ever written).
     pub fn record(&self, keys: &[u64], endpoint: u32, now_ms: u64) -> usize {
         keys.iter()
             .filter(|&&key| self.upsert(key, endpoint, now_ms) == Update::Created)
@@ -157,6 +176,21 @@ fn encode(records: &[Record]) -> Vec<u8> {
     out
 }
 
+/// The record of `key` in a slot, decoding nothing else.
+fn find(bytes: &[u8], key: u64) -> Option<Record> {
+    let Some((&VERSION, body)) = bytes.split_first() else {
+        return None;
+    };
+    if body.len() % RECORD_LEN != 0 || body.len() / RECORD_LEN > WAYS {
+        return None;
+    }
+    let wanted = key.to_le_bytes();
+    let at = body
+        .chunks_exact(RECORD_LEN)
+        .position(|r| r[..8] == wanted)?;
+    decode_record(&body[at * RECORD_LEN..(at + 1) * RECORD_LEN])
+}
+
 /// Decodes a slot; anything malformed (another version, a torn value) reads as an empty slot.
 fn decode(bytes: &[u8]) -> Vec<Record> {
     let Some((&VERSION, body)) = bytes.split_first() else {
@@ -166,24 +200,26 @@ fn decode(bytes: &[u8]) -> Vec<Record> {
         return Vec::new();
     }
     body.chunks_exact(RECORD_LEN)
-        .filter_map(|r| {
-            let u64_at = |i: usize| r.get(i..i + 8)?.try_into().ok().map(u64::from_le_bytes);
-            let count = usize::from(r[16]).min(MAX_HOLDERS);
-            let holders = (0..count)
-                .map(|i| {
-                    r.get(17 + 4 * i..21 + 4 * i)?
-                        .try_into()
-                        .ok()
-                        .map(u32::from_le_bytes)
-                })
-                .collect::<Option<Vec<u32>>>()?;
-            Some(Record {
-                key: u64_at(0)?,
-                stamp_ms: u64_at(8)?,
-                holders,
-            })
-        })
+        .filter_map(decode_record)
         .collect()
+}
+
+fn decode_record(r: &[u8]) -> Option<Record> {
+    let u64_at = |i: usize| r.get(i..i + 8)?.try_into().ok().map(u64::from_le_bytes);
+    let count = usize::from(*r.get(16)?).min(MAX_HOLDERS);
+    let holders = (0..count)
+        .map(|i| {
+            r.get(17 + 4 * i..21 + 4 * i)?
+                .try_into()
+                .ok()
+                .map(u32::from_le_bytes)
+        })
+        .collect::<Option<Vec<u32>>>()?;
+    Some(Record {
+        key: u64_at(0)?,
+        stamp_ms: u64_at(8)?,
+        holders,
+    })
 }
 
 #[cfg(test)]
@@ -196,13 +232,46 @@ mod tests {
         let store = MemoryStore::new();
         let map = AffinityMap::new(&store, 1024);
         map.record(&[1, 2, 3, 4, 5], 7, 100);
-        let m = map.longest_match(&[1, 2, 3, 9, 9, 9, 9]).unwrap();
+        let m = map.longest_match(&[1, 2, 3, 9, 9, 9, 9], 0).unwrap();
         assert_eq!(m.depth, 3);
         assert_eq!(m.record.holders, vec![7]);
-        let full = map.longest_match(&[1, 2, 3, 4, 5]).unwrap();
+        let full = map.longest_match(&[1, 2, 3, 4, 5], 0).unwrap();
         assert_eq!(full.depth, 5);
-        assert!(map.longest_match(&[8, 12, 13]).is_none());
-        assert!(map.longest_match(&[]).is_none());
+        assert!(map.longest_match(&[8, 12, 13], 0).is_none());
+        assert!(map.longest_match(&[], 0).is_none());
+        assert!(
+            map.longest_match(&[1, 2, 3, 9], 3).is_none(),
+            "only keys from `from` on are looked at"
+        );
+        assert_eq!(map.longest_match(&[1, 2, 3, 4, 9], 2).unwrap().depth, 4);
+    }
+
+    /// A store that counts reads.
+    struct Counting(MemoryStore, std::cell::Cell<usize>);
+
+    impl SharedStore for Counting {
+        fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+            self.1.set(self.1.get() + 1);
+            self.0.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), store::StoreError> {
+            self.0.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn a_new_turn_finds_the_last_one_in_a_few_reads_even_if_older_keys_aged_out() {
+        let store = Counting(MemoryStore::new(), Default::default());
+        let map = AffinityMap::new(&store, 1 << 16);
+        let turn1: Vec<u64> = (1..=200).collect();
+        // Only the second half is still held: the first turns' keys were evicted.
+        map.record(&turn1[100..], 4, 1);
+        let mut turn2 = turn1.clone();
+        turn2.extend(1000..1003);
+        store.1.set(0);
+        let m = map.longest_match(&turn2, 10).unwrap();
+        assert_eq!((m.depth, m.record.holders.clone()), (200, vec![4]));
+        assert!(store.1.get() <= 5, "{} reads", store.1.get());
     }
 
     #[test]
@@ -262,8 +331,21 @@ mod tests {
         assert_eq!(map.get(1).unwrap().holders, vec![7, 8]);
         assert_eq!(map.get(2).unwrap().holders, vec![8]);
         assert!(map.get(3).is_none() && map.get(4).is_none());
-        assert_eq!(map.longest_match(&[1, 2, 3, 4]).unwrap().depth, 2);
+        assert_eq!(map.longest_match(&[1, 2, 3, 4], 0).unwrap().depth, 2);
         assert_eq!(map.forget(&[3, 9], 7), 0, "nothing left to forget");
+    }
+
+    #[test]
+    fn a_slot_of_another_format_version_is_ignored_not_misread() {
+        let store = MemoryStore::new();
+        let map = AffinityMap::new(&store, 8);
+        map.record(&[3], 9, 1);
+        let (mut value, _) = store.get(&map.slot_key(3));
+        let value = value.as_mut().unwrap();
+        value[0] = VERSION + 1;
+        store.set(&map.slot_key(3), value, None).unwrap();
+        assert!(map.get(3).is_none());
+        assert!(decode(value).is_empty());
     }
 
     #[test]

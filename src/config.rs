@@ -70,6 +70,10 @@ pub struct Config {
     pub debug_header: bool,
     /// Extra endpoints listed after the chosen one, for Envoy retries (`fallback_endpoints`).
     pub fallback_endpoints: usize,
+    /// For tests of Envoy's failure policy only, never in production: a request to exactly this
+    /// path makes the filter trap (panic), failing its VM (`unsafe_trap_path_for_tests`). Unset
+    /// by default, and then nothing a client sends can make kvroute trap on purpose.
+    pub unsafe_trap_path_for_tests: Option<String>,
 }
 
 impl Default for Config {
@@ -94,6 +98,7 @@ impl Default for Config {
             affinity_capacity: 16384,
             debug_header: false,
             fallback_endpoints: 1,
+            unsafe_trap_path_for_tests: None,
         }
     }
 }
@@ -183,6 +188,13 @@ impl Config {
                     c.debug_header = v.as_bool().ok_or_else(|| err(f, "must be true or false"))?
                 }
                 "fallback_endpoints" => c.fallback_endpoints = int(f, v, 0, 8)? as usize,
+                "unsafe_trap_path_for_tests" => {
+                    let path = string(f, v)?;
+                    if !path.starts_with('/') {
+                        return Err(err(f, format!("{path:?} must start with '/'")));
+                    }
+                    c.unsafe_trap_path_for_tests = Some(path.to_string());
+                }
                 _ => return Err(err(f, "unknown field")),
             }
         }
@@ -268,6 +280,21 @@ fn endpoints(field: &str, v: &Value) -> Result<Vec<String>, ConfigError> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_test_trap_is_off_unless_configured_and_never_shipped() {
+        assert_eq!(Config::default().unsafe_trap_path_for_tests, None);
+        for shipped in [
+            include_str!("../envoy/kvroute.yaml"),
+            include_str!("../istio/body-routing/kvroute-ecds.yaml"),
+            include_str!("../istio/header-routing/kvroute-wasmplugin.yaml"),
+        ] {
+            assert!(!shipped.contains("unsafe_trap"));
+        }
+        let c = Config::parse(br#"{"unsafe_trap_path_for_tests":"/trap"}"#).unwrap();
+        assert_eq!(c.unsafe_trap_path_for_tests.as_deref(), Some("/trap"));
+        assert!(Config::parse(br#"{"unsafe_trap_path_for_tests":"trap"}"#).is_err());
+    }
+
     use super::*;
 
     #[test]

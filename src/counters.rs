@@ -35,16 +35,44 @@ impl Table {
 
 /// Every endpoint's current counts.
 pub fn read<S: SharedStore + ?Sized>(store: &S) -> Table {
-    Table {
-        counts: store.get(KEY).0.map(|v| decode(&v)).unwrap_or_default(),
-    }
+    read_for_update(store).0
+}
+
+/// The table as read, kept for a following [`add_after`].
+pub struct Read(Option<Vec<u8>>, Option<u32>);
+
+/// Every endpoint's current counts, and the read itself: an [`add_after`] that follows needs no
+/// second read unless another request wrote the table in between.
+pub fn read_for_update<S: SharedStore + ?Sized>(store: &S) -> (Table, Read) {
+    let (value, cas) = store.get(KEY);
+    let counts = value.as_deref().map(decode).unwrap_or_default();
+    (Table { counts }, Read(value, cas))
+}
+
+/// [`add`], starting from `read`.
+pub fn add_after<S: SharedStore + ?Sized>(
+    store: &S,
+    read: Read,
+    id: u32,
+    delta: i64,
+) -> Option<u32> {
+    add_from(store, Some((read.0, read.1)), id, delta)
 }
 
 /// Adds `delta` to endpoint `id`'s in-flight count (never going below zero) and returns the new
 /// count, or `None` if the update lost too many races.
 pub fn add<S: SharedStore + ?Sized>(store: &S, id: u32, delta: i64) -> Option<u32> {
+    add_from(store, None, id, delta)
+}
+
+fn add_from<S: SharedStore + ?Sized>(
+    store: &S,
+    read: Option<(Option<Vec<u8>>, Option<u32>)>,
+    id: u32,
+    delta: i64,
+) -> Option<u32> {
     let mut result = None;
-    let outcome = store::update(store, KEY, |current| {
+    let outcome = store::update_from(store, KEY, read, |current| {
         let mut counts = current.map(decode).unwrap_or_default();
         result = Some(apply(&mut counts, id, delta));
         Some(encode(&counts))
@@ -184,5 +212,20 @@ mod tests {
         old[0] = 1;
         assert!(decode(&old).is_empty());
         assert!(decode(&[]).is_empty());
+    }
+
+    #[test]
+    fn an_add_after_a_read_costs_one_call_unless_the_table_moved() {
+        let store = MemoryStore::new();
+        add(&store, 1, 1);
+        let (table, fresh) = read_for_update(&store);
+        assert_eq!(table.inflight(1), 1);
+        let before = store.calls();
+        assert_eq!(add_after(&store, fresh, 1, 1), Some(2));
+        assert_eq!(store.calls() - before, 1, "the set only");
+        let (_, stale) = read_for_update(&store);
+        add(&store, 2, 1); // another request wrote in between
+        assert_eq!(add_after(&store, stale, 1, 1), Some(3));
+        assert_eq!(read(&store).inflight(2), 1, "the other write is kept");
     }
 }

@@ -317,13 +317,18 @@ pub fn apply_engine_loads(snapshot: &mut Snapshot, loads: &EngineLoads) {
     }
 }
 
+/// Format of the snapshot in shared data: a version byte, then JSON.
+const SNAPSHOT_VERSION: u8 = 1;
+
 /// Serialises a snapshot for shared data (addresses and numbers only).
 pub fn encode_snapshot(snapshot: &Snapshot) -> Vec<u8> {
-    serde_json::to_vec(snapshot).unwrap_or_default()
+    let json = serde_json::to_vec(snapshot).unwrap_or_default();
+    crate::store::versioned(SNAPSHOT_VERSION, &json)
 }
 
+/// The snapshot [`encode_snapshot`] wrote; `None` for another version or a damaged value.
 pub fn decode_snapshot(bytes: &[u8]) -> Option<Snapshot> {
-    serde_json::from_slice(bytes).ok()
+    serde_json::from_slice(crate::store::unversioned(SNAPSHOT_VERSION, bytes)?).ok()
 }
 
 #[cfg(test)]
@@ -437,7 +442,16 @@ mod tests {
     #[test]
     fn snapshots_round_trip_and_garbage_is_an_error() {
         let s = parse_admin_clusters(ADMIN.as_bytes(), Keep::ALL).unwrap();
-        assert_eq!(decode_snapshot(&encode_snapshot(&s)), Some(s));
+        assert_eq!(decode_snapshot(&encode_snapshot(&s)), Some(s.clone()));
+        let mut other = encode_snapshot(&s);
+        other[0] = SNAPSHOT_VERSION + 1;
+        assert_eq!(decode_snapshot(&other), None, "another version is ignored");
+        let unversioned = serde_json::to_vec(&s).unwrap();
+        assert_eq!(
+            decode_snapshot(&unversioned),
+            None,
+            "so is the old bare JSON"
+        );
         assert!(parse_admin_clusters(b"<html>", Keep::ALL).is_err());
         assert!(parse_admin_clusters(b"{}", Keep::ALL).is_err());
     }

@@ -94,7 +94,8 @@ impl RoundLease {
             return false;
         }
         let outcome = store::update(store, key, |value| {
-            (read_round(value) == current).then(|| (current + 1).to_le_bytes().to_vec())
+            (read_round(value) == current)
+                .then(|| store::versioned(ROUND_VERSION, &(current + 1).to_le_bytes()))
         });
         let taken = matches!(outcome, Update::Created | Update::Written);
         if taken {
@@ -104,8 +105,12 @@ impl RoundLease {
     }
 }
 
+/// Format of the round's value (a version byte, then the round): another version reads as none.
+const ROUND_VERSION: u8 = 1;
+
 fn read_round(value: Option<&[u8]>) -> u64 {
     value
+        .and_then(|v| store::unversioned(ROUND_VERSION, v))
         .and_then(|v| v.try_into().ok())
         .map_or(0, u64::from_le_bytes)
 }

@@ -28,6 +28,9 @@ pub struct PrefixKeys {
     /// earlier turns, which only the endpoints that served them hold. All the keys when the
     /// request has no earlier turns (what follows its head is new).
     pub head_chunks: usize,
+    /// The first key whose chunk reaches past the head: from here on the keys are the request's
+    /// own (its question, its conversation), which its later turns look for.
+    pub tail_from: usize,
 }
 
 impl PrefixKeys {
@@ -49,11 +52,13 @@ impl PrefixKeys {
             true => head.div_ceil(chunk_size),
             false => keys.len(),
         };
+        let tail_from = (head / chunk_size).min(keys.len());
         PrefixKeys {
             model,
             keys,
             group,
             head_chunks,
+            tail_from,
         }
     }
 }
@@ -150,6 +155,7 @@ mod tests {
         assert_eq!(k.model, 0xf090_4807_418c_57fc_u64, "{:#x}", k.model);
         assert_eq!(k.group, xxh3_64_with_seed(b"hello", k.model));
         assert_eq!(k.head_chunks, 2, "the head's 5 bytes touch chunks 0 and 1");
+        assert_eq!(k.tail_from, 1, "chunk 1 reaches past the head");
         let single = PrefixKeys::new("m", "hello world", 5, false, shape(4, 8));
         assert_eq!(
             single.head_chunks, 3,

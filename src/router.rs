@@ -163,7 +163,8 @@ impl Router {
             prompt.history,
             shape,
         );
-        let candidates = candidates(&counters::read(store), hosts);
+        let (table, read) = counters::read_for_update(store);
+        let candidates = candidates(&table, hosts);
         if candidates.is_empty() {
             return Err(Fallback::NoHealthyEndpoint);
         }
@@ -182,7 +183,7 @@ impl Router {
             .pick(&candidates, &input)
             .ok_or(Fallback::NoSession)?;
         let chosen = &candidates[pick.index];
-        let inflight = counters::add(store, chosen.id, 1).unwrap_or(0);
+        let inflight = counters::add_after(store, read, chosen.id, 1).unwrap_or(0);
         let slots_created = self.policy.routed(&candidates, &input, &pick);
         let match_fraction = pick
             .matched
@@ -288,6 +289,7 @@ mod tests {
     use super::*;
     use crate::config::PolicyKind;
     use crate::engine::{EngineLoad, Metrics};
+    use crate::policy::cache_aware::REFRESH_MS;
     use crate::store::MemoryStore;
 
     fn hosts(n: usize) -> Vec<Host> {
@@ -324,6 +326,43 @@ mod tests {
         router.route(store, hosts, &req, 1)
     }
 
+    #[test]
+    fn a_request_costs_a_handful_of_shared_data_calls_whatever_its_prefix() {
+        let (r, store, hosts) = (router(PolicyKind::CacheAware), MemoryStore::new(), hosts(4));
+        let long = "A long system prompt, about 24 KB of it. ".repeat(600);
+        let at = |body: &str, now: u64| {
+            let before = store.calls();
+            let req = RequestInfo {
+                api: Api::Chat,
+                body: body.as_bytes(),
+                session: None,
+                request_id: None,
+            };
+            let routed = r.route(&store, &hosts, &req, now).unwrap();
+            (store.calls() - before, routed)
+        };
+        let (new_group, _) = at(&chat(&long, "first question"), 1);
+        assert!(new_group <= 8, "a new prefix: {new_group} calls");
+        let (known, _) = at(&chat(&long, "second question"), 2);
+        assert!(known <= 6, "a known group: {known} calls");
+        // A conversation whose 24 KB of history was served a while ago (its record is stale).
+        let history = "An earlier answer, long enough to span many chunks. ".repeat(480);
+        let turn = |user: &str| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"system","content":"s"}},{{"role":"user","content":"q1"}},{{"role":"assistant","content":"{history}"}},{{"role":"user","content":"{user}"}}]}}"#
+            )
+        };
+        let (first, routed) = at(&turn("q2"), 10);
+        assert!(
+            first <= 120,
+            "first sight of a 24 KB history: {first} calls"
+        );
+        let (stale, again) = at(&turn("q2, asked again"), 10 + 10 * REFRESH_MS);
+        assert_eq!(again.decision, Decision::Affinity);
+        assert_eq!(again.endpoints[0], routed.endpoints[0]);
+        assert!(stale <= 16, "following a stale record: {stale} calls");
+    }
+
     fn system(group: usize) -> String {
         format!("You are assistant {group}. ").repeat(100)
     }
@@ -343,7 +382,7 @@ mod tests {
             let next = next.unwrap();
             finish(&store, next.endpoint_id);
             assert_eq!(next.endpoints[0], first.endpoints[0]);
-            assert!(next.match_fraction.unwrap() >= 0.75);
+            assert_eq!(next.match_fraction, None, "a first turn looks nothing up");
         }
     }
 

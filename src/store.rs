@@ -4,7 +4,7 @@
 //! through a version number (`cas`), and never deletes a key. Everything kvroute writes is
 //! therefore a whole value replaced atomically, under a key space bounded by construction.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use hashbrown::HashMap;
 
@@ -25,6 +25,24 @@ pub trait SharedStore {
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
 }
 
+/// Prefixes `body` with its format `version`. Every value kvroute writes starts with one, so a
+/// kvroute of another format sharing the `vm_id` (during an upgrade) ignores it instead of
+/// misreading it.
+pub fn versioned(version: u8, body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(1 + body.len());
+    out.push(version);
+    out.extend_from_slice(body);
+    out
+}
+
+/// The body of a value [`versioned`] with `version`; `None` for any other version.
+pub fn unversioned(version: u8, value: &[u8]) -> Option<&[u8]> {
+    match value.split_first() {
+        Some((&v, body)) if v == version => Some(body),
+        _ => None,
+    }
+}
+
 /// How many times a read-modify-write is retried after losing a race before giving up.
 pub const CAS_RETRIES: usize = 16;
 
@@ -34,10 +52,21 @@ pub const CAS_RETRIES: usize = 16;
 pub fn update<S: SharedStore + ?Sized>(
     store: &S,
     key: &str,
+    update: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>,
+) -> Update {
+    update_from(store, key, None, update)
+}
+
+/// [`update`] whose first attempt starts from `read`, a `get` of `key` the caller just made: a
+/// read-modify-write then costs one host call, not two, unless someone wrote in between.
+pub fn update_from<S: SharedStore + ?Sized>(
+    store: &S,
+    key: &str,
+    mut read: Option<(Option<Vec<u8>>, Option<u32>)>,
     mut update: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>,
 ) -> Update {
     for _ in 0..CAS_RETRIES {
-        let (current, cas) = store.get(key);
+        let (current, cas) = read.take().unwrap_or_else(|| store.get(key));
         let Some(next) = update(current.as_deref()) else {
             return Update::Declined;
         };
@@ -64,6 +93,7 @@ pub enum Update {
 #[derive(Default)]
 pub struct MemoryStore {
     map: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+    calls: Cell<u64>,
 }
 
 impl MemoryStore {
@@ -79,10 +109,16 @@ impl MemoryStore {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Gets and sets so far: what each would cost in Envoy is a host call under a host-wide lock.
+    pub fn calls(&self) -> u64 {
+        self.calls.get()
+    }
 }
 
 impl SharedStore for MemoryStore {
     fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        self.calls.set(self.calls.get() + 1);
         match self.map.borrow().get(key) {
             Some((value, cas)) => (Some(value.clone()), Some(*cas)),
             None => (None, None),
@@ -90,6 +126,7 @@ impl SharedStore for MemoryStore {
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        self.calls.set(self.calls.get() + 1);
         let mut map = self.map.borrow_mut();
         match map.get_mut(key) {
             // Like Envoy: a version of 0 (or none) writes unconditionally.
@@ -121,6 +158,18 @@ mod tests {
         store.set("k", b"b", cas).unwrap();
         assert_eq!(store.set("k", b"c", cas), Err(StoreError::CasMismatch));
         assert_eq!(store.get("k").0.as_deref(), Some(&b"b"[..]));
+    }
+
+    #[test]
+    fn a_value_of_another_version_reads_as_nothing() {
+        let v = versioned(3, b"body");
+        assert_eq!(unversioned(3, &v), Some(&b"body"[..]));
+        assert_eq!(unversioned(4, &v), None);
+        assert_eq!(unversioned(3, b""), None);
+        assert_eq!(
+            unversioned(b'{', br#"{"old":"json"}"#),
+            Some(&br#""old":"json"}"#[..])
+        );
     }
 
     #[test]

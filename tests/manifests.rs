@@ -137,7 +137,7 @@ fn the_body_routing_envoy_filter_is_consistent_with_kvroute() {
     let ecds = &istio::patch(&docs, "kvroute", "EXTENSION_CONFIG", "kvroute")["patch"]["value"];
     let plugin = &ecds["typed_config"]["config"];
     assert_eq!(plugin["allow_on_headers_stop_iteration"], Value::from(true));
-    assert_eq!(plugin["failure_policy"], "FAIL_OPEN");
+    assert_eq!(plugin["failure_policy"], "FAIL_RELOAD");
     let json = plugin["configuration"]["value"]
         .as_str()
         .expect("a StringValue");
@@ -178,7 +178,7 @@ fn the_header_routing_wasm_plugin_is_consistent_with_kvroute() {
     let spec = &istio::object(&docs, "WasmPlugin", "kvroute")["spec"];
     assert_eq!(spec["url"], values["image"]);
     assert_eq!(spec["sha256"], values["sha256"]);
-    assert_eq!(spec["failStrategy"], "FAIL_OPEN");
+    assert_eq!(spec["failStrategy"], "FAIL_RELOAD");
     let json = serde_json::to_vec(&spec["pluginConfig"]).expect("pluginConfig as JSON");
     let config = Config::parse(&json).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(config.clusters, vec![pool.clone()]);

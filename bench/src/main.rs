@@ -46,7 +46,8 @@ enum Cmd {
     },
     /// kvroute vs round robin on a small embedded fleet and workload (about a minute).
     Demo,
-    /// Latency and throughput kvroute adds to Envoy, side by side with the same Envoy without it.
+    /// CPU per request and latency kvroute adds, next to plain Envoy, the floor filter, smg and
+    /// vllm-router, all measured in one interleaved run.
     Overhead {
         /// Seconds per measured phase.
         #[arg(long, default_value_t = 10)]
@@ -54,6 +55,10 @@ enum Cmd {
         /// kvroute plugin config laid over the shipped one (JSON object), e.g. '{"policy":"round_robin"}'.
         #[arg(long, default_value = "{}")]
         plugin_config: String,
+        /// Also write the rows (config, prompt_bytes, cpu_us_per_request, added_p50_us,
+        /// added_p99_us, ...) as JSON to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
     },
 }
 
@@ -78,8 +83,9 @@ fn main() {
             Cmd::Overhead {
                 seconds,
                 plugin_config,
+                json,
             } => match serde_json::from_str(&plugin_config) {
-                Ok(config) => overhead::overhead(seconds, config).await,
+                Ok(config) => overhead::overhead(seconds, config, json.as_deref()).await,
                 Err(e) => Err(format!("--plugin-config: {e}")),
             },
         }

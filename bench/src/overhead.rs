@@ -1,32 +1,93 @@
-//! What kvroute costs inside Envoy: latency added over the same Envoy without the filter (p50,
-//! p99) for 1 KB and 24 KB prompts at a steady load, and requests/s with and without it.
+//! What kvroute costs: CPU per request and latency added, for 1 KB and 24 KB prompts, next to
+//! plain Envoy, the floor (a filter that only pauses for the body and reads it), and the peer
+//! routers as a hop (smg, vllm-router).
 //!
-//! Both Envoys run side by side against the same in-process backends, and every client alternates
-//! between them request by request, so machine noise (this box is shared) hits both alike; the
-//! numbers that matter are the differences and ratios, not the absolute values.
+//! Every config runs at once against the same in-process backends, and every client sends each
+//! body to every config in turn (rotating which goes first), so machine noise (this box is shared)
+//! hits all alike; the numbers that matter are differences and ratios, not absolute values.
+//! `floor` and `kvroute` are measured over plain Envoy; `plain`, `smg` and `vllm-router` over going
+//! straight to a backend (the peers are a hop behind the gateway a user already has).
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kvroute_harness::backend::Backend;
 use kvroute_harness::{Envoy, EnvoyOptions, Lb};
+use serde::Serialize;
 use serde_json::json;
 
+use crate::peers::{self, PeerProcess};
 use crate::stats::percentile;
 
 /// Prompt sizes measured, in bytes of prompt text.
 const SIZES: [usize; 2] = [1024, 24 * 1024];
 /// Concurrent clients for the latency runs: a steady load well below saturation.
 const LATENCY_CLIENTS: usize = 4;
-/// Concurrent clients for the throughput runs: enough to saturate a 2-core box.
+/// Concurrent clients for the CPU runs: enough to keep one config busy, so idle work (timers,
+/// health checks) is spread over many requests.
 const THROUGHPUT_CLIENTS: usize = 32;
-/// Prefix groups: requests mostly follow affinity, the common path in production.
+/// Prefix groups: requests mostly go to their group's home, the common path in production.
 const GROUPS: usize = 16;
+/// vllm-router's policy here: its cache-aware one, like smg's.
+const VLLM_ROUTER_POLICY: &str = "cache_aware";
 
-pub async fn overhead(seconds: u64, plugin_config: serde_json::Value) -> Result<(), String> {
+/// The configs measured, in table order.
+const CONFIGS: [&str; 5] = ["plain", "floor", "kvroute", "smg", "vllm-router"];
+
+/// One row of the table (and of `--json`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub config: String,
+    pub prompt_bytes: usize,
+    /// CPU (user + system) of the proxy or router process per request, in µs.
+    pub cpu_us_per_request: Option<f64>,
+    /// p50 and p99 latency over the config's baseline (see the module doc), in µs.
+    pub added_p50_us: Option<f64>,
+    pub added_p99_us: Option<f64>,
+    /// What the added latency is measured over: `plain` (Envoy) or `backend` (direct).
+    pub over: &'static str,
+    pub requests_per_s: Option<f64>,
+    /// Why the config was not measured (a peer that is not installed or did not start).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<String>,
+}
+
+/// A process under test and where to send requests.
+struct Target {
+    name: &'static str,
+    url: String,
+    envoy: Option<Envoy>,
+    peer: Option<PeerProcess>,
+}
+
+impl Target {
+    fn cpu_time(&self) -> Option<Duration> {
+        match (&self.envoy, &self.peer) {
+            (Some(e), _) => e.cpu_time(),
+            (_, Some(p)) => p.cpu_time(),
+            _ => None,
+        }
+    }
+
+    fn over(&self) -> &'static str {
+        match self.name {
+            "floor" | "kvroute" => "plain",
+            _ => "backend",
+        }
+    }
+}
+
+pub async fn overhead(
+    seconds: u64,
+    plugin_config: serde_json::Value,
+    json_out: Option<&Path>,
+) -> Result<(), String> {
+    let load_before = load_average();
     let backends = Backend::start_many(4)
         .await
         .map_err(|e| format!("backends: {e}"))?;
     let addrs: Vec<_> = backends.iter().map(Backend::addr).collect();
+    let workers: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
     let start = |lb: Lb| {
         Envoy::start(EnvoyOptions {
             backends: addrs.clone(),
@@ -34,84 +95,209 @@ pub async fn overhead(seconds: u64, plugin_config: serde_json::Value) -> Result<
             ..EnvoyOptions::default()
         })
     };
-    let plain = start(Lb::RoundRobin).await.map_err(|e| e.to_string())?;
-    let kvroute = start(Lb::Kvroute { plugin_config })
-        .await
-        .map_err(|e| e.to_string())?;
-    let targets = [plain.url(), kvroute.url()];
+    let mut targets = Vec::new();
+    let mut skipped: Vec<(&str, String)> = Vec::new();
+    for (name, lb) in [
+        ("plain", Lb::RoundRobin),
+        ("floor", Lb::Floor),
+        ("kvroute", Lb::Kvroute { plugin_config }),
+    ] {
+        let envoy = start(lb).await.map_err(|e| format!("{name}: {e}"))?;
+        targets.push(Target {
+            name,
+            url: envoy.url(),
+            envoy: Some(envoy),
+            peer: None,
+        });
+    }
+    for name in ["smg", "vllm-router"] {
+        let peer = match name {
+            "smg" => peers::start_smg_on(&workers).await,
+            _ => peers::start_vllm_router_on(VLLM_ROUTER_POLICY, &workers).await,
+        };
+        match peer {
+            Ok(peer) => targets.push(Target {
+                name,
+                url: peer.url.clone(),
+                envoy: None,
+                peer: Some(peer),
+            }),
+            Err(e) => {
+                eprintln!("overhead: {name} skipped: {e}");
+                skipped.push((name, e));
+            }
+        }
+    }
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(THROUGHPUT_CLIENTS)
         .build()
         .map_err(|e| e.to_string())?;
     let phase = Duration::from_secs(seconds.max(1));
+    // Latency targets: the backends directly (index 0), then every config.
+    let mut urls = vec![workers.clone()];
+    urls.extend(targets.iter().map(|t| vec![t.url.clone()]));
 
-    println!("kvroute overhead: Envoy+kvroute vs the same Envoy without it (--concurrency 2), side by side");
-    println!("| prompt | clients | plain p50 | kvroute p50 | added p50 | plain p99 | kvroute p99 | added p99 |");
-    println!("|---|---|---|---|---|---|---|---|");
+    let mut rows = Vec::new();
     for size in SIZES {
         let bodies = bodies(size);
-        warm_up(&client, &targets, &bodies).await?;
-        let lat = latency(&client, &targets, &bodies, phase).await?;
-        let p = |i: usize, q: f64| percentile(&lat[i], q).unwrap_or(f64::NAN);
-        println!(
-            "| {} KB | {LATENCY_CLIENTS} | {:.0} µs | {:.0} µs | {:+.0} µs | {:.0} µs | {:.0} µs | {:+.0} µs |",
-            size / 1024,
-            p(0, 0.5),
-            p(1, 0.5),
-            p(1, 0.5) - p(0, 0.5),
-            p(0, 0.99),
-            p(1, 0.99),
-            p(1, 0.99) - p(0, 0.99),
-        );
+        warm_up(&client, &urls, &bodies).await?;
+        let lat = latency(&client, &urls, &bodies, phase).await?;
+        let p = |i: usize, q: f64| percentile(&lat[i], q);
+        let (rates, cpu) = cpu_per_request(&client, &targets, &bodies, phase).await?;
+        for (i, t) in targets.iter().enumerate() {
+            let base = match t.over() {
+                "plain" => 1,
+                _ => 0,
+            };
+            let added = |q: f64| Some(p(i + 1, q)? - p(base, q)?);
+            rows.push(Row {
+                config: t.name.to_string(),
+                prompt_bytes: size,
+                cpu_us_per_request: cpu[i],
+                added_p50_us: added(0.5),
+                added_p99_us: added(0.99),
+                over: t.over(),
+                requests_per_s: Some(rates[i]),
+                skipped: None,
+            });
+        }
+        for (name, why) in &skipped {
+            rows.push(Row {
+                config: name.to_string(),
+                prompt_bytes: size,
+                cpu_us_per_request: None,
+                added_p50_us: None,
+                added_p99_us: None,
+                over: "backend",
+                requests_per_s: None,
+                skipped: Some(why.clone()),
+            });
+        }
     }
-    println!();
-    println!("| prompt | clients | plain req/s | kvroute req/s | kvroute / plain | plain Envoy CPU/req | kvroute Envoy CPU/req |");
-    println!("|---|---|---|---|---|---|---|");
-    let envoys = [&plain, &kvroute];
-    for size in SIZES {
-        let bodies = bodies(size);
-        // ABAB, so a slow spell of the shared machine does not land on one side only.
-        let (mut rates, mut cpu, mut requests) = ([0.0f64; 2], [0.0f64; 2], [0.0f64; 2]);
-        for order in [[0, 1], [1, 0]] {
-            for i in order {
-                let before = envoys[i].cpu_time().unwrap_or_default();
-                let (rate, done) = throughput(&client, &targets[i], &bodies, phase / 2).await?;
-                let after = envoys[i].cpu_time().unwrap_or_default();
-                rates[i] += rate / 2.0;
-                cpu[i] += (after - before).as_secs_f64();
-                requests[i] += done as f64;
+    rows.sort_by_key(|r| {
+        let at = CONFIGS.iter().position(|c| *c == r.config);
+        (r.prompt_bytes, at)
+    });
+    let load_after = load_average();
+
+    print_table(&rows);
+    println!(
+        "\nmachine: {} cores, load average (1 min) {} before, {} after",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        load_before.map_or("?".into(), |l| format!("{l:.2}")),
+        load_after.map_or("?".into(), |l| format!("{l:.2}")),
+    );
+    print_ratios(&rows);
+    for t in &targets {
+        if let Some(envoy) = &t.envoy {
+            let stats = envoy
+                .stats("cluster.inference_pool.upstream_")
+                .await
+                .map_err(|e| e.to_string())?;
+            let get = |s: &str| stats.get(&format!("cluster.inference_pool.{s}")).copied();
+            if let (Some(cx), Some(rq)) = (get("upstream_cx_total"), get("upstream_rq_total")) {
+                println!(
+                    "{}: {rq} upstream requests on {cx} upstream connections",
+                    t.name
+                );
             }
         }
-        let per_req = |i: usize| cpu[i] / requests[i].max(1.0) * 1e6;
-        println!(
-            "| {} KB | {THROUGHPUT_CLIENTS} | {:.0} | {:.0} | {:.2} | {:.0} µs | {:.0} µs |",
-            size / 1024,
-            rates[0],
-            rates[1],
-            rates[1] / rates[0],
-            per_req(0),
-            per_req(1),
-        );
     }
-    let routed = kvroute
-        .stats("kvroute.routed.")
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut routed: Vec<_> = routed.into_iter().filter(|(_, v)| *v > 0).collect();
-    routed.sort();
-    println!("\nkvroute decisions during the run: {routed:?}");
+    if let Some(kvroute) = targets.iter().find(|t| t.name == "kvroute") {
+        if let Some(envoy) = &kvroute.envoy {
+            let routed = envoy
+                .stats("kvroute.routed.")
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut routed: Vec<_> = routed.into_iter().filter(|(_, v)| *v > 0).collect();
+            routed.sort();
+            println!("kvroute decisions during the run: {routed:?}");
+        }
+    }
+    if let Some(path) = json_out {
+        let doc = json!({
+            "seconds_per_phase": seconds,
+            "latency_clients": LATENCY_CLIENTS,
+            "throughput_clients": THROUGHPUT_CLIENTS,
+            "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
+            "load_average_1m": { "before": load_before, "after": load_after },
+            "rows": rows,
+        });
+        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+        std::fs::write(path, text + "\n").map_err(|e| format!("{}: {e}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
     Ok(())
 }
 
+fn print_table(rows: &[Row]) {
+    let us = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.0} µs"));
+    let added = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:+.0} µs"));
+    println!(
+        "| config | prompt | CPU/request | added p50 | added p99 | over | req/s (32 clients) |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for r in rows {
+        let rate = match (&r.skipped, r.requests_per_s) {
+            (Some(why), _) => format!("skipped: {}", why.chars().take(60).collect::<String>()),
+            (None, Some(rate)) => format!("{rate:.0}"),
+            (None, None) => "–".into(),
+        };
+        println!(
+            "| {} | {} KB | {} | {} | {} | {} | {} |",
+            r.config,
+            r.prompt_bytes / 1024,
+            us(r.cpu_us_per_request),
+            added(r.added_p50_us),
+            added(r.added_p99_us),
+            r.over,
+            rate,
+        );
+    }
+}
+
+/// The two numbers the overhead target is stated in: kvroute's CPU over the floor's, and its
+/// added p50 as a share of smg's hop.
+fn print_ratios(rows: &[Row]) {
+    for size in SIZES {
+        let get = |config: &str| {
+            rows.iter()
+                .find(|r| r.config == config && r.prompt_bytes == size)
+        };
+        let (Some(kv), Some(floor)) = (get("kvroute"), get("floor")) else {
+            continue;
+        };
+        let mut line = format!("{} KB:", size / 1024);
+        if let (Some(a), Some(b)) = (kv.cpu_us_per_request, floor.cpu_us_per_request) {
+            line += &format!(" kvroute CPU/request − floor's = {:+.0} µs;", a - b);
+        }
+        if let (Some(a), Some(b)) = (kv.added_p50_us, get("smg").and_then(|s| s.added_p50_us)) {
+            line += &format!(" kvroute added p50 / smg's hop = {:.2}", a / b);
+        }
+        println!("{line}");
+    }
+}
+
+/// The 1-minute load average, from `/proc/loadavg` (Linux only).
+fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
 /// `GROUPS` × 8 chat bodies of about `size` bytes: a shared system prompt per group and a short
-/// question, as OpenAI clients send them.
+/// question, as OpenAI clients send them. The model is the one the test backends list (the
+/// peers route only to workers serving the requested model).
 fn bodies(size: usize) -> Vec<String> {
     (0..GROUPS * 8)
         .map(|i| {
             let group = i % GROUPS;
             let system = format!("Group {group} system prompt. ").repeat(size / 24);
             json!({
-                "model": "Qwen/Qwen3-32B",
+                "model": "test",
                 "max_tokens": 16,
                 "messages": [
                     {"role": "system", "content": system},
@@ -131,7 +317,7 @@ async fn send(client: &reqwest::Client, base: &str, body: &str) -> Result<Durati
         .body(body.to_string())
         .send()
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| format!("{base}: {e}"))?;
     let status = resp.status();
     resp.bytes().await.map_err(|e| e.to_string())?;
     if !status.is_success() {
@@ -140,39 +326,46 @@ async fn send(client: &reqwest::Client, base: &str, body: &str) -> Result<Durati
     Ok(t.elapsed())
 }
 
+/// Where request `n` to target `urls` goes: the backends directly take turns.
+fn pick(urls: &[String], n: usize) -> &str {
+    &urls[n % urls.len()]
+}
+
 async fn warm_up(
     client: &reqwest::Client,
-    targets: &[String],
+    targets: &[Vec<String>],
     bodies: &[String],
 ) -> Result<(), String> {
-    for body in bodies {
+    for (n, body) in bodies.iter().enumerate() {
         for t in targets {
-            send(client, t, body).await?;
+            send(client, pick(t, n), body).await?;
         }
     }
     Ok(())
 }
 
-/// Per-target latencies (µs): each client alternates plain, kvroute, plain, ...
+/// Per-target latencies (µs): each client sends one body to every target in turn, starting at a
+/// different target each time so none always sees a warmer connection.
 async fn latency(
     client: &reqwest::Client,
-    targets: &[String; 2],
+    targets: &[Vec<String>],
     bodies: &[String],
     phase: Duration,
-) -> Result<[Vec<f64>; 2], String> {
+) -> Result<Vec<Vec<f64>>, String> {
     let deadline = Instant::now() + phase;
+    let k = targets.len();
     let tasks: Vec<_> = (0..LATENCY_CLIENTS)
         .map(|c| {
-            let (client, targets, bodies) = (client.clone(), targets.clone(), bodies.to_vec());
+            let (client, targets, bodies) = (client.clone(), targets.to_vec(), bodies.to_vec());
             tokio::spawn(async move {
-                let mut out = [Vec::new(), Vec::new()];
+                let mut out = vec![Vec::new(); k];
                 let mut n = c;
                 while Instant::now() < deadline {
                     let body = &bodies[n % bodies.len()];
-                    // Alternate which side goes first, so neither always sees a warmer connection.
-                    for k in 0..2 {
-                        let i = (n + k) % 2;
-                        out[i].push(send(&client, &targets[i], body).await?.as_secs_f64() * 1e6);
+                    for j in 0..k {
+                        let i = (n + j) % k;
+                        let took = send(&client, pick(&targets[i], n), body).await?;
+                        out[i].push(took.as_secs_f64() * 1e6);
                     }
                     n += LATENCY_CLIENTS;
                 }
@@ -180,13 +373,46 @@ async fn latency(
             })
         })
         .collect();
-    let mut all = [Vec::new(), Vec::new()];
+    let mut all = vec![Vec::new(); k];
     for t in tasks {
-        let [a, b] = t.await.map_err(|e| e.to_string())??;
-        all[0].extend(a);
-        all[1].extend(b);
+        let out = t.await.map_err(|e| e.to_string())??;
+        for (i, samples) in out.into_iter().enumerate() {
+            all[i].extend(samples);
+        }
     }
     Ok(all)
+}
+
+/// Requests/s and CPU µs per request of each target under `THROUGHPUT_CLIENTS` clients. Each
+/// target runs two half phases, in forward then reverse order, so a slow spell of the shared
+/// machine does not land on one config only.
+async fn cpu_per_request(
+    client: &reqwest::Client,
+    targets: &[Target],
+    bodies: &[String],
+    phase: Duration,
+) -> Result<(Vec<f64>, Vec<Option<f64>>), String> {
+    let k = targets.len();
+    let (mut rates, mut cpu, mut requests) = (vec![0.0; k], vec![Some(0.0); k], vec![0.0; k]);
+    let forward: Vec<usize> = (0..k).collect();
+    let backward: Vec<usize> = (0..k).rev().collect();
+    for order in [forward, backward] {
+        for i in order {
+            let before = targets[i].cpu_time();
+            let (rate, done) = throughput(client, &targets[i].url, bodies, phase / 2).await?;
+            let after = targets[i].cpu_time();
+            rates[i] += rate / 2.0;
+            cpu[i] = match (cpu[i], before, after) {
+                (Some(sum), Some(b), Some(a)) => Some(sum + (a - b).as_secs_f64()),
+                _ => None,
+            };
+            requests[i] += done as f64;
+        }
+    }
+    let per_req = (0..k)
+        .map(|i| cpu[i].map(|c| c / f64::max(requests[i], 1.0) * 1e6))
+        .collect();
+    Ok((rates, per_req))
 }
 
 /// Requests per second through `base` with `THROUGHPUT_CLIENTS` clients in a closed loop, and the

@@ -36,6 +36,12 @@ impl Drop for PeerProcess {
 
 /// `smg` (SGLang Model Gateway) with `--policy cache_aware`.
 pub async fn start_smg(fleet: &SimFleet) -> Result<PeerProcess, String> {
+    let workers: Vec<String> = fleet.replicas.iter().map(|r| r.url.clone()).collect();
+    start_smg_on(&workers).await
+}
+
+/// `smg --policy cache_aware` in front of `workers` (base URLs).
+pub async fn start_smg_on(workers: &[String]) -> Result<PeerProcess, String> {
     let venv = venv("smg")?;
     let [port, metrics_port] = free_ports()?;
     let mut cmd = Command::new(venv.join("bin/python"));
@@ -62,8 +68,7 @@ pub async fn start_smg(fleet: &SimFleet) -> Result<PeerProcess, String> {
         "--log-level",
         "warn",
     ]);
-    cmd.arg("--worker-urls")
-        .args(fleet.replicas.iter().map(|r| r.url.as_str()));
+    cmd.arg("--worker-urls").args(workers);
     spawn("smg", cmd, port).await
 }
 
@@ -73,6 +78,38 @@ pub async fn start_vllm_router(
     fleet: &SimFleet,
     fleet_spec: &serde_json::Value,
 ) -> Result<PeerProcess, String> {
+    let workers: Vec<String> = fleet.replicas.iter().map(|r| r.url.clone()).collect();
+    let (mut cmd, port) = vllm_router_command(policy, &workers)?;
+    if policy == "kv_aware" {
+        let block = fleet_spec["block_size"]
+            .as_u64()
+            .unwrap_or(DEFAULT_BLOCK_SIZE);
+        cmd.args([
+            "--kv-event-block-size",
+            &block.to_string(),
+            "--kv-event-model",
+            &fleet.model,
+        ]);
+        for r in &fleet.replicas {
+            let events = r
+                .kv_events
+                .as_deref()
+                .ok_or("the sim announced no kv_events endpoint")?;
+            cmd.arg("--kv-event-source")
+                .arg(format!("{}={events}", r.url));
+        }
+    }
+    spawn("vllm-router", cmd, port).await
+}
+
+/// `vllm-router --policy <policy>` in front of `workers` (base URLs), for policies that need
+/// nothing else (not `kv_aware`).
+pub async fn start_vllm_router_on(policy: &str, workers: &[String]) -> Result<PeerProcess, String> {
+    let (cmd, port) = vllm_router_command(policy, workers)?;
+    spawn("vllm-router", cmd, port).await
+}
+
+fn vllm_router_command(policy: &str, workers: &[String]) -> Result<(Command, u16), String> {
     let venv = venv("vllm-router")?;
     let [port, metrics_port] = free_ports()?;
     let mut cmd = Command::new(venv.join("bin/vllm-router"));
@@ -96,28 +133,8 @@ pub async fn start_vllm_router(
         "--log-level",
         "warning",
     ]);
-    cmd.arg("--worker-urls")
-        .args(fleet.replicas.iter().map(|r| r.url.as_str()));
-    if policy == "kv_aware" {
-        let block = fleet_spec["block_size"]
-            .as_u64()
-            .unwrap_or(DEFAULT_BLOCK_SIZE);
-        cmd.args([
-            "--kv-event-block-size",
-            &block.to_string(),
-            "--kv-event-model",
-            &fleet.model,
-        ]);
-        for r in &fleet.replicas {
-            let events = r
-                .kv_events
-                .as_deref()
-                .ok_or("the sim announced no kv_events endpoint")?;
-            cmd.arg("--kv-event-source")
-                .arg(format!("{}={events}", r.url));
-        }
-    }
-    spawn("vllm-router", cmd, port).await
+    cmd.arg("--worker-urls").args(workers);
+    Ok((cmd, port))
 }
 
 fn venv(name: &str) -> Result<PathBuf, String> {
@@ -180,6 +197,30 @@ async fn spawn(name: &str, mut cmd: Command, port: u16) -> Result<PeerProcess, S
 }
 
 impl PeerProcess {
+    /// CPU time (user + system) used so far by the peer's process group (its launcher and
+    /// whatever it started), from `/proc` (Linux only).
+    pub fn cpu_time(&self) -> Option<Duration> {
+        let group = self.child.id()?;
+        let mut ticks = 0u64;
+        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            // Fields after the command name, which is parenthesised and may contain spaces.
+            let Some((_, rest)) = stat.rsplit_once(')') else {
+                continue;
+            };
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            if fields.get(2).and_then(|g| g.parse::<u32>().ok()) != Some(group) {
+                continue;
+            }
+            let field = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok());
+            ticks += field(11).unwrap_or(0) + field(12).unwrap_or(0);
+        }
+        // Clock ticks of 1/100 s (USER_HZ) on every common Linux platform.
+        Some(Duration::from_millis(ticks * 10))
+    }
+
     /// What the peer logged, squeezed onto one line for a `skipped` reason: its last error line
     /// if it logged one, else its last three lines.
     pub fn log_tail(&self) -> String {

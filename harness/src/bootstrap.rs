@@ -96,16 +96,25 @@ fn patch_filters(listener: &mut Value, patch: &Patch) -> Result<(), HarnessError
         .iter()
         .position(|f| f.get("name").and_then(Value::as_str) == Some(WASM_FILTER))
         .ok_or_else(|| cfg(format!("no {WASM_FILTER} http filter")))?;
-    let Lb::Kvroute { plugin_config } = patch.lb else {
-        filters.remove(wasm_at);
-        return Ok(());
+    let plugin_config = match patch.lb {
+        Lb::Kvroute { plugin_config } => plugin_config,
+        Lb::Floor => &Json::Object(Default::default()),
+        _ => {
+            filters.remove(wasm_at);
+            return Ok(());
+        }
     };
     let config = get_mut(&mut filters[wasm_at], &["typed_config", "config"])?;
     let wasm = patch
         .wasm
-        .ok_or_else(|| cfg("Lb::Kvroute needs a wasm path".into()))?;
+        .ok_or_else(|| cfg("the wasm filter needs a wasm path".into()))?;
     let local = get_mut(config, &["vm_config", "code", "local"])?;
     map_mut(local)?.insert("filename".into(), wasm.display().to_string().into());
+    if let Lb::Floor = patch.lb {
+        // Same filter slot and VM settings as kvroute's; the floor reads no configuration.
+        map_mut(get_mut(config, &["vm_config"])?)?.insert("vm_id".into(), "floor".into());
+        return Ok(());
+    }
     let value = get_mut(config, &["configuration", "value"])?;
     let shipped = value
         .as_str()
@@ -164,7 +173,7 @@ fn patch_pool(cluster: &mut Value, patch: &Patch) -> Result<(), HarnessError> {
     }
     let plain = match patch.lb {
         Lb::Kvroute { .. } => return Ok(()),
-        Lb::RoundRobin => ("round_robin", "round_robin.v3.RoundRobin"),
+        Lb::RoundRobin | Lb::Floor => ("round_robin", "round_robin.v3.RoundRobin"),
         Lb::LeastRequest => ("least_request", "least_request.v3.LeastRequest"),
         Lb::RingHash { .. } => ("ring_hash", "ring_hash.v3.RingHash"),
     };
@@ -283,6 +292,21 @@ mod tests {
         assert!(!plugin_like.contains("vm_id"));
         assert!(plugin_like.contains("name: llm.kvroute"));
         assert!(plugin_like.contains("root_id: kvroute"));
+    }
+
+    #[test]
+    fn the_floor_is_the_same_filter_slot_and_failure_policy_in_front_of_round_robin() {
+        let text = serde_yaml::to_string(&render_with(&Lb::Floor)).unwrap();
+        for needle in [
+            "filename: /x/kvroute.wasm",
+            "vm_id: floor",
+            "allow_on_headers_stop_iteration: true",
+            "failure_policy: FAIL_RELOAD",
+            "round_robin.v3.RoundRobin",
+        ] {
+            assert!(text.contains(needle), "{needle} missing from:\n{text}");
+        }
+        assert!(!text.contains("override_host"));
     }
 
     #[test]

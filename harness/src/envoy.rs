@@ -22,6 +22,9 @@ pub enum Lb {
     LeastRequest,
     /// No filter; Envoy's `ring_hash` policy, hashing request header `header`.
     RingHash { header: String },
+    /// The floor for kvroute's overhead: `round_robin` behind the floor filter
+    /// (`tools/floor-filter`), which pauses for each request body and reads it, nothing else.
+    Floor,
 }
 
 /// What to start. Build with struct-update syntax over [`EnvoyOptions::default`].
@@ -87,6 +90,7 @@ impl Envoy {
         let envoy_bin = paths::envoy_bin()?;
         let wasm = match opts.lb {
             Lb::Kvroute { .. } => Some(paths::kvroute_wasm()?),
+            Lb::Floor => Some(paths::floor_wasm()?),
             _ => None,
         };
         let [admin_port, listener_port] = free_ports()?;

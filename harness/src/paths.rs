@@ -59,6 +59,22 @@ pub fn kvroute_wasm() -> Result<PathBuf, HarnessError> {
     }
 }
 
+/// The floor filter: `$KVROUTE_FLOOR_WASM`, else
+/// `<workspace>/target/wasm32-wasip1/release/floor_filter.wasm` (built by `make build`).
+pub fn floor_wasm() -> Result<PathBuf, HarnessError> {
+    let p = std::env::var_os("KVROUTE_FLOOR_WASM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/wasm32-wasip1/release/floor_filter.wasm"));
+    if is_file(&p) {
+        Ok(p)
+    } else {
+        Err(HarnessError::Missing(format!(
+            "floor_filter.wasm not found at {}; run `make build`",
+            p.display()
+        )))
+    }
+}
+
 fn is_file(p: &Path) -> bool {
     p.is_file()
 }

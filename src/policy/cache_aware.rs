@@ -31,6 +31,7 @@ use super::load::{first_not_overloaded, least_loaded, mean_load, rendezvous_orde
 use super::{Candidate, Decision, Input, Pick, Policy};
 use crate::affinity::{AffinityMap, Match};
 use crate::groups::{self, Seen};
+use crate::prefix::PrefixKeys;
 use crate::store::SharedStore;
 
 /// A prefix record younger than this is not rewritten when a request follows it: it keeps hot
@@ -119,8 +120,10 @@ impl CacheAware {
 
 impl Policy for CacheAware {
     fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
+        // Only a match past the head counts (see `holder`): a request without earlier turns looks
+        // nothing up, and one with them only at its history.
         let map = AffinityMap::new(input.store, self.capacity);
-        let matched = map.longest_match(&input.keys.keys);
+        let matched = map.longest_match(&input.keys.keys, input.keys.head_chunks);
         let mut order = rendezvous_order(candidates, input.keys.group);
         let home = self.home(candidates, input.keys.group, &order, input.now_ms);
         if let Some(at) = order.iter().position(|&i| i == home) {
@@ -158,7 +161,7 @@ impl Policy for CacheAware {
         }
         drop(view);
         let chosen = candidates[pick.index].id;
-        let from = unchanged_prefix(pick.matched.as_ref(), chosen, input.now_ms);
+        let from = first_to_record(input.keys, pick.matched.as_ref(), chosen, input.now_ms);
         AffinityMap::new(input.store, self.capacity).record(
             &input.keys.keys[from..],
             chosen,
@@ -220,8 +223,16 @@ impl CacheAware {
     }
 }
 
-/// How many leading keys already record `endpoint` freshly, so need no rewrite.
-fn unchanged_prefix(matched: Option<&Match>, endpoint: u32, now_ms: u64) -> usize {
+/// The first key a request routed to `endpoint` records: the keys past its match (new to the
+/// map), and the deepest matched one too when it is stale or lacks `endpoint`, which is what the
+/// next turn finds first. Without a match, every key past the head (the head's place is its
+/// group's home, which needs no record).
+fn first_to_record(
+    keys: &PrefixKeys,
+    matched: Option<&Match>,
+    endpoint: u32,
+    now_ms: u64,
+) -> usize {
     match matched {
         Some(m)
             if m.record.holders.contains(&endpoint)
@@ -229,7 +240,8 @@ fn unchanged_prefix(matched: Option<&Match>, endpoint: u32, now_ms: u64) -> usiz
         {
             m.depth
         }
-        _ => 0,
+        Some(m) => m.depth.saturating_sub(1),
+        None => keys.tail_from,
     }
 }
 
@@ -300,7 +312,10 @@ mod tests {
             (remembered.index, remembered.decision),
             (home, Decision::Home)
         );
-        assert!(remembered.matched.is_some_and(|m| m.depth >= 8));
+        assert!(
+            remembered.matched.is_none(),
+            "a first turn looks nothing up: its place is its group's"
+        );
     }
 
     #[test]
@@ -400,7 +415,8 @@ mod tests {
     fn a_match_covering_too_little_of_the_request_does_not_count_as_affinity() {
         let store = MemoryStore::new();
         let c = candidates(&[0, 0, 0, 0]);
-        let shared = "x".repeat(20);
+        // 6 of 26 chunks in common, past the 4-chunk head: under the 0.3 threshold.
+        let shared = "x".repeat(60);
         route(
             &policy(),
             &c,
@@ -409,7 +425,7 @@ mod tests {
         );
         let other = keys(&format!("{shared}{}", "b".repeat(200)));
         let p = route(&policy(), &c, &other, &store);
-        assert_eq!(p.matched.map(|m| m.depth), Some(2));
+        assert_eq!(p.matched.map(|m| m.depth), Some(6));
         assert_eq!(p.decision, Decision::Home);
     }
 

@@ -2,7 +2,7 @@
 //! One file per policy behind one trait, built once from the config; `cache_aware` is kvroute's,
 //! the rest are baselines to compare it with.
 
-mod cache_aware;
+pub mod cache_aware;
 mod least_request;
 mod load;
 mod prefix_hash;

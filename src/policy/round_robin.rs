@@ -4,6 +4,8 @@ use super::{Candidate, Decision, Input, Pick, Policy};
 use crate::store::{self, SharedStore};
 
 const TICKET_KEY: &str = "kvroute.ticket";
+/// Format of the ticket value: a version byte, then the ticket (u64 little-endian).
+const VERSION: u8 = 1;
 
 pub struct RoundRobin;
 
@@ -19,11 +21,12 @@ fn next_ticket(store: &dyn SharedStore) -> u64 {
     let mut ticket = 0;
     store::update(store, TICKET_KEY, |current| {
         ticket = current
+            .and_then(|v| store::unversioned(VERSION, v))
             .and_then(|v| v.try_into().ok())
             .map(u64::from_le_bytes)
             .unwrap_or(0)
             .wrapping_add(1);
-        Some(ticket.to_le_bytes().to_vec())
+        Some(store::versioned(VERSION, &ticket.to_le_bytes()))
     });
     ticket
 }

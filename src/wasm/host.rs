@@ -6,6 +6,8 @@ use hashbrown::HashMap;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{MetricType, Status};
 
+use crate::policy::Decision;
+use crate::router::Fallback;
 use crate::store::{SharedStore, StoreError};
 
 /// Envoy shared data: one namespace for every worker VM with kvroute's `vm_id`.
@@ -33,13 +35,38 @@ pub fn now_ms() -> u64 {
 }
 
 /// Envoy stats defined through proxy-wasm; Envoy shows them as `wasmcustom.<name>`. Metrics of the
-/// same name are one stat across all worker VMs.
+/// same name are one stat across all worker VMs. The ones a request moves are resolved to ids once,
+/// when the VM is configured (or, for per-endpoint gauges, when an endpoint is first seen): a
+/// request formats no name and hashes none but its endpoint's address.
 #[derive(Default)]
 pub struct Metrics {
     ids: HashMap<String, u32>,
+    routed: [Option<u32>; Decision::ALL.len()],
+    fallback: [Option<u32>; Fallback::ALL.len()],
+    match_percent: Option<u32>,
+    slots_used: Option<u32>,
+    /// The in-flight gauge of each endpoint address seen.
+    inflight: HashMap<String, u32>,
 }
 
 impl Metrics {
+    /// Defines the per-request metrics (counters at zero, so dashboards see them before they move).
+    pub fn new() -> Metrics {
+        let mut m = Metrics::default();
+        for (i, d) in Decision::ALL.iter().enumerate() {
+            m.routed[i] = m.id(MetricType::Counter, &format!("kvroute.routed.{}", d.name()));
+        }
+        for (i, f) in Fallback::ALL.iter().enumerate() {
+            m.fallback[i] = m.id(
+                MetricType::Counter,
+                &format!("kvroute.fallback.{}", f.name()),
+            );
+        }
+        m.match_percent = m.id(MetricType::Histogram, "kvroute.match_percent");
+        m.slots_used = m.id(MetricType::Gauge, "kvroute.affinity.slots_used");
+        m
+    }
+
     fn id(&mut self, kind: MetricType, name: &str) -> Option<u32> {
         if let Some(id) = self.ids.get(name) {
             return Some(*id);
@@ -70,10 +97,49 @@ impl Metrics {
         }
     }
 
-    pub fn histogram(&mut self, name: &str, value: u64) {
-        if let Some(id) = self.id(MetricType::Histogram, name) {
+    /// `kvroute.routed.<decision>`.
+    pub fn routed(&mut self, decision: Decision) {
+        let at = Decision::ALL.iter().position(|d| *d == decision);
+        increment(at.and_then(|i| self.routed[i]), 1);
+    }
+
+    /// `kvroute.fallback.<reason>`.
+    pub fn fallback(&mut self, reason: Fallback) {
+        let at = Fallback::ALL.iter().position(|f| *f == reason);
+        increment(at.and_then(|i| self.fallback[i]), 1);
+    }
+
+    pub fn match_percent(&mut self, percent: u64) {
+        if let Some(id) = self.match_percent {
+            let _ = hostcalls::record_metric(id, percent);
+        }
+    }
+
+    pub fn slots_used(&mut self, created: i64) {
+        increment(self.slots_used, created);
+    }
+
+    /// The gauge mirroring kvroute's in-flight count for endpoint `addr` (see [`inflight_gauge`]).
+    pub fn inflight(&mut self, addr: &str, value: u64) {
+        let id = match self.inflight.get(addr) {
+            Some(id) => Some(*id),
+            None => {
+                let id = self.id(MetricType::Gauge, &inflight_gauge(addr));
+                if let Some(id) = id {
+                    self.inflight.insert(addr.to_string(), id);
+                }
+                id
+            }
+        };
+        if let Some(id) = id {
             let _ = hostcalls::record_metric(id, value);
         }
+    }
+}
+
+fn increment(id: Option<u32>, delta: i64) {
+    if let Some(id) = id {
+        let _ = hostcalls::increment_metric(id, delta);
     }
 }
 

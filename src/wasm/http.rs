@@ -8,9 +8,9 @@ use std::rc::Rc;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
-use proxy_wasm::types::{Action, BufferType, MapType, MetricType};
+use proxy_wasm::types::{Action, BufferType, MapType};
 
-use super::host::{inflight_gauge, now_ms, HostStore, Metrics};
+use super::host::{now_ms, HostStore, Metrics};
 use super::response::{self, response_flags, Response};
 use super::root::Shared;
 use crate::body_access::{self, BodyAccess};
@@ -57,17 +57,9 @@ impl Stream {
             .flatten()
     }
 
-    fn content_length(&self) -> Option<usize> {
-        self.header("content-length")?.trim().parse().ok()
-    }
-
     fn fallback(&mut self, reason: Fallback) -> Action {
-        let reason = reason.name();
-        self.shared
-            .borrow_mut()
-            .metrics
-            .count(&format!("kvroute.fallback.{reason}"));
-        self.outcome = Some(format!("fallback:{reason}"));
+        self.shared.borrow_mut().metrics.fallback(reason);
+        self.outcome = Some(format!("fallback:{}", reason.name()));
         Action::Continue
     }
 
@@ -162,19 +154,15 @@ impl Stream {
             Some(&value),
         );
         let m: &mut Metrics = &mut shared.metrics;
-        m.count(&format!("kvroute.routed.{}", routed.decision.name()));
+        m.routed(routed.decision);
         if let Some(fraction) = routed.match_fraction {
-            m.histogram("kvroute.match_percent", (fraction * 100.0).round() as u64);
+            m.match_percent((fraction * 100.0).round() as u64);
         }
         if routed.slots_created > 0 {
-            m.add(
-                MetricType::Gauge,
-                "kvroute.affinity.slots_used",
-                routed.slots_created as i64,
-            );
+            m.slots_used(routed.slots_created as i64);
         }
         let primary = routed.endpoints.first().cloned().unwrap_or_default();
-        m.gauge(&inflight_gauge(&primary), u64::from(routed.inflight));
+        m.inflight(&primary, u64::from(routed.inflight));
         self.outcome = Some(routed.decision.name().to_string());
         self.routed = Some((routed.endpoint_id, primary));
         Action::Continue
@@ -220,7 +208,7 @@ impl Stream {
             self.shared
                 .borrow_mut()
                 .metrics
-                .gauge(&inflight_gauge(&addr), u64::from(left));
+                .inflight(&addr, u64::from(left));
         }
     }
 }
@@ -252,10 +240,16 @@ pub(super) fn route_from_headers(shared: &RefCell<Shared>) {
             }
         }
     }
-    shared.borrow_mut().metrics.count(&format!(
-        "kvroute.fallback.{}",
-        Fallback::NoBodyAccess.name()
-    ));
+    shared.borrow_mut().metrics.fallback(Fallback::NoBodyAccess);
+}
+
+/// Traps the VM when `path` is the configured `unsafe_trap_path_for_tests` (tests of Envoy's
+/// failure policy; unset in production, where nothing reaches the panic).
+fn trap_for_tests(shared: &RefCell<Shared>, path: Option<&str>) {
+    let s = shared.borrow();
+    if path.is_some() && s.router.config.unsafe_trap_path_for_tests.as_deref() == path {
+        panic!("kvroute: trapping on purpose (unsafe_trap_path_for_tests)");
+    }
 }
 
 /// Which cluster's hosts are the effective stream's candidates: the one its route chose, with a
@@ -270,9 +264,10 @@ fn candidate_cluster(shared: &RefCell<Shared>) -> Option<String> {
     }
 }
 
-/// The upstream cluster of the request's route.
+/// The upstream cluster of the request's route: `xds.cluster_name` on current Envoy (one host
+/// call), the older `cluster_name` only where that is missing.
 fn route_cluster() -> Option<String> {
-    [vec!["cluster_name"], vec!["xds", "cluster_name"]]
+    [vec!["xds", "cluster_name"], vec!["cluster_name"]]
         .into_iter()
         .find_map(|path| hostcalls::get_property(path).ok().flatten())
         .and_then(|b| String::from_utf8(b).ok())
@@ -293,7 +288,6 @@ impl Context for Stream {
 
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
-        // Whatever happens next, a client never chooses the upstream.
         let (header, max_body) = {
             let shared = self.shared.borrow();
             (
@@ -301,16 +295,39 @@ impl HttpContext for Stream {
                 shared.router.config.max_body_bytes,
             )
         };
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, None);
-        let method = self.header(":method").unwrap_or_default();
-        let path = self.header(":path").unwrap_or_default();
-        let api = match router::routable(&method, &path) {
+        // One host call for every header this needs (each call crosses into the VM twice).
+        let headers = hostcalls::get_map(MapType::HttpRequestHeaders).unwrap_or_default();
+        let (mut method, mut path, mut content_length, mut routing) = (None, None, None, false);
+        for (name, value) in &headers {
+            match name.as_str() {
+                ":method" => method = Some(value.as_str()),
+                ":path" => path = Some(value.as_str()),
+                "content-length" => content_length = value.trim().parse::<usize>().ok(),
+                n if n.eq_ignore_ascii_case(&header) => routing = true,
+                _ => {}
+            }
+        }
+        // Whatever happens next, a client never chooses the upstream. (Also removed without
+        // looking when the header map could not be read.)
+        if routing || headers.is_empty() {
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, None);
+        }
+        let trap = self
+            .shared
+            .borrow()
+            .router
+            .config
+            .unsafe_trap_path_for_tests
+            .is_some();
+        if trap {
+            trap_for_tests(&self.shared, path);
+        }
+        let api = match router::routable(method.unwrap_or_default(), path.unwrap_or_default()) {
             Err(reason) => return self.fallback(reason),
             Ok(_) if end_of_stream => return self.fallback(Fallback::EmptyBody),
             Ok(api) => api,
         };
         self.response.want_usage();
-        let content_length = self.content_length();
         if content_length.is_some_and(|n| n > max_body) {
             // Known to be too large: never start buffering it. Once a filter has buffered, Envoy
             // answers 413 instead of applying back-pressure when the body outgrows its buffer.

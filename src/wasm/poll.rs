@@ -20,6 +20,9 @@ use crate::store::{self, SharedStore};
 /// The poll round (see `freshness::RoundLease`); a new name, since the value is a round now.
 pub const LEASE_KEY: &str = "kvroute.poll_round";
 const ENGINE_KEY: &str = "kvroute.engine";
+/// Format of the value under `ENGINE_KEY` (a version byte, then JSON): another version reads as
+/// nothing.
+const ENGINE_VERSION: u8 = 1;
 
 /// The round of calls this worker has in flight.
 #[derive(Default)]
@@ -252,6 +255,7 @@ fn engine_loads(reports: &HashMap<String, (Metrics, u32)>, snapshot: &Snapshot) 
     let mut loads = EngineLoads::default();
     store::update(&HostStore, ENGINE_KEY, |current| {
         let known: EngineLoads = current
+            .and_then(|v| store::unversioned(ENGINE_VERSION, v))
             .and_then(|v| serde_json::from_slice(v).ok())
             .unwrap_or_default();
         loads = snapshot
@@ -267,7 +271,8 @@ fn engine_loads(reports: &HashMap<String, (Metrics, u32)>, snapshot: &Snapshot) 
                 Some((h.addr.clone(), load))
             })
             .collect();
-        serde_json::to_vec(&loads).ok()
+        let json = serde_json::to_vec(&loads).ok()?;
+        Some(store::versioned(ENGINE_VERSION, &json))
     });
     loads
 }

@@ -18,8 +18,7 @@ use crate::body_access::{self, BodyWatch, WATCH_TICK_MS};
 use crate::config::Config;
 use crate::endpoints::{self, Host, Snapshot};
 use crate::freshness::{self, Age, MonoClock, RoundLease};
-use crate::policy::Decision;
-use crate::router::{Fallback, Router};
+use crate::router::Router;
 use crate::store::SharedStore;
 use crate::suspects::{self, Suspects};
 
@@ -301,13 +300,7 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let mut metrics = Metrics::default();
-        for d in Decision::ALL {
-            metrics.define_counter(&format!("kvroute.routed.{}", d.name()));
-        }
-        for reason in Fallback::ALL {
-            metrics.define_counter(&format!("kvroute.fallback.{}", reason.name()));
-        }
+        let mut metrics = Metrics::new();
         for poll in ["stats_poll", "engine_poll"] {
             metrics.define_counter(&format!("kvroute.{poll}.ok"));
             metrics.define_counter(&format!("kvroute.{poll}.failed"));

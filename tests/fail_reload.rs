@@ -1,0 +1,86 @@
+#![cfg(not(target_arch = "wasm32"))]
+//! The shipped failure policy: a kvroute VM that traps is reloaded and routes again, instead of
+//! being left disabled for good (what `FAIL_OPEN` does). The trap is made on purpose through the
+//! test-only `unsafe_trap_path_for_tests` config field, which the shipped config never sets.
+
+mod common;
+
+use common::{ask, debug_config, Fleet};
+use std::time::{Duration, Instant};
+
+const TRAP: &str = "/kvroute-test/trap";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trapped_vm_is_reloaded_and_routes_again() {
+    let mut config = debug_config();
+    config["unsafe_trap_path_for_tests"] = TRAP.into();
+    // One worker, so one VM: after the trap no other worker can answer for it.
+    let fleet = Fleet::kvroute(2, config, |o| o.concurrency = 1).await;
+    let before = fleet.chat(&ask(0, 0)).await;
+    assert_eq!(before.status, 200);
+    assert!(
+        before.decision.is_some(),
+        "routed by kvroute before the trap"
+    );
+
+    let trapped = fleet
+        .client
+        .post(format!("{}{TRAP}", fleet.envoy.url()))
+        .body("{}")
+        .send()
+        .await;
+    // The request that trapped the VM is not served by the filter; what Envoy answers it with
+    // (a local 5xx or a reset) is Envoy's business.
+    if let Ok(reply) = &trapped {
+        assert!(!reply.status().is_success(), "{:?}", reply.status());
+    }
+    wait_for_log(&fleet, "trapping on purpose").await;
+
+    // Envoy reloads the VM on a later request once the shipped backoff (from 0.1 s) allows; until
+    // then it answers 503. Wait for a request that kvroute routes again.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut i = 1;
+    let routed = loop {
+        let reply = fleet
+            .client
+            .post(format!("{}/v1/chat/completions", fleet.envoy.url()))
+            .header("content-type", "application/json")
+            .body(ask(0, i).to_string())
+            .send()
+            .await;
+        i += 1;
+        if let Ok(reply) = reply {
+            let decided = reply.headers().contains_key("x-kvroute-decision");
+            if reply.status().is_success() && decided {
+                break true;
+            }
+        }
+        if Instant::now() > deadline {
+            break false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        routed,
+        "kvroute never routed again after its VM trapped:\n{}",
+        fleet.envoy.log_tail()
+    );
+    // The reloaded VM rediscovers the endpoints and routes on.
+    fleet.wait_endpoints_known(2).await;
+    let after = fleet.chat(&ask(1, 0)).await;
+    assert_eq!(after.status, 200);
+    assert!(after.decision.is_some());
+}
+
+/// Waits until Envoy's log shows `needle` (the trap's panic message).
+async fn wait_for_log(fleet: &Fleet, needle: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !fleet.envoy.log().contains(needle) {
+        assert!(
+            Instant::now() < deadline,
+            "no {needle:?} in Envoy's log:\n{}",
+            fleet.envoy.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
