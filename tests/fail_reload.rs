@@ -5,7 +5,8 @@
 
 mod common;
 
-use common::{ask, debug_config, Fleet};
+use common::{ask, chat_body, debug_config, inflight_gauges, kv_stat, system_prompt, Fleet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const TRAP: &str = "/kvroute-test/trap";
@@ -70,6 +71,72 @@ async fn a_trapped_vm_is_reloaded_and_routes_again() {
     let after = fleet.chat(&ask(1, 0)).await;
     assert_eq!(after.status, 200);
     assert!(after.decision.is_some());
+}
+
+/// Streams in flight when a VM traps are never settled by it (shared data outlives the VM, the
+/// reloaded VM never saw them): their counts are left behind, and the poll's correction against
+/// Envoy's `rq_active` is what removes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counts_a_trapped_vm_left_behind_are_corrected_against_rq_active() {
+    let mut config = debug_config();
+    config["unsafe_trap_path_for_tests"] = TRAP.into();
+    let fleet = Arc::new(Fleet::kvroute(2, config, |o| o.concurrency = 1).await);
+    fleet.wait_endpoints_known(2).await;
+    for b in &fleet.backends {
+        b.set_delay(Duration::from_secs(3));
+    }
+    let slow: Vec<_> = (0..4)
+        .map(|i| {
+            let fleet = fleet.clone();
+            tokio::spawn(async move {
+                let body = chat_body(&system_prompt(i), &format!("slow {i}"), false);
+                fleet.chat(&body).await
+            })
+        })
+        .collect();
+    let counted = async {
+        loop {
+            if inflight_gauges(&fleet).await.values().sum::<u64>() == 4 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), counted)
+        .await
+        .expect("the four slow requests were never all counted in flight");
+
+    let _ = fleet
+        .client
+        .post(format!("{}{TRAP}", fleet.envoy.url()))
+        .body("{}")
+        .send()
+        .await;
+    wait_for_log(&fleet, "trapping on purpose").await;
+    for request in slow {
+        // What becomes of a stream whose filter VM died is Envoy's business; that it ends is ours.
+        let _ = request.await;
+    }
+    for b in &fleet.backends {
+        b.set_delay(Duration::ZERO);
+    }
+    // Requests reload the VM; once it polls again, Envoy has nothing in flight, and the counts the
+    // dead VM left are lowered (three polls in a row must show them above `rq_active`).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut i = 0;
+    while kv_stat(&fleet, "inflight_corrected").await == 0 {
+        let _ = fleet.chat(&ask(9, i)).await;
+        i += 1;
+        assert!(
+            Instant::now() < deadline,
+            "the counts the trapped VM left were never corrected: {:?}\n{}",
+            inflight_gauges(&fleet).await,
+            fleet.envoy.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let left: u64 = inflight_gauges(&fleet).await.values().sum();
+    assert!(left < 4, "gauges still show all four: {left}");
 }
 
 /// Waits until Envoy's log shows `needle` (the trap's panic message).

@@ -370,7 +370,9 @@ fn shared_data_and_admin_decoders_never_panic() {
             let _ = groups::read(&store);
             let _ = Suspects::decode(&bytes);
             let _ = endpoints::decode_snapshot(&bytes);
-            let _ = endpoints::parse_admin_clusters(&bytes);
+            let _ = endpoints::parse_admin_clusters(&bytes, endpoints::Keep::ALL);
+            let only = ["inference_pool".to_string()];
+            let _ = endpoints::parse_admin_clusters(&bytes, endpoints::Keep::only(&only, None));
             let _ = engine::parse(&bytes);
             let _ = body_access::body_received(&bytes, key);
             Ok(())
