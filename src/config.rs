@@ -4,6 +4,8 @@ use std::net::SocketAddr;
 
 use serde_json::{Map, Value};
 
+use crate::request::ToolsAt;
+
 /// Which policy picks the endpoint. `CacheAware` is kvroute's; the others are baselines to compare.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PolicyKind {
@@ -67,6 +69,8 @@ pub struct Config {
     pub debug_header: bool,
     /// Extra endpoints listed after the chosen one, for Envoy retries (`fallback_endpoints`).
     pub fallback_endpoints: usize,
+    /// Where the served model's chat template renders the tool list (`tools_position`).
+    pub tools_position: ToolsAt,
 }
 
 impl Default for Config {
@@ -90,6 +94,7 @@ impl Default for Config {
             affinity_capacity: 16384,
             debug_header: false,
             fallback_endpoints: 1,
+            tools_position: ToolsAt::default(),
         }
     }
 }
@@ -178,6 +183,17 @@ impl Config {
                     c.debug_header = v.as_bool().ok_or_else(|| err(f, "must be true or false"))?
                 }
                 "fallback_endpoints" => c.fallback_endpoints = int(f, v, 0, 8)? as usize,
+                "tools_position" => {
+                    let name = string(f, v)?;
+                    c.tools_position = ToolsAt::ALL
+                        .iter()
+                        .find(|(n, _)| *n == name)
+                        .map(|(_, t)| *t)
+                        .ok_or_else(|| {
+                            let names: Vec<_> = ToolsAt::ALL.iter().map(|(n, _)| *n).collect();
+                            err(f, format!("unknown {name:?}; one of {}", names.join(", ")))
+                        })?;
+                }
                 _ => return Err(err(f, "unknown field")),
             }
         }
@@ -262,6 +278,7 @@ mod tests {
         assert_eq!(c.group_bytes, 4096);
         assert_eq!(c.balance_rel_threshold, 1.5);
         assert_eq!(c.header, "x-gateway-destination-endpoint");
+        assert_eq!(c.tools_position, ToolsAt::AfterSystem);
     }
 
     #[test]
@@ -272,7 +289,7 @@ mod tests {
                 "session_header":"x-user","admin_cluster":"admin","stats_interval_ms":200,
                 "engine_metrics_cluster":"pool","engine_metrics_path":"/m",
                 "endpoints":["127.0.0.1:8001"],"max_body_bytes":1000,"affinity_capacity":64,
-                "debug_header":true,"fallback_endpoints":0}"#,
+                "debug_header":true,"fallback_endpoints":0,"tools_position":"before_last_user"}"#,
         )
         .unwrap();
         assert_eq!(c.policy, PolicyKind::Session);
@@ -286,6 +303,7 @@ mod tests {
         assert_eq!(c.engine_metrics_cluster.as_deref(), Some("pool"));
         assert_eq!(c.engine_metrics_path, "/m");
         assert!(c.debug_header);
+        assert_eq!(c.tools_position, ToolsAt::BeforeLastUser);
     }
 
     #[test]
@@ -301,6 +319,8 @@ mod tests {
             (r#"{"header":"X Bad"}"#, "header"),
             (r#"{"typo_field":1}"#, "typo_field"),
             (r#"{"affinity_capacity":0}"#, "affinity_capacity"),
+            (r#"{"tools_position":"first"}"#, "tools_position"),
+            (r#"{"tools_position":1}"#, "tools_position"),
             (
                 r#"{"engine_metrics_path":"metrics"}"#,
                 "engine_metrics_path",
