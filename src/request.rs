@@ -11,7 +11,8 @@
 //! - content given as a list of parts renders like the same text as one string (text parts
 //!   joined by a newline, as vLLM joins them for string-content templates);
 //! - an image (audio, file) becomes placeholder tokens, a fixed number per image, which the
-//!   engine's cache tells apart by a hash of the image: here a fixed few bytes naming that hash;
+//!   engine's cache tells apart by a hash of the image: here [`MEDIA_BYTES`] bytes naming that
+//!   hash, not the image's base64 (which would use up `max_chunks` and outweigh the text);
 //! - vLLM's `cache_salt` isolates tenants: it is returned apart from the text and seeds the keys.
 
 use std::borrow::Cow;
@@ -109,8 +110,13 @@ impl ParseError {
 // matter; they keep "ab"+"c" and "a"+"bc" apart.
 const FIELD: char = '\u{1f}';
 const RECORD: char = '\u{1e}';
-/// Opens a media placeholder: `MEDIA` kind ' ' 16 hex digits of the media's hash.
+/// Opens a media placeholder: `MEDIA` kind, then the media's hash in hex, repeated to
+/// [`MEDIA_BYTES`].
 const MEDIA: char = '\u{1d}';
+/// What an image weighs in the text: about the text of the few hundred tokens an engine spends on
+/// one (Qwen2-VL: 256 for 448×448 pixels, more for larger ones), so an image's share of a prompt's
+/// keys is of the order of its share of the engine's tokens.
+pub const MEDIA_BYTES: usize = 1024;
 /// Joins content parts, as vLLM joins text parts for string-content templates.
 const PART_JOIN: char = '\n';
 
@@ -408,8 +414,14 @@ fn push_part(text: &mut String, part: &Part) {
         if let Some(Media(data)) = data {
             // The engine caches an image by its hash and spends a fixed number of tokens on it;
             // its base64 length says nothing about either.
-            use std::fmt::Write;
-            let _ = write!(text, "{MEDIA}{kind} {:016x}", xxh3_64(data.as_bytes()));
+            let start = text.len();
+            text.push(MEDIA);
+            text.push_str(kind);
+            let hash = format!("{:016x}", xxh3_64(data.as_bytes()));
+            while text.len() - start < MEDIA_BYTES {
+                text.push_str(&hash);
+            }
+            text.truncate(start + MEDIA_BYTES);
         }
     }
 }
@@ -527,7 +539,7 @@ mod tests {
             big.text.len(),
             "cost does not grow with the image"
         );
-        assert!(big.text.len() < 64, "{:?}", big.text);
+        assert!(big.text.len() < MEDIA_BYTES + 32, "{}", big.text.len());
         assert_ne!(
             small.text, other.text,
             "different images are different prompts"
