@@ -201,8 +201,10 @@ async fn pick(state: &State, path: &str, body: &[u8]) -> Result<usize, String> {
 /// The prompt as text: the completion prompt, or the chat messages' roles and contents in order.
 /// The cache salt comes first: prompts of different salts share no cached prefix.
 fn prompt_text(body: &Value) -> String {
-    let mut s = body["cache_salt"].as_str().unwrap_or("").to_string();
-    s.push('\n');
+    let mut s = match body["cache_salt"].as_str() {
+        Some(salt) => format!("{salt}\n"),
+        None => String::new(),
+    };
     if let Some(p) = body["prompt"].as_str() {
         s.push_str(p);
         return s;
