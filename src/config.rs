@@ -4,6 +4,8 @@ use std::net::SocketAddr;
 
 use serde_json::{Map, Value};
 
+use crate::request::ToolsAt;
+
 /// Which policy picks the endpoint. `CacheAware` is kvroute's; the others are baselines to compare.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PolicyKind {
@@ -74,6 +76,8 @@ pub struct Config {
     /// path makes the filter trap (panic), failing its VM (`unsafe_trap_path_for_tests`). Unset
     /// by default, and then nothing a client sends can make kvroute trap on purpose.
     pub unsafe_trap_path_for_tests: Option<String>,
+    /// Where the served model's chat template renders the tool list (`tools_position`).
+    pub tools_position: ToolsAt,
 }
 
 impl Default for Config {
@@ -99,6 +103,7 @@ impl Default for Config {
             debug_header: false,
             fallback_endpoints: 1,
             unsafe_trap_path_for_tests: None,
+            tools_position: ToolsAt::default(),
         }
     }
 }
@@ -194,6 +199,17 @@ impl Config {
                         return Err(err(f, format!("{path:?} must start with '/'")));
                     }
                     c.unsafe_trap_path_for_tests = Some(path.to_string());
+                }
+                "tools_position" => {
+                    let name = string(f, v)?;
+                    c.tools_position = ToolsAt::ALL
+                        .iter()
+                        .find(|(n, _)| *n == name)
+                        .map(|(_, t)| *t)
+                        .ok_or_else(|| {
+                            let names: Vec<_> = ToolsAt::ALL.iter().map(|(n, _)| *n).collect();
+                            err(f, format!("unknown {name:?}; one of {}", names.join(", ")))
+                        })?;
                 }
                 _ => return Err(err(f, "unknown field")),
             }
@@ -307,6 +323,7 @@ mod tests {
         assert_eq!(c.group_bytes, 4096);
         assert_eq!(c.balance_rel_threshold, 1.5);
         assert_eq!(c.header, "x-gateway-destination-endpoint");
+        assert_eq!(c.tools_position, ToolsAt::AfterSystem);
     }
 
     #[test]
@@ -318,7 +335,7 @@ mod tests {
                 "clusters":["pool","other"],
                 "engine_metrics_cluster":"pool","engine_metrics_path":"/m",
                 "endpoints":["127.0.0.1:8001"],"max_body_bytes":1000,"affinity_capacity":64,
-                "debug_header":true,"fallback_endpoints":0}"#,
+                "debug_header":true,"fallback_endpoints":0,"tools_position":"before_last_user"}"#,
         )
         .unwrap();
         assert_eq!(c.policy, PolicyKind::Session);
@@ -333,6 +350,7 @@ mod tests {
         assert_eq!(c.engine_metrics_cluster.as_deref(), Some("pool"));
         assert_eq!(c.engine_metrics_path, "/m");
         assert!(c.debug_header);
+        assert_eq!(c.tools_position, ToolsAt::BeforeLastUser);
     }
 
     #[test]
@@ -350,6 +368,8 @@ mod tests {
             (r#"{"clusters":"pool"}"#, "clusters"),
             (r#"{"clusters":[""]}"#, "clusters"),
             (r#"{"affinity_capacity":0}"#, "affinity_capacity"),
+            (r#"{"tools_position":"first"}"#, "tools_position"),
+            (r#"{"tools_position":1}"#, "tools_position"),
             (
                 r#"{"engine_metrics_path":"metrics"}"#,
                 "engine_metrics_path",

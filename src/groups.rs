@@ -219,6 +219,27 @@ pub fn assign(groups: &[(u64, u32)], endpoints: &[u32]) -> HashMap<u64, u32> {
             }
         }
     }
+    // Capacity bounds the busiest endpoint, not the idlest: 6 groups on 4 endpoints may settle
+    // as 2, 2, 2, 0. The least-loaded endpoint takes the lowest-ranked group of the most-loaded
+    // one while that evens them out (each move lowers the sum of squared loads, so it ends).
+    loop {
+        let lo = (0..endpoints.len())
+            .min_by_key(|&e| (load[e], e))
+            .unwrap_or(0);
+        let hi = (0..endpoints.len())
+            .filter(|&e| held[e].len() > 1)
+            .max_by_key(|&e| (load[e], std::cmp::Reverse(e)));
+        let Some(hi) = hi else { break };
+        let Some(&g) = held[hi].last() else { break };
+        let w = u64::from(groups[g].1);
+        if load[lo] + w >= load[hi] {
+            break;
+        }
+        held[hi].pop();
+        load[hi] -= w;
+        held[lo].push(g);
+        load[lo] += w;
+    }
     for (e, gs) in held.iter().enumerate() {
         for &g in gs {
             homes.insert(groups[g].0, endpoints[e]);
@@ -297,6 +318,25 @@ mod tests {
             let loads = per_endpoint(&homes, &gs, &eps);
             let cap = (n as u32).div_ceil(4);
             assert!(loads.iter().all(|&c| c <= cap), "{n} groups: {loads:?}");
+        }
+    }
+
+    #[test]
+    fn no_endpoint_idles_while_another_holds_two_more_than_it() {
+        // A few apps or documents on a few endpoints: capacity alone allows 2, 2, 2, 0.
+        let eps = endpoints(4);
+        for salt in 0..50u64 {
+            for n in 5..12u64 {
+                let gs: Vec<(u64, u32)> = (0..n)
+                    .map(|g| ((g + salt * 100).wrapping_mul(0x9e37_79b9_7f4a_7c15), 1))
+                    .collect();
+                let loads = per_endpoint(&assign(&gs, &eps), &gs, &eps);
+                let (lo, hi) = (loads.iter().min(), loads.iter().max());
+                assert!(
+                    hi.zip(lo).is_some_and(|(h, l)| h - l <= 1),
+                    "{n} groups: {loads:?}"
+                );
+            }
         }
     }
 

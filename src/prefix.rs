@@ -1,5 +1,7 @@
 //! Prompt text → chained chunk keys: key i hashes chunk i together with key i-1, so it stands for
-//! the whole prefix up to and including chunk i, and equal keys mean equal prefixes.
+//! the whole prefix up to and including chunk i, and equal keys mean equal prefixes. The chain is
+//! seeded by the model and, when the request has one, its cache salt: the engine shares no
+//! cached block between salts, so neither do the keys.
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
@@ -17,7 +19,7 @@ pub struct Shape {
 /// The chained keys of one prompt, namespaced by model, and the key of its group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrefixKeys {
-    /// Hash of the model name: seeds the chain and the group key.
+    /// Hash of the model name (and cache salt): seeds the chain and the group key.
     pub model: u64,
     /// One key per chunk (the last chunk may be partial), at most `max_chunks`.
     pub keys: Vec<u64>,
@@ -38,7 +40,22 @@ impl PrefixKeys {
     /// key hashes the first `head` bytes (capped at `group_bytes`). `history`: earlier turns
     /// follow the head.
     pub fn new(model: &str, text: &str, head: usize, history: bool, shape: Shape) -> PrefixKeys {
+        Self::salted(None, model, text, head, history, shape)
+    }
+
+    /// [`PrefixKeys::new`] for a request with vLLM's `cache_salt`: the salt seeds the chain and
+    /// the group, so tenants that send the same document share no key and are no one group
+    /// (placing them together would only make one engine cache the document once per tenant).
+    pub fn salted(
+        salt: Option<&str>,
+        model: &str,
+        text: &str,
+        head: usize,
+        history: bool,
+        shape: Shape,
+    ) -> PrefixKeys {
         let model = xxh3_64(model.as_bytes());
+        let model = salt.map_or(model, |s| xxh3_64_with_seed(s.as_bytes(), model));
         let chunk_size = shape.chunk_size.max(1);
         let head = head.min(text.len());
         let group = xxh3_64_with_seed(&text.as_bytes()[..head.min(shape.group_bytes)], model);
@@ -101,6 +118,26 @@ mod tests {
         let b = PrefixKeys::new("m2", "same text", 9, true, shape(4, 8));
         assert!(a.keys.iter().zip(&b.keys).all(|(x, y)| x != y));
         assert_ne!(a.group, b.group);
+    }
+
+    #[test]
+    fn the_cache_salt_seeds_the_chain() {
+        let text = "a shared document ".repeat(20);
+        let keys = |salt| PrefixKeys::salted(salt, "m", &text, 40, true, shape(16, 64));
+        let (a, a2, b, none) = (
+            keys(Some("a")),
+            keys(Some("a")),
+            keys(Some("b")),
+            keys(None),
+        );
+        assert_eq!(a, a2, "one tenant's requests share their keys");
+        assert!(a
+            .keys
+            .iter()
+            .all(|k| !b.keys.contains(k) && !none.keys.contains(k)));
+        assert_ne!(a.group, b.group);
+        assert_eq!(none, PrefixKeys::new("m", &text, 40, true, shape(16, 64)));
+        assert_eq!(a.keys[0], xxh3_64_with_seed(b"a shared documen", a.model));
     }
 
     #[test]

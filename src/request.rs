@@ -1,8 +1,19 @@
 //! OpenAI-compatible request bodies → the prompt text an engine will see, in the engine's order.
 //!
-//! The text only has to be *prefix-stable*: two requests whose leading parts are equal (same tools,
-//! same system prompt, same first turns) must produce texts with an equal leading part, so they
-//! share their first chunk keys. It need not match the engine's chat template byte for byte.
+//! The text only has to be *prefix-stable* and *render-equivalent*: two requests whose rendered
+//! prompts share a leading part (same system prompt, same tools, same first turns, same cache
+//! salt) must produce texts with an equal leading part, so they share their first chunk keys; two
+//! requests the engine renders alike must produce the same text. It need not match the engine's
+//! chat template byte for byte. What chat templates do, and so what this follows:
+//! - tools render next to the system prompt (where exactly is [`ToolsAt`], a config choice);
+//! - a message's role and content render, its `name` and a tool result's `tool_call_id` do not,
+//!   and of an assistant's `tool_calls` only each function's name and arguments;
+//! - content given as a list of parts renders like the same text as one string (text parts
+//!   joined by a newline, as vLLM joins them for string-content templates);
+//! - an image (audio, file) becomes placeholder tokens, a fixed number per image, which the
+//!   engine's cache tells apart by a hash of the image: here [`MEDIA_BYTES`] bytes naming that
+//!   hash, not the image's base64 (which would use up `max_chunks` and outweigh the text);
+//! - vLLM's `cache_salt` isolates tenants: it is returned apart from the text and seeds the keys.
 
 use std::borrow::Cow;
 use std::marker::PhantomData;
@@ -10,6 +21,7 @@ use std::marker::PhantomData;
 use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 use serde_json::value::RawValue;
+use xxhash_rust::xxh3::xxh3_64;
 
 /// The two APIs kvroute routes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,18 +41,47 @@ impl Api {
     }
 }
 
+/// Where the model's chat template renders the tool list (config `tools_position`). The rest of
+/// the order is common to the templates in use: system prompt first, then the turns in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ToolsAt {
+    /// After the system prompt, before the first turn: Qwen 2.5/3 (tools appended to the system
+    /// message), Llama 3.1–3.3 (tools in the first user turn, after the system message),
+    /// DeepSeek V3.1, gpt-oss (harmony: developer instructions, then tools), Granite 3.
+    #[default]
+    AfterSystem,
+    /// Before the system prompt: templates that open with a tool-calling preamble and render the
+    /// caller's system message after it (Hermes 2 Pro / Hermes 3 style).
+    BeforeSystem,
+    /// Just before the last user message: Mistral's templates (`[AVAILABLE_TOOLS]`). Tools then
+    /// move with every turn, so they are never part of a request's head.
+    BeforeLastUser,
+}
+
+impl ToolsAt {
+    pub const ALL: [(&'static str, ToolsAt); 3] = [
+        ("after_system", ToolsAt::AfterSystem),
+        ("before_system", ToolsAt::BeforeSystem),
+        ("before_last_user", ToolsAt::BeforeLastUser),
+    ];
+}
+
 /// What kvroute needs from a request: the model (namespaces all keys) and the prompt text.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Prompt {
     pub model: String,
     pub text: String,
     /// Bytes of `text` that make the request's head: the tools and the system (or developer)
-    /// messages that open a chat, or its first message when none does; a whole completion prompt.
-    /// Requests of one group (one app, one document, one conversation) share it; it keys placement.
+    /// messages that open a chat, or its first message when there are neither; a whole completion
+    /// prompt. Requests of one group (one app, one document, one conversation) share it; it keys
+    /// placement.
     pub head: usize,
-    /// Whether earlier turns follow the head (a conversation past its first turn): only then is
-    /// what follows the head cached somewhere already.
+    /// Whether earlier turns follow the head (more than one message after the head's own): only
+    /// then is what follows the head cached somewhere already.
     pub history: bool,
+    /// vLLM's `cache_salt`: the engine shares no cached block between different salts, so it
+    /// seeds the keys ([`PrefixKeys::salted`](crate::prefix::PrefixKeys::salted)).
+    pub salt: Option<String>,
 }
 
 /// Why a body cannot be routed. Each reason is a counter, so these names are stable.
@@ -69,6 +110,15 @@ impl ParseError {
 // matter; they keep "ab"+"c" and "a"+"bc" apart.
 const FIELD: char = '\u{1f}';
 const RECORD: char = '\u{1e}';
+/// Opens a media placeholder: `MEDIA` kind, then the media's hash in hex, repeated to
+/// [`MEDIA_BYTES`].
+const MEDIA: char = '\u{1d}';
+/// What an image weighs in the text: about the text of the few hundred tokens an engine spends on
+/// one (Qwen2-VL: 256 for 448×448 pixels, more for larger ones), so an image's share of a prompt's
+/// keys is of the order of its share of the engine's tokens.
+pub const MEDIA_BYTES: usize = 1024;
+/// Joins content parts, as vLLM joins text parts for string-content templates.
+const PART_JOIN: char = '\n';
 
 #[derive(Deserialize)]
 struct ChatRequest<'a> {
@@ -78,6 +128,8 @@ struct ChatRequest<'a> {
     messages: Option<Vec<Message<'a>>>,
     #[serde(borrow)]
     tools: Option<&'a RawValue>,
+    #[serde(borrow)]
+    cache_salt: Option<Field<'a, IgnoredAny>>,
 }
 
 #[derive(Deserialize)]
@@ -87,24 +139,57 @@ struct Message<'a> {
     #[serde(borrow)]
     content: Option<Field<'a, Part<'a>>>,
     #[serde(borrow)]
-    name: Option<Cow<'a, str>>,
-    #[serde(borrow)]
-    tool_calls: Option<&'a RawValue>,
+    tool_calls: Option<Vec<ToolCall<'a>>>,
 }
 
-/// A content part: text parts contribute their text, others (images, audio, files) their data.
+/// Of a tool call, templates render the function's name and arguments, not the call's id.
+#[derive(Deserialize)]
+struct ToolCall<'a> {
+    #[serde(borrow)]
+    function: Option<Function<'a>>,
+}
+
+#[derive(Deserialize)]
+struct Function<'a> {
+    #[serde(borrow)]
+    name: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    arguments: Option<&'a RawValue>,
+}
+
+/// A content part: text parts contribute their text, others (images, audio, files) the hash of
+/// their data.
 #[derive(Deserialize)]
 struct Part<'a> {
-    #[serde(borrow, rename = "type")]
-    kind: Option<Cow<'a, str>>,
     #[serde(borrow)]
     text: Option<Cow<'a, str>>,
     #[serde(borrow)]
-    image_url: Option<&'a RawValue>,
+    image_url: Option<Media<'a>>,
     #[serde(borrow)]
-    input_audio: Option<&'a RawValue>,
+    input_audio: Option<Media<'a>>,
     #[serde(borrow)]
-    file: Option<&'a RawValue>,
+    video_url: Option<Media<'a>>,
+    #[serde(borrow)]
+    file: Option<Media<'a>>,
+}
+
+/// A media reference: `{"url": ...}` is keyed by its URL alone (a `detail` hint does not change
+/// the image); any other shape by its JSON text.
+struct Media<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Media<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        struct Url<'a> {
+            #[serde(borrow)]
+            url: Cow<'a, str>,
+        }
+        let raw: &'de RawValue = Deserialize::deserialize(d)?;
+        Ok(match serde_json::from_str::<Url>(raw.get()) {
+            Ok(u) => Media(u.url),
+            Err(_) => Media(Cow::Borrowed(raw.get())),
+        })
+    }
 }
 
 #[derive(Deserialize)]
@@ -113,6 +198,8 @@ struct CompletionRequest<'a> {
     model: Option<Cow<'a, str>>,
     #[serde(borrow)]
     prompt: Option<Field<'a, &'a RawValue>>,
+    #[serde(borrow)]
+    cache_salt: Option<Field<'a, IgnoredAny>>,
 }
 
 /// A field that is a string or a list (message content, completion prompt). Deserialised in one
@@ -175,13 +262,18 @@ impl<'de: 'a, 'a, T: Deserialize<'de>> Deserialize<'de> for Field<'a, T> {
     }
 }
 
-/// Parses a request body of `api` into its [`Prompt`].
+/// Parses a request body of `api` into its [`Prompt`], tools where most templates put them.
 pub fn parse(api: Api, body: &[u8]) -> Result<Prompt, ParseError> {
+    parse_with(api, body, ToolsAt::default())
+}
+
+/// Parses a request body of `api` into its [`Prompt`], tools rendered at `tools`.
+pub fn parse_with(api: Api, body: &[u8], tools: ToolsAt) -> Result<Prompt, ParseError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Err(ParseError::Empty);
     }
     let prompt = match api {
-        Api::Chat => parse_chat(body),
+        Api::Chat => parse_chat(body, tools),
         Api::Completions => parse_completion(body),
     };
     // The parser checks UTF-8 as it goes; only a failure pays for telling bad UTF-8 from bad JSON.
@@ -198,72 +290,146 @@ fn model(model: Option<Cow<'_, str>>) -> Result<String, ParseError> {
     }
 }
 
-fn parse_chat(body: &[u8]) -> Result<Prompt, ParseError> {
+/// vLLM refuses a salt that is not a non-empty string; such a request is not worth keying apart.
+fn salt(salt: Option<Field<'_, IgnoredAny>>) -> Option<String> {
+    match salt {
+        Some(Field::Text(s)) if !s.is_empty() => Some(s.into_owned()),
+        _ => None,
+    }
+}
+
+/// One rendered piece of a chat, in the template's order.
+#[derive(Clone, Copy, PartialEq)]
+enum Item {
+    Tools,
+    Message(usize),
+}
+
+fn parse_chat(body: &[u8], tools_at: ToolsAt) -> Result<Prompt, ParseError> {
     let req: ChatRequest = serde_json::from_slice(body).map_err(|_| ParseError::BadJson)?;
     let model = model(req.model)?;
     let messages = req.messages.ok_or(ParseError::NoPrompt)?;
-    let mut text = String::with_capacity(body.len());
-    // Tools come first: chat templates render them into the system part, ahead of every message.
-    if let Some(tools) = req.tools {
-        text.push_str(tools.get());
-        text.push(RECORD);
-    }
-    // The head ends after the leading instructions, or after the first message if there are none.
+    let salt = salt(req.cache_salt);
     let lead = messages
         .iter()
         .take_while(|m| matches!(m.role.as_deref(), Some("system" | "developer")))
-        .count()
-        .max(1);
+        .count();
+    let mut items: Vec<Item> = (0..messages.len()).map(Item::Message).collect();
+    let tools = req.tools.filter(|t| !matches!(t.get(), "null" | "[]"));
+    if tools.is_some() {
+        let at = match tools_at {
+            ToolsAt::AfterSystem => lead,
+            ToolsAt::BeforeSystem => 0,
+            ToolsAt::BeforeLastUser => messages
+                .iter()
+                .rposition(|m| m.role.as_deref() == Some("user"))
+                .unwrap_or(messages.len()),
+        };
+        items.insert(at, Item::Tools);
+    }
+    // The head: the leading instructions, with the tools when they render beside them; else the
+    // first message.
+    let in_head = |item: &Item| match item {
+        Item::Tools => tools_at != ToolsAt::BeforeLastUser,
+        Item::Message(i) => *i < lead,
+    };
+    let head_items = match items.iter().take_while(|i| in_head(i)).count() {
+        0 => 1,
+        n => n,
+    };
+    let head_messages = items[..head_items.min(items.len())]
+        .iter()
+        .filter(|i| matches!(i, Item::Message(_)))
+        .count();
+    let mut text = String::with_capacity(body.len());
     let mut head = None;
-    for (i, m) in messages.iter().enumerate() {
-        text.push_str(m.role.as_deref().unwrap_or(""));
-        text.push(FIELD);
-        if let Some(name) = &m.name {
-            text.push_str(name);
-            text.push(FIELD);
+    for (n, item) in items.iter().enumerate() {
+        match *item {
+            Item::Tools => {
+                if let Some(tools) = tools {
+                    text.push_str(tools.get());
+                    text.push(RECORD);
+                }
+            }
+            Item::Message(i) => push_message(&mut text, &messages[i]),
         }
-        match &m.content {
-            Some(Field::Text(t)) => text.push_str(t),
-            Some(Field::List(parts)) => parts.iter().for_each(|part| push_part(&mut text, part)),
-            Some(Field::Other) | None => {}
-        }
-        if let Some(calls) = m.tool_calls {
-            text.push(FIELD);
-            text.push_str(calls.get());
-        }
-        text.push(RECORD);
-        if i + 1 == lead {
+        if n + 1 == head_items {
             head = Some(text.len());
         }
     }
     let head = head.unwrap_or(text.len());
-    let history = messages.len() > lead + 1;
+    let history = messages.len().saturating_sub(head_messages) > 1;
     Ok(Prompt {
         model,
         text,
         head,
         history,
+        salt,
     })
 }
 
-fn push_part(text: &mut String, part: &Part) {
-    text.push_str(part.kind.as_deref().unwrap_or(""));
+fn push_message(text: &mut String, m: &Message) {
+    // A developer message is the system prompt of newer APIs; templates render it as one.
+    let role = match m.role.as_deref() {
+        Some("developer") => "system",
+        Some(role) => role,
+        None => "",
+    };
+    text.push_str(role);
     text.push(FIELD);
+    match &m.content {
+        Some(Field::Text(t)) => text.push_str(t),
+        Some(Field::List(parts)) => {
+            for (i, part) in parts.iter().enumerate() {
+                if i > 0 {
+                    text.push(PART_JOIN);
+                }
+                push_part(text, part);
+            }
+        }
+        Some(Field::Other) | None => {}
+    }
+    for call in m.tool_calls.iter().flatten() {
+        text.push(FIELD);
+        if let Some(f) = &call.function {
+            text.push_str(f.name.as_deref().unwrap_or(""));
+            text.push(FIELD);
+            text.push_str(f.arguments.map_or("", RawValue::get));
+        }
+    }
+    text.push(RECORD);
+}
+
+fn push_part(text: &mut String, part: &Part) {
     if let Some(t) = &part.text {
         text.push_str(t);
     }
-    for data in [part.image_url, part.input_audio, part.file]
-        .into_iter()
-        .flatten()
-    {
-        text.push_str(data.get());
+    let media = [
+        ("image", &part.image_url),
+        ("audio", &part.input_audio),
+        ("video", &part.video_url),
+        ("file", &part.file),
+    ];
+    for (kind, data) in media {
+        if let Some(Media(data)) = data {
+            // The engine caches an image by its hash and spends a fixed number of tokens on it;
+            // its base64 length says nothing about either.
+            let start = text.len();
+            text.push(MEDIA);
+            text.push_str(kind);
+            let hash = format!("{:016x}", xxh3_64(data.as_bytes()));
+            while text.len() - start < MEDIA_BYTES {
+                text.push_str(&hash);
+            }
+            text.truncate(start + MEDIA_BYTES);
+        }
     }
-    text.push(FIELD);
 }
 
 fn parse_completion(body: &[u8]) -> Result<Prompt, ParseError> {
     let req: CompletionRequest = serde_json::from_slice(body).map_err(|_| ParseError::BadJson)?;
     let model = model(req.model)?;
+    let salt = salt(req.cache_salt);
     let text = match req.prompt.ok_or(ParseError::NoPrompt)? {
         Field::Text(t) => t.into_owned(),
         // A batch of strings, or token ids: equal leading elements give an equal leading text
@@ -287,6 +453,7 @@ fn parse_completion(body: &[u8]) -> Result<Prompt, ParseError> {
         text,
         head,
         history: false,
+        salt,
     })
 }
 
@@ -341,15 +508,145 @@ mod tests {
 
     #[test]
     fn text_parts_and_string_content_give_the_same_text_body() {
-        let parts = chat(r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hello"},{"type":"image_url","image_url":{"url":"u"}}]}]}"#).unwrap();
-        assert!(parts.text.contains("hello"));
-        assert!(parts.text.contains("image_url"));
+        let string =
+            chat(r#"{"model":"m","messages":[{"role":"user","content":"hello\nworld"}]}"#).unwrap();
+        let one = chat(r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hello\nworld"}]}]}"#).unwrap();
+        let two = chat(r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hello"},{"type":"text","text":"world"}]}]}"#).unwrap();
+        assert_eq!(one.text, string.text);
+        assert_eq!(
+            two.text, string.text,
+            "text parts join like vLLM joins them"
+        );
+    }
+
+    fn image(url: &str) -> String {
+        format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"text","text":"look"}},{{"type":"image_url","image_url":{{"url":"{url}","detail":"high"}}}}]}}]}}"#
+        )
     }
 
     #[test]
-    fn tools_come_before_messages() {
-        let p = chat(r#"{"model":"m","tools":[{"type":"function","function":{"name":"f"}}],"messages":[{"role":"user","content":"x"}]}"#).unwrap();
-        assert!(p.text.find("function").unwrap() < p.text.find("user").unwrap());
+    fn an_image_costs_a_few_bytes_named_by_its_hash() {
+        let small = chat(&image("data:image/png;base64,AAAA")).unwrap();
+        let big = chat(&image(&format!(
+            "data:image/png;base64,{}",
+            "B".repeat(200_000)
+        )))
+        .unwrap();
+        let other = chat(&image("data:image/png;base64,AAAB")).unwrap();
+        assert_eq!(
+            small.text.len(),
+            big.text.len(),
+            "cost does not grow with the image"
+        );
+        assert!(big.text.len() < MEDIA_BYTES + 32, "{}", big.text.len());
+        assert_ne!(
+            small.text, other.text,
+            "different images are different prompts"
+        );
+        assert_eq!(
+            small.text,
+            chat(&image("data:image/png;base64,AAAA")).unwrap().text
+        );
+        assert!(
+            !small.text.contains("AAAA"),
+            "the image's data is hashed, not copied"
+        );
+    }
+
+    #[test]
+    fn tools_render_after_the_system_prompt_by_default_and_where_configured() {
+        let body = |tools: &str, system: &str| {
+            format!(
+                r#"{{"model":"m","tools":[{{"type":"function","function":{{"name":"{tools}"}}}}],"messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"x"}},{{"role":"assistant","content":"y"}},{{"role":"user","content":"z"}}]}}"#
+            )
+        };
+        let p = chat(&body("TOOL", "SYS")).unwrap();
+        let (sys, tool, user) = (
+            p.text.find("SYS").unwrap(),
+            p.text.find("TOOL").unwrap(),
+            p.text.find("x").unwrap(),
+        );
+        assert!(sys < tool && tool < user, "{:?}", p.text);
+        assert!(p.text[..p.head].contains("SYS") && p.text[..p.head].contains("TOOL"));
+        assert!(!p.text[..p.head].contains('x'));
+        let before = parse_with(
+            Api::Chat,
+            body("TOOL", "SYS").as_bytes(),
+            ToolsAt::BeforeSystem,
+        )
+        .unwrap();
+        assert!(before.text.find("TOOL") < before.text.find("SYS"));
+        assert_eq!(before.head, p.head);
+        let last = parse_with(
+            Api::Chat,
+            body("TOOL", "SYS").as_bytes(),
+            ToolsAt::BeforeLastUser,
+        )
+        .unwrap();
+        let tool = last.text.find("TOOL").unwrap();
+        assert!(last.text.find('y').unwrap() < tool && tool < last.text.find('z').unwrap());
+        assert!(
+            !last.text[..last.head].contains("TOOL"),
+            "tools that move are not the head"
+        );
+        // Same system prompt, other tools: the system prompt is a shared prefix.
+        let other_tools = chat(&body("OTHER", "SYS")).unwrap();
+        assert!(other_tools.text.starts_with(&p.text[..sys + 3]));
+    }
+
+    #[test]
+    fn tool_calls_and_results_render_as_templates_do() {
+        let step = |call_id: &str, name: &str| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"go","name":"{name}"}},{{"role":"assistant","content":null,"tool_calls":[{{"id":"{call_id}","type":"function","function":{{"name":"search","arguments":"{{\"q\":1}}"}}}}]}},{{"role":"tool","tool_call_id":"{call_id}","content":"RESULT"}}]}}"#
+            )
+        };
+        let a = chat(&step("call_1", "ann")).unwrap();
+        let b = chat(&step("call_2", "bob")).unwrap();
+        assert_eq!(a.text, b.text, "call ids and names do not render");
+        assert!(a.text.contains("search") && a.text.contains(r#"{\"q\":1}"#));
+        assert!(a.text.find("search") < a.text.find("RESULT"));
+        assert!(a.history, "a tool result after a call is history");
+    }
+
+    #[test]
+    fn tools_without_a_system_prompt_are_the_head() {
+        let first = chat(r#"{"model":"m","tools":[{"type":"function","function":{"name":"f"}}],"messages":[{"role":"user","content":"task"}]}"#).unwrap();
+        assert!(
+            first.text[..first.head].contains('f') && !first.text[..first.head].contains("task")
+        );
+        assert!(!first.history);
+        let step = chat(r#"{"model":"m","tools":[{"type":"function","function":{"name":"f"}}],"messages":[{"role":"user","content":"task"},{"role":"assistant","tool_calls":[{"function":{"name":"f","arguments":"{}"}}]},{"role":"tool","content":"r"}]}"#).unwrap();
+        assert_eq!(step.text[..step.head], first.text[..first.head]);
+        assert!(step.history);
+    }
+
+    #[test]
+    fn the_cache_salt_is_kept_apart_from_the_text() {
+        let salted = chat(
+            r#"{"model":"m","cache_salt":"tenant-a","messages":[{"role":"user","content":"x"}]}"#,
+        )
+        .unwrap();
+        let plain = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#).unwrap();
+        assert_eq!(salted.salt.as_deref(), Some("tenant-a"));
+        assert_eq!(salted.text, plain.text);
+        assert_eq!(plain.salt, None);
+        let empty =
+            chat(r#"{"model":"m","cache_salt":"","messages":[{"role":"user","content":"x"}]}"#)
+                .unwrap();
+        assert_eq!(empty.salt, None);
+        let odd = chat(
+            r#"{"model":"m","cache_salt":{"a":1},"messages":[{"role":"user","content":"x"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(odd.salt, None);
+        let completion = parse(
+            Api::Completions,
+            br#"{"model":"m","prompt":"p","cache_salt":"t"}"#,
+        )
+        .unwrap();
+        assert_eq!(completion.salt.as_deref(), Some("t"));
     }
 
     #[test]

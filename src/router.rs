@@ -150,13 +150,14 @@ impl Router {
         if req.body.len() > config.max_body_bytes {
             return Err(Fallback::BodyTooLarge);
         }
-        let prompt = request::parse(req.api, req.body)?;
+        let prompt = request::parse_with(req.api, req.body, config.tools_position)?;
         let shape = Shape {
             chunk_size: config.chunk_size,
             max_chunks: config.max_chunks,
             group_bytes: config.group_bytes,
         };
-        let keys = PrefixKeys::new(
+        let keys = PrefixKeys::salted(
+            prompt.salt.as_deref(),
             &prompt.model,
             &prompt.text,
             prompt.head,

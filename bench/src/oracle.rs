@@ -199,15 +199,23 @@ async fn pick(state: &State, path: &str, body: &[u8]) -> Result<usize, String> {
 }
 
 /// The prompt as text: the completion prompt, or the chat messages' roles and contents in order.
+/// The cache salt comes first: prompts of different salts share no cached prefix.
 fn prompt_text(body: &Value) -> String {
+    let mut s = match body["cache_salt"].as_str() {
+        Some(salt) => format!("{salt}\n"),
+        None => String::new(),
+    };
     if let Some(p) = body["prompt"].as_str() {
-        return p.to_string();
+        s.push_str(p);
+        return s;
     }
-    let mut s = String::new();
     for m in body["messages"].as_array().into_iter().flatten() {
         s.push_str(m["role"].as_str().unwrap_or(""));
         s.push('\n');
-        s.push_str(m["content"].as_str().unwrap_or(""));
+        match &m["content"] {
+            Value::String(c) => s.push_str(c),
+            other => s.push_str(&other.to_string()),
+        }
         s.push('\n');
     }
     s

@@ -3,8 +3,21 @@
 //! Every message is rendered independently and joined, so conversations that share their
 //! first messages share a text prefix, hence (see `tokenizer`) a token prefix: exactly the
 //! property multi-turn prefix caching relies on in vLLM.
+//!
+//! The order is Qwen's (Qwen 2.5/3): the system prompt, then the tool list in the same system
+//! message, then the turns; an assistant's tool calls render as `<tool_call>` blocks of the
+//! function's name and arguments (not the call id), tool results as `<tool_response>` user turns.
+//! Content given as parts renders like vLLM renders it for string-content templates: text parts
+//! joined by a newline. An image renders as [`IMAGE_TOKENS`] placeholder tokens, a fixed number as
+//! for a fixed-size image in Qwen2-VL; vLLM tells images apart in its prefix cache by a hash of the
+//! image mixed into the hash of the blocks that hold its placeholders, which here is the
+//! placeholder token itself being named by the image's hash.
 
 use serde_json::Value;
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Placeholder tokens per image (Qwen2-VL spends 256 on a 448×448 image).
+pub const IMAGE_TOKENS: usize = 256;
 
 /// Renders `messages` (and optional `tools`) the way Qwen's template does, ending with the
 /// assistant header when `add_generation_prompt` is set.
@@ -73,27 +86,46 @@ pub fn render(
     Ok(out)
 }
 
-/// The text of a message: a string, or the concatenated text parts of a content array.
-/// Non-text parts (images, audio) become a fixed placeholder so they still occupy tokens.
+/// The text of a message: a string, or its content parts joined by newlines. Non-text parts
+/// (images, audio, video) become [`IMAGE_TOKENS`] placeholders named by a hash of their data.
 fn content_text(message: &Value) -> Result<String, String> {
     match message.get("content") {
         None | Some(Value::Null) => Ok(String::new()),
         Some(Value::String(s)) => Ok(s.clone()),
         Some(Value::Array(parts)) => {
             let mut text = String::new();
-            for part in parts {
-                match part.get("type").and_then(Value::as_str) {
-                    Some("text") => {
-                        text.push_str(part.get("text").and_then(Value::as_str).unwrap_or(""))
-                    }
-                    Some(_) => text.push_str("<|vision_pad|>"),
-                    None => return Err("content part without 'type'".into()),
+            for (i, part) in parts.iter().enumerate() {
+                if i > 0 {
+                    text.push('\n');
+                }
+                let kind = part
+                    .get("type")
+                    .and_then(Value::as_str)
+                    .ok_or("content part without 'type'")?;
+                match kind {
+                    "text" => text.push_str(part.get("text").and_then(Value::as_str).unwrap_or("")),
+                    _ => push_media(&mut text, part.get(kind).unwrap_or(part)),
                 }
             }
             Ok(text)
         }
         Some(_) => Err("'content' must be a string or an array of parts".into()),
     }
+}
+
+/// An image's placeholder tokens. `{"url": ...}` is the image by its URL (data URLs carry the
+/// image itself); a `detail` hint does not change it.
+fn push_media(text: &mut String, data: &Value) {
+    let hash = match data.get("url").and_then(Value::as_str) {
+        Some(url) => xxh3_64(url.as_bytes()),
+        None => xxh3_64(data.to_string().as_bytes()),
+    };
+    let pad = format!("<|image_{hash:016x}|>");
+    text.push_str("<|vision_start|>");
+    for _ in 0..IMAGE_TOKENS {
+        text.push_str(&pad);
+    }
+    text.push_str("<|vision_end|>");
 }
 
 #[cfg(test)]
@@ -138,10 +170,39 @@ mod tests {
     }
 
     #[test]
-    fn text_parts_are_concatenated_and_bad_content_is_an_error() {
-        let m = json!({"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]});
-        assert!(render(&[m], None, false).unwrap().contains("ab"));
+    fn text_parts_render_like_the_joined_string_and_bad_content_is_an_error() {
+        let parts = json!({"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]});
+        let string = json!({"role":"user","content":"a\nb"});
+        assert_eq!(
+            render(&[parts], None, false).unwrap(),
+            render(&[string], None, false).unwrap()
+        );
         assert!(render(&[json!({"role":"user","content":5})], None, false).is_err());
         assert!(render(&[json!({"content":"x"})], None, false).is_err());
+    }
+
+    #[test]
+    fn an_image_is_a_fixed_number_of_tokens_named_by_its_hash() {
+        let with = |url: &str| {
+            let m = json!({"role":"user","content":[{"type":"image_url","image_url":{"url":url}},{"type":"text","text":"what is it?"}]});
+            tokenize(&render(&[m], None, false).unwrap())
+        };
+        let (a, a2, b) = (
+            with("data:a"),
+            with("data:a"),
+            with(&format!("data:{}", "b".repeat(100_000))),
+        );
+        assert_eq!(a, a2);
+        assert_eq!(
+            a.len(),
+            b.len(),
+            "the image's size does not change its cost"
+        );
+        assert!(a.len() > IMAGE_TOKENS);
+        let differ = a.iter().zip(&b).position(|(x, y)| x != y).unwrap();
+        assert!(
+            differ < 8,
+            "different images diverge where the image starts"
+        );
     }
 }

@@ -1,8 +1,15 @@
 //! Parsing OpenAI requests into what the engine needs: prompt token ids and generation options.
+//!
+//! vLLM's `cache_salt` (per-tenant cache isolation) is mixed into the hash of a prompt's first
+//! block, so requests with different salts share no cached block while requests with the same
+//! salt share as usual. The sim's prefix cache hashes tokens, so the salt is mixed into the first
+//! prompt token: only the first block holds it, and the chained block hashes carry it to every
+//! later block.
 
 use crate::chat_template;
-use crate::tokenizer::tokenize;
+use crate::tokenizer::{tokenize, VOCAB_SIZE};
 use serde_json::Value;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
@@ -32,11 +39,26 @@ pub struct GenRequest {
     pub ignore_eos: bool,
 }
 
-/// Prompt token ids of a request body, with the rendered text when there was text.
+/// Prompt token ids of a request body (salted by its `cache_salt`), with the rendered text when
+/// there was text.
 pub fn prompt_tokens(
     endpoint: Endpoint,
     body: &Value,
 ) -> Result<(Vec<u32>, Option<String>), String> {
+    let salt = match body.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.as_str()),
+        Some(_) => return Err("'cache_salt' must be a non-empty string".into()),
+    };
+    let (mut tokens, text) = unsalted_tokens(endpoint, body)?;
+    if let (Some(salt), Some(first)) = (salt, tokens.first_mut()) {
+        *first =
+            (xxh3_64_with_seed(salt.as_bytes(), u64::from(*first)) % u64::from(VOCAB_SIZE)) as u32;
+    }
+    Ok((tokens, text))
+}
+
+fn unsalted_tokens(endpoint: Endpoint, body: &Value) -> Result<(Vec<u32>, Option<String>), String> {
     match endpoint {
         Endpoint::Chat => {
             let messages = body
@@ -148,6 +170,36 @@ mod tests {
         assert_eq!(ids.prompt_tokens, vec![1, 2, 3]);
         assert!(parse(Endpoint::Completion, &json!({"prompt":["a","b"]})).is_err());
         assert!(parse(Endpoint::Completion, &json!({})).is_err());
+    }
+
+    #[test]
+    fn the_cache_salt_changes_the_first_token_only() {
+        use crate::prefix_cache::block_hashes;
+        let doc = "a long shared document ".repeat(20);
+        let body = |salt: Option<&str>| {
+            let mut b = json!({"messages":[{"role":"user","content":doc}]});
+            if let Some(s) = salt {
+                b["cache_salt"] = json!(s);
+            }
+            prompt_tokens(Endpoint::Chat, &b).unwrap().0
+        };
+        let (plain, a, a2, b) = (
+            body(None),
+            body(Some("a")),
+            body(Some("a")),
+            body(Some("b")),
+        );
+        assert_eq!(a, a2);
+        assert_eq!(a.len(), plain.len());
+        assert_eq!(a[1..], plain[1..]);
+        assert_ne!(a[0], b[0]);
+        let (ha, hb) = (block_hashes(&a, 16), block_hashes(&b, 16));
+        assert!(
+            ha.iter().all(|h| !hb.contains(h)),
+            "no block shared across salts"
+        );
+        let bad = json!({"messages":[{"role":"user","content":"x"}],"cache_salt":""});
+        assert!(prompt_tokens(Endpoint::Chat, &bad).is_err());
     }
 
     #[test]
