@@ -142,20 +142,25 @@ pub fn weighted(seen: &[Seen], now_ms: u64) -> Vec<(u64, u32)> {
     let mean = counted.iter().map(|(_, r)| r).sum::<f64>() / counted.len().max(1) as f64;
     let mut out: Vec<(u64, u32)> = counted
         .into_iter()
-        .map(|(g, r)| (g, weight(r / mean.max(f64::MIN_POSITIVE))))
+        .map(|(g, r)| (g, weight(r, mean)))
         .collect();
     out.sort_unstable();
     out
 }
 
-/// A popularity (requests over the mean group's) as a weight in quarters of the mean group. Groups
-/// within 0.5–2× the mean all weigh 4, so the ordinary ups and downs of equally popular groups,
-/// which each gateway counts a little differently, move nothing; outside that band a group weighs
-/// what it is worth (a group with 9× the mean's traffic takes the room of nine, a rare one a
-/// quarter), so the endpoint that homes a hot group takes few others, the rare groups of a skewed
-/// fleet are not taken for average ones, and the traffic stays balanced.
-fn weight(popularity: f64) -> u32 {
-    let w = if (0.5..2.0).contains(&popularity) {
+/// A group's recent requests `r`, against the mean group's, as a weight in quarters of the mean
+/// group. A group weighs 4 (the mean) while it is within 0.5–2× the mean, or within what chance
+/// alone moves a count by (3 standard deviations of a Poisson count with the mean's
+/// expectation): the ordinary ups and downs of equally popular groups, which each gateway counts a
+/// little differently, move nothing, and a gateway that has seen few requests, whose counts are
+/// all noise, weighs every group alike. Beyond both a group weighs what it is worth (a group with
+/// 9× the mean's traffic takes the room of nine, a rare one a quarter), so the endpoint that homes
+/// a hot group takes few others, the rare groups of a skewed fleet are not taken for average
+/// ones, and the traffic stays balanced.
+fn weight(r: f64, mean: f64) -> u32 {
+    let mean = mean.max(f64::MIN_POSITIVE);
+    let popularity = r / mean;
+    let w = if (0.5..2.0).contains(&popularity) || (r - mean).abs() <= 3.0 * mean.sqrt() {
         4.0
     } else {
         (4.0 * popularity).round()
@@ -442,8 +447,13 @@ mod tests {
         ];
         // Mean 32.5: the first is 3.1× the mean, the others under a third of it.
         assert_eq!(weighted(&seen, 1000), vec![(1, 12), (2, 1), (3, 1), (5, 1)]);
-        let w = [0.01, 0.2, 0.4, 0.5, 1.4, 1.99, 2.0, 3.0, 9.2, 1e9].map(weight);
+        // Counts large enough that chance moves them little: the band alone decides.
+        let w = [0.01, 0.2, 0.4, 0.5, 1.4, 1.99, 2.0, 3.0, 9.2, 1e9].map(|p| weight(p * 1e6, 1e6));
         assert_eq!(w, [1, 1, 2, 4, 4, 4, 8, 12, 37, 256]);
+        // Few requests seen: counts within chance of the mean weigh alike, however far apart.
+        let w = [1.5, 2.0, 6.0, 11.0].map(|r| weight(r, 5.0));
+        assert_eq!(w, [4, 4, 4, 4]);
+        assert_eq!(weight(40.0, 5.0), 32, "far beyond chance");
         let later = 1000 + HALF_LIFE_MS;
         assert!((seen[0].requests_at(later) - 50.0).abs() < 1e-6);
         assert!(weighted(&seen, 1000 + TTL_MS).is_empty(), "all expired");
