@@ -196,10 +196,10 @@ pub enum Process {
 }
 
 impl Running {
-    /// kvroute's engine-reported usage so far, `(cached_tokens, prompt_tokens)` from its Envoy
-    /// stats, summed over its Envoys; `None` for other routers.
-    pub async fn kvroute_usage(&self) -> Option<(u64, u64)> {
-        let envoys: Vec<&Envoy> = match &self.process {
+    /// The Envoys that run kvroute: this router's own, or for `kvroute@N` the N behind the front;
+    /// none for other routers.
+    fn kvroute_envoys(&self) -> Vec<&Envoy> {
+        match &self.process {
             Process::Envoy(envoy) => vec![envoy],
             Process::Scaled { instances, .. } => instances
                 .iter()
@@ -209,7 +209,13 @@ impl Running {
                 })
                 .collect(),
             _ => Vec::new(),
-        };
+        }
+    }
+
+    /// kvroute's engine-reported usage so far, `(cached_tokens, prompt_tokens)` from its Envoy
+    /// stats, summed over its Envoys; `None` for other routers.
+    pub async fn kvroute_usage(&self) -> Option<(u64, u64)> {
+        let envoys = self.kvroute_envoys();
         let mut found = false;
         let (mut cached, mut prompt) = (0, 0);
         for envoy in envoys {
@@ -229,17 +235,7 @@ impl Running {
     /// kvroute's routing decisions so far (`kvroute.routed.<decision>` counters), if it is kvroute;
     /// for `kvroute@N` summed over the N Envoys.
     pub async fn kvroute_decisions(&self) -> Vec<(String, u64)> {
-        let envoys: Vec<&Envoy> = match &self.process {
-            Process::Envoy(envoy) => vec![envoy],
-            Process::Scaled { instances, .. } => instances
-                .iter()
-                .filter_map(|r| match &r.process {
-                    Process::Envoy(envoy) => Some(envoy),
-                    _ => None,
-                })
-                .collect(),
-            _ => Vec::new(),
-        };
+        let envoys = self.kvroute_envoys();
         let mut sum = BTreeMap::new();
         for envoy in envoys {
             // Routed decisions, and the fallbacks that happened (requests kvroute left to Envoy).
