@@ -3,8 +3,8 @@
 //! and plain responses of a simulated vLLM fleet, and its per-endpoint prompt and cached token
 //! counters agree with the fleet's own prefix-cache counters.
 
-use kvroute_harness::{Envoy, EnvoyOptions, Lb};
-use kvroute_sim::fleet::Fleet as SimFleet;
+mod common;
+
 use kvroute_sim::spec::FleetSpec;
 use serde_json::json;
 use std::time::Duration;
@@ -16,25 +16,8 @@ async fn cached_token_stats_match_the_fleets_own_counters() {
         time_scale: 0.01,
         ..FleetSpec::default()
     };
-    let sim = SimFleet::start(spec, 0, 0).await.expect("sim fleet starts");
+    let (sim, envoy) = common::kvroute_over_sim(spec).await;
     let model = sim.spec.model.clone();
-    let envoy = Envoy::start(EnvoyOptions {
-        backends: sim.replicas.iter().map(|r| r.addr).collect(),
-        lb: Lb::Kvroute {
-            plugin_config: json!({ "stats_interval_ms": 200 }),
-        },
-        ..EnvoyOptions::default()
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    envoy
-        .wait_for_stat(
-            "kvroute.endpoints_known",
-            |v| v == 3,
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
     let http = reqwest::Client::new();
     let url = format!("{}/v1/chat/completions", envoy.url());
     let mut sent = 0u64;

@@ -6,10 +6,9 @@
 
 mod common;
 
-use common::{debug_config, served_by, wait_for_fresh_poll, Fleet, Reply};
+use common::{debug_config, served_by, Fleet, Reply};
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
-use std::time::Duration;
 
 /// A long shared document (several chunks), the same for every tenant.
 fn document() -> String {
@@ -29,21 +28,11 @@ fn salted(salt: &str, messages: Value) -> Value {
     json!({"model": "test", "stream": false, "cache_salt": salt, "messages": messages})
 }
 
-/// Sends `body` twice per group, then waits until the gateway places `groups` groups by its
-/// balanced assignment and every worker has seen it.
+/// Sends each body twice, then waits until the gateway places one group per body by its
+/// balanced assignment and every worker has seen them.
 async fn warm_up(fleet: &Fleet, bodies: &[Value]) {
-    for _ in 0..2 {
-        for body in bodies {
-            served_by(fleet, &fleet.chat(body).await);
-        }
-    }
-    let n = bodies.len() as u64;
-    let placed =
-        fleet
-            .envoy
-            .wait_for_stat("kvroute.groups_placed", |v| v >= n, Duration::from_secs(30));
-    placed.await.unwrap_or_else(|e| panic!("{e}"));
-    wait_for_fresh_poll(fleet).await;
+    let groups: Vec<Vec<Value>> = bodies.iter().map(|b| vec![b.clone(), b.clone()]).collect();
+    common::warm_up_with(fleet, &groups).await;
 }
 
 fn decision(reply: &Reply) -> &str {

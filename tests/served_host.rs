@@ -3,18 +3,15 @@
 //! the connection and Envoy retries on the fallback address, the in-flight count moves to the
 //! fallback while the response streams, and the mismatch is counted.
 
-use kvroute_harness::{Envoy, EnvoyOptions, Lb};
+mod common;
+
 use kvroute_sim::engine::Faults;
-use kvroute_sim::fleet::Fleet as SimFleet;
 use kvroute_sim::spec::FleetSpec;
 use serde_json::json;
 use std::time::Duration;
 
 fn gauge(stats: &std::collections::HashMap<String, u64>, addr: std::net::SocketAddr) -> u64 {
-    let name = format!(
-        "kvroute.inflight.{}",
-        addr.to_string().replace(['.', ':'], "_")
-    );
+    let name = common::inflight_gauge_name(addr);
     stats
         .iter()
         .find(|(k, _)| k.ends_with(&name))
@@ -29,24 +26,7 @@ async fn a_retry_to_the_fallback_host_moves_the_in_flight_count() {
         time_scale: 0.05,
         ..FleetSpec::default()
     };
-    let sim = SimFleet::start(spec, 0, 0).await.expect("sim fleet starts");
-    let envoy = Envoy::start(EnvoyOptions {
-        backends: sim.replicas.iter().map(|r| r.addr).collect(),
-        lb: Lb::Kvroute {
-            plugin_config: json!({ "stats_interval_ms": 200 }),
-        },
-        ..EnvoyOptions::default()
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    envoy
-        .wait_for_stat(
-            "kvroute.endpoints_known",
-            |v| v == 2,
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    let (sim, envoy) = common::kvroute_over_sim(spec).await;
     let http = reqwest::Client::new();
     let url = format!("{}/v1/chat/completions", envoy.url());
     let body = |q: usize, max_tokens: usize| {

@@ -240,20 +240,28 @@ pub async fn wait_for_fresh_poll(fleet: &Fleet) {
 /// Sends two requests of each of `groups` (their `system_prompt`) and waits until kvroute places
 /// at least that many groups by its balanced assignment: the steady state of a gateway that has
 /// warmed up and seen every group.
-pub async fn warm_up(fleet: &Fleet, groups: impl Iterator<Item = usize> + Clone) {
-    for round in 0..2 {
-        for g in groups.clone() {
-            let reply = fleet
-                .chat(&chat_body(
-                    &system_prompt(g),
-                    &format!("warm-up {round}"),
-                    false,
-                ))
-                .await;
-            served_by(fleet, &reply);
+pub async fn warm_up(fleet: &Fleet, groups: impl Iterator<Item = usize>) {
+    let bodies: Vec<Vec<Value>> = groups
+        .map(|g| {
+            (0..2)
+                .map(|round| chat_body(&system_prompt(g), &format!("warm-up {round}"), false))
+                .collect()
+        })
+        .collect();
+    warm_up_with(fleet, &bodies).await;
+}
+
+/// Sends every body of `groups` (each group's requests, in rounds: the first of each group, then
+/// the second, ...), then waits until kvroute places at least `groups.len()` groups by its
+/// balanced assignment and every worker has seen them.
+pub async fn warm_up_with(fleet: &Fleet, groups: &[Vec<Value>]) {
+    let rounds = groups.iter().map(Vec::len).max().unwrap_or(0);
+    for round in 0..rounds {
+        for body in groups.iter().filter_map(|g| g.get(round)) {
+            served_by(fleet, &fleet.chat(body).await);
         }
     }
-    let n = groups.count() as u64;
+    let n = groups.len() as u64;
     let placed =
         fleet
             .envoy
@@ -308,4 +316,33 @@ pub fn client_per_request() -> reqwest::Client {
         .pool_max_idle_per_host(0)
         .build()
         .expect("client builds")
+}
+
+/// A simulated vLLM fleet of `spec` behind an Envoy with kvroute (admin polled every 200 ms),
+/// once kvroute knows every replica.
+pub async fn kvroute_over_sim(
+    spec: kvroute_sim::spec::FleetSpec,
+) -> (kvroute_sim::fleet::Fleet, Envoy) {
+    let replicas = spec.replicas as u64;
+    let sim = kvroute_sim::fleet::Fleet::start(spec, 0, 0)
+        .await
+        .expect("sim fleet starts");
+    let envoy = Envoy::start(EnvoyOptions {
+        backends: sim.replicas.iter().map(|r| r.addr).collect(),
+        lb: Lb::Kvroute {
+            plugin_config: json!({ "stats_interval_ms": 200 }),
+        },
+        ..EnvoyOptions::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    envoy
+        .wait_for_stat(
+            "kvroute.endpoints_known",
+            |v| v == replicas,
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    (sim, envoy)
 }
