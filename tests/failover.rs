@@ -39,6 +39,14 @@ async fn killed_backend_is_avoided_once_unhealthy_and_no_request_fails() {
         .envoy
         .wait_for_pool(|h| h.get(&dead) == Some(&false), Duration::from_secs(30));
     marked.await.unwrap_or_else(|e| panic!("{e}"));
+    // Homes settle once the gateway has warmed up (10 polls) and places the four groups by its
+    // balanced assignment: until then a group goes to its first live rendezvous choice, which the
+    // assignment may change, and on a slow machine that moment could fall inside the loop below.
+    let placed =
+        fleet
+            .envoy
+            .wait_for_stat("kvroute.groups_placed", |v| v >= 4, Duration::from_secs(30));
+    placed.await.unwrap_or_else(|e| panic!("{e}"));
     // kvroute reads the new health flags on its next poll of Envoy's /clusters.
     wait_for_fresh_poll(&fleet).await;
     // What kvroute names from here on: the routing header each served request carried. (Envoy's
