@@ -9,7 +9,7 @@ use hashbrown::HashMap;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType};
 
-use super::host::{inflight_gauge, HostStore};
+use super::host::HostStore;
 use super::root::{Shared, HOSTS_KEY};
 use crate::counters;
 use crate::endpoints::{self, Snapshot};
@@ -186,8 +186,9 @@ impl Poller {
             let table = counters::read(&HostStore);
             for (id, _) in &caps {
                 if let Some((_, addr)) = active.get(id) {
-                    let gauge = inflight_gauge(addr);
-                    shared.metrics.gauge(&gauge, u64::from(table.inflight(*id)));
+                    shared
+                        .metrics
+                        .inflight(addr, u64::from(table.inflight(*id)));
                 }
             }
         }

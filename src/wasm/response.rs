@@ -9,7 +9,7 @@ use std::cell::RefCell;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType};
 
-use super::host::{inflight_gauge, now_ms, HostStore};
+use super::host::{now_ms, HostStore};
 use super::root::Shared;
 use crate::affinity::AffinityMap;
 use crate::config::PolicyKind;
@@ -87,9 +87,8 @@ impl Response {
         let left = router::finish(&HostStore, *id).unwrap_or(0);
         let mut s = shared.borrow_mut();
         s.metrics.count("kvroute.served_elsewhere");
-        s.metrics.gauge(&inflight_gauge(addr), u64::from(left));
-        s.metrics
-            .gauge(&inflight_gauge(served), u64::from(now_there));
+        s.metrics.inflight(addr, u64::from(left));
+        s.metrics.inflight(served, u64::from(now_there));
         Some((served_id, served.clone()))
     }
 
