@@ -101,8 +101,20 @@ impl<'s, S: SharedStore + ?Sized> AffinityMap<'s, S> {
     /// Records that `endpoint` now holds the prefixes `keys`, stamped `now_ms`. Returns how many
     /// slots this created (slots ever written).
     pub fn record(&self, keys: &[u64], endpoint: u32, now_ms: u64) -> usize {
+        self.record_keeping(keys, endpoint, now_ms, |_, _| true)
+    }
+
+    /// [`record`](Self::record), dropping from the records it rewrites the holders for which
+    /// `keep(holder, stamp)` is false: the new stamp would otherwise make them count again.
+    pub fn record_keeping(
+        &self,
+        keys: &[u64],
+        endpoint: u32,
+        now_ms: u64,
+        keep: impl Fn(u32, u64) -> bool,
+    ) -> usize {
         keys.iter()
-            .filter(|&&key| self.upsert(key, endpoint, now_ms) == Update::Created)
+            .filter(|&&key| self.upsert(key, endpoint, now_ms, &keep) == Update::Created)
             .count()
     }
 
@@ -130,11 +142,19 @@ impl<'s, S: SharedStore + ?Sized> AffinityMap<'s, S> {
             .count()
     }
 
-    fn upsert(&self, key: u64, endpoint: u32, now_ms: u64) -> Update {
+    fn upsert(
+        &self,
+        key: u64,
+        endpoint: u32,
+        now_ms: u64,
+        keep: impl Fn(u32, u64) -> bool,
+    ) -> Update {
         store::update(self.store, &self.slot_key(key), |current| {
             let mut records = current.map(decode).unwrap_or_default();
             match records.iter_mut().find(|r| r.key == key) {
                 Some(r) => {
+                    let stamp = r.stamp_ms;
+                    r.holders.retain(|&h| h == endpoint || keep(h, stamp));
                     r.stamp_ms = now_ms;
                     if !r.holders.contains(&endpoint) {
                         if r.holders.len() == MAX_HOLDERS {
@@ -284,6 +304,22 @@ mod tests {
         let r = map.get(42).unwrap();
         assert_eq!(r.holders, vec![1, 2, 4]);
         assert_eq!(r.stamp_ms, 5);
+    }
+
+    #[test]
+    fn a_rewrite_drops_the_holders_it_is_told_not_to_keep() {
+        let store = MemoryStore::new();
+        let map = AffinityMap::new(&store, 64);
+        map.record(&[42], 1, 10);
+        map.record(&[42], 2, 20);
+        map.record_keeping(&[42], 3, 30, |h, stamp| h != 1 || stamp > 25);
+        assert_eq!(map.get(42).unwrap().holders, vec![2, 3]);
+        map.record_keeping(&[42], 2, 40, |_, _| false);
+        assert_eq!(
+            map.get(42).unwrap().holders,
+            vec![2],
+            "the endpoint recorded always stays"
+        );
     }
 
     #[test]

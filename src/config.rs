@@ -78,6 +78,10 @@ pub struct Config {
     pub unsafe_trap_path_for_tests: Option<String>,
     /// Where the served model's chat template renders the tool list (`tools_position`).
     pub tools_position: ToolsAt,
+    /// How old an affinity record must be before an engine's cached-token report may show it
+    /// evicted; a younger prefix may still be prefilling (`eviction_grace_ms`). Set it above the
+    /// fleet's p99 time to first token.
+    pub eviction_grace_ms: u64,
 }
 
 impl Default for Config {
@@ -104,6 +108,7 @@ impl Default for Config {
             fallback_endpoints: 1,
             unsafe_trap_path_for_tests: None,
             tools_position: ToolsAt::default(),
+            eviction_grace_ms: 5000,
         }
     }
 }
@@ -193,6 +198,7 @@ impl Config {
                     c.debug_header = v.as_bool().ok_or_else(|| err(f, "must be true or false"))?
                 }
                 "fallback_endpoints" => c.fallback_endpoints = int(f, v, 0, 8)? as usize,
+                "eviction_grace_ms" => c.eviction_grace_ms = int(f, v, 0, 3_600_000)?,
                 "unsafe_trap_path_for_tests" => {
                     let path = string(f, v)?;
                     if !path.starts_with('/') {

@@ -21,7 +21,8 @@
 //! A gateway that restarts with an empty map, or joins late, sends each group to its first
 //! rendezvous choice while it warms up, then to the same balanced home as the others once it has
 //! seen the groups. The affinity map records which endpoint served which prefix (chained chunk
-//! keys).
+//! keys); a holder whose engine has since been found to evict what it last used by then
+//! ([`eviction`](crate::eviction)) no longer counts.
 
 use std::cell::RefCell;
 
@@ -30,6 +31,7 @@ use hashbrown::HashMap;
 use super::load::{first_not_overloaded, least_loaded, mean_load, rendezvous_order, Thresholds};
 use super::{Candidate, Decision, Input, Pick, Policy};
 use crate::affinity::{AffinityMap, Match};
+use crate::eviction;
 use crate::groups::{self, Seen};
 use crate::prefix::PrefixKeys;
 use crate::store::SharedStore;
@@ -65,6 +67,9 @@ struct GroupView {
     /// endpoint ids they were computed for.
     counted: Vec<(u64, u32)>,
     homes: Option<(Vec<u32>, HashMap<u64, u32>)>,
+    /// Each endpoint's eviction horizon ([`eviction`]) as the last request that found a match
+    /// read it: the holders its record keeps when [`Policy::routed`] rewrites it.
+    horizons: HashMap<u32, u64>,
 }
 
 impl CacheAware {
@@ -123,7 +128,17 @@ impl Policy for CacheAware {
         // Only a match past the head counts (see `holder`): a request without earlier turns looks
         // nothing up, and one with them only at its history.
         let map = AffinityMap::new(input.store, self.capacity);
-        let matched = map.longest_match(&input.keys.keys, input.keys.head_chunks);
+        let mut matched = map.longest_match(&input.keys.keys, input.keys.head_chunks);
+        if let Some(m) = matched.as_mut() {
+            // Holders whose engines were since found to evict what they last used by then. Read
+            // now, not on the tick: what any worker learnt counts from its next request on.
+            let horizons = eviction::read(input.store);
+            let stamp = m.record.stamp_ms;
+            m.record
+                .holders
+                .retain(|&h| eviction::still_held(&horizons, h, stamp));
+            self.view.borrow_mut().horizons = horizons;
+        }
         let mut order = rendezvous_order(candidates, input.keys.group);
         let home = self.home(candidates, input.keys.group, &order, input.now_ms);
         if let Some(at) = order.iter().position(|&i| i == home) {
@@ -162,10 +177,12 @@ impl Policy for CacheAware {
         drop(view);
         let chosen = candidates[pick.index].id;
         let from = first_to_record(input.keys, pick.matched.as_ref(), chosen, input.now_ms);
-        AffinityMap::new(input.store, self.capacity).record(
+        let view = self.view.borrow();
+        AffinityMap::new(input.store, self.capacity).record_keeping(
             &input.keys.keys[from..],
             chosen,
             input.now_ms,
+            |holder, stamp| eviction::still_held(&view.horizons, holder, stamp),
         )
     }
 
@@ -409,6 +426,30 @@ mod tests {
         assert_eq!(turn2.group, turn1.group);
         let second = route(&policy(), &candidates(&[0, 0, 0, 0]), &turn2, &store);
         assert_eq!((second.index, second.decision), (o[1], Decision::Affinity));
+    }
+
+    #[test]
+    fn a_history_its_engine_evicted_no_longer_draws_the_conversation() {
+        let (p, store) = (policy(), MemoryStore::new());
+        let history = "first question, first answer. ".repeat(4);
+        let turn1 = ask("g", &history);
+        let c = candidates(&[0, 0, 0, 0]);
+        let o = order(&c, &turn1);
+        let mut loads = [0u64; 4];
+        loads[o[0]] = 30;
+        assert_eq!(route(&p, &candidates(&loads), &turn1, &store).index, o[1]);
+        // Its engine reported an eviction of what it last used at the record's stamp.
+        eviction::raise(&store, c[o[1]].id, 1);
+        let turn2 = follow_up("g", &format!("{history}next question"));
+        let second = route(&p, &c, &turn2, &store);
+        assert_eq!((second.index, second.decision), (o[0], Decision::Home));
+        // The rewritten record names where it was served now, not the holder that lost it.
+        let depth = second.matched.map(|m| m.depth).unwrap();
+        let record = AffinityMap::new(&store, 1024).get(turn2.keys[depth - 1]);
+        assert_eq!(record.map(|r| r.holders), Some(vec![c[o[0]].id]));
+        let turn3 = follow_up("g", &format!("{history}next question, its answer. third"));
+        let third = route(&p, &c, &turn3, &store);
+        assert_eq!((third.index, third.decision), (o[0], Decision::Affinity));
     }
 
     #[test]
