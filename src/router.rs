@@ -9,6 +9,7 @@ use xxhash_rust::xxh3::xxh3_64;
 use crate::config::Config;
 use crate::counters::{self, Table};
 use crate::endpoints::Host;
+use crate::eviction::Predicted;
 use crate::policy::{self, Candidate, Decision, Input, Policy};
 use crate::prefix::{PrefixKeys, Shape};
 use crate::request::{self, Api, ParseError};
@@ -120,10 +121,10 @@ pub struct Routed {
     pub slots_created: usize,
     /// kvroute's in-flight count of the chosen endpoint, this request included.
     pub inflight: u32,
-    /// The request's prefix keys, and how many leading ones the affinity map said the chosen
-    /// endpoint held before it: what to settle once the response says who served it, and how.
+    /// The request's prefix keys, and what the affinity map said the chosen endpoint held before
+    /// it: what to settle once the response says who served it, and what its engine cached.
     pub keys: Vec<u64>,
-    pub held: usize,
+    pub predicted: Predicted,
 }
 
 /// The configured pipeline: built once per VM, then used for every request.
@@ -190,11 +191,18 @@ impl Router {
             .matched
             .as_ref()
             .map(|m| m.depth as f64 / keys.keys.len().max(1) as f64);
-        let held = pick
+        let (held, stamp_ms) = pick
             .matched
             .as_ref()
             .filter(|m| m.record.holders.contains(&chosen.id))
-            .map_or(0, |m| m.depth);
+            .map_or((0, 0), |m| (m.depth, m.record.stamp_ms));
+        let predicted = Predicted {
+            held,
+            stamp_ms,
+            prompt_bytes: prompt.text.len(),
+            chunk_size: config.chunk_size,
+            routed_ms: now_ms,
+        };
         Ok(Routed {
             endpoints: endpoint_list(
                 &candidates,
@@ -208,7 +216,7 @@ impl Router {
             slots_created,
             inflight,
             keys: keys.keys,
-            held,
+            predicted,
         })
     }
 }

@@ -2,7 +2,8 @@
 //! it succeeded, and what its engine says it took from its prefix cache. In-flight counts move to
 //! the serving host; affinity the request recorded for the host kvroute chose is withdrawn when
 //! that host did not serve it successfully, and recorded for the host that did; the engine's
-//! `usage` becomes Envoy stats, in total and per endpoint.
+//! `usage` becomes Envoy stats, in total and per endpoint, and, when it cached clearly less than
+//! the map predicted, raises that endpoint's eviction horizon ([`eviction`]).
 
 use std::cell::RefCell;
 
@@ -14,15 +15,17 @@ use super::root::Shared;
 use crate::affinity::AffinityMap;
 use crate::config::PolicyKind;
 use crate::counters;
+use crate::eviction::{self, Predicted};
 use crate::rendezvous::endpoint_id;
 use crate::router::{self, Routed};
 use crate::suspects::UPSTREAM_FAILURE_FLAGS;
 use crate::usage::{self, Tail};
 
 /// Counters defined at configure time, so dashboards see them at zero.
-pub const COUNTERS: [&str; 5] = [
+pub const COUNTERS: [&str; 6] = [
     "kvroute.served_elsewhere",
     "kvroute.affinity.withdrawn",
+    "kvroute.affinity.evictions_seen",
     "kvroute.usage.responses",
     "kvroute.usage.prompt_tokens",
     "kvroute.usage.cached_tokens",
@@ -32,7 +35,7 @@ pub const COUNTERS: [&str; 5] = [
 struct Chosen {
     addr: String,
     keys: Vec<u64>,
-    held: usize,
+    predicted: Predicted,
 }
 
 /// A stream's response, followed from its headers to its end.
@@ -55,7 +58,7 @@ impl Response {
         self.chosen = Some(Chosen {
             addr: routed.endpoints.first().cloned().unwrap_or_default(),
             keys: std::mem::take(&mut routed.keys),
-            held: routed.held,
+            predicted: routed.predicted,
         });
     }
 
@@ -112,28 +115,27 @@ impl Response {
     pub fn end(&mut self, shared: &RefCell<Shared>, flags: u64) {
         let ok = self.status.is_some_and(|s| (200..300).contains(&s))
             && flags & UPSTREAM_FAILURE_FLAGS == 0;
-        if let (true, Some(tail)) = (ok, self.tail.take()) {
-            if let Some(u) = tail.usage() {
-                let mut s = shared.borrow_mut();
-                let m = &mut s.metrics;
-                m.count("kvroute.usage.responses");
-                m.add(
-                    MetricType::Counter,
-                    "kvroute.usage.prompt_tokens",
-                    u.prompt_tokens as i64,
-                );
-                m.add(
-                    MetricType::Counter,
-                    "kvroute.usage.cached_tokens",
-                    u.cached_tokens as i64,
-                );
-                if let Some(served) = &self.served {
-                    let seg = usage::stat_segment(served);
-                    let prompt = format!("kvroute.usage.prompt_tokens.{seg}");
-                    let cached = format!("kvroute.usage.cached_tokens.{seg}");
-                    m.add(MetricType::Counter, &prompt, u.prompt_tokens as i64);
-                    m.add(MetricType::Counter, &cached, u.cached_tokens as i64);
-                }
+        let usage = self.tail.take().filter(|_| ok).and_then(|t| t.usage());
+        if let Some(u) = usage {
+            let mut s = shared.borrow_mut();
+            let m = &mut s.metrics;
+            m.count("kvroute.usage.responses");
+            m.add(
+                MetricType::Counter,
+                "kvroute.usage.prompt_tokens",
+                u.prompt_tokens as i64,
+            );
+            m.add(
+                MetricType::Counter,
+                "kvroute.usage.cached_tokens",
+                u.cached_tokens as i64,
+            );
+            if let Some(served) = &self.served {
+                let seg = usage::stat_segment(served);
+                let prompt = format!("kvroute.usage.prompt_tokens.{seg}");
+                let cached = format!("kvroute.usage.cached_tokens.{seg}");
+                m.add(MetricType::Counter, &prompt, u.prompt_tokens as i64);
+                m.add(MetricType::Counter, &cached, u.cached_tokens as i64);
             }
         }
         let Some(chosen) = self.chosen.take() else {
@@ -146,14 +148,34 @@ impl Response {
         }
         let served_there = self.served.as_deref() == Some(chosen.addr.as_str());
         if ok && served_there {
+            // The engine says what it had cached: less than the map predicted is an eviction.
+            let horizon = usage
+                .and_then(|u| eviction::horizon(&chosen.predicted, u, config.eviction_grace_ms));
+            let id = endpoint_id(&chosen.addr);
+            let raised = horizon.is_some_and(|h| eviction::raise(&HostStore, id, h));
+            if raised {
+                // This request computed its prefix there again: the deepest key it followed
+                // counts again, with a stamp past the horizon.
+                let held = chosen.predicted.held.min(chosen.keys.len());
+                AffinityMap::new(&HostStore, config.affinity_capacity).record(
+                    &chosen.keys[held.saturating_sub(1)..held],
+                    id,
+                    now_ms(),
+                );
+            }
+            drop(s);
+            if raised {
+                shared
+                    .borrow_mut()
+                    .metrics
+                    .count("kvroute.affinity.evictions_seen");
+            }
             return;
         }
         // The chosen host did not serve this prompt: it holds no more of it than before.
         let map = AffinityMap::new(&HostStore, config.affinity_capacity);
-        let withdrawn = map.forget(
-            &chosen.keys[chosen.held.min(chosen.keys.len())..],
-            endpoint_id(&chosen.addr),
-        );
+        let held = chosen.predicted.held.min(chosen.keys.len());
+        let withdrawn = map.forget(&chosen.keys[held..], endpoint_id(&chosen.addr));
         let recorded = match (&self.served, ok) {
             (Some(served), true) => map.record(&chosen.keys, endpoint_id(served), now_ms()),
             _ => 0,
