@@ -17,7 +17,7 @@ use kvroute::request::{self, Api};
 use kvroute::router::{self, RequestInfo, Router};
 use kvroute::store::{MemoryStore, SharedStore};
 use kvroute::suspects::Suspects;
-use kvroute::{body_access, counters, engine, groups};
+use kvroute::{body_access, counters, engine, eviction, groups};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
 
@@ -222,6 +222,9 @@ fn any_plugin_config_parses_or_says_which_field_is_wrong() {
         "debug_header",
         "fallback_endpoints",
         "unsafe_trap_path_for_tests",
+        "eviction_grace_ms",
+        "tools_position",
+        "clusters",
         "nonsense",
     ]);
     let object = prop::collection::btree_map(field.prop_map(String::from), json_value(), 0..6)
@@ -252,6 +255,7 @@ fn corrupted_store() -> impl Strategy<Value = Vec<(String, Vec<u8>)>> {
     let key = prop_oneof![
         Just("kvroute.load".to_string()),
         Just("kvroute.ticket".to_string()),
+        Just(eviction::KEY.to_string()),
         (0..16usize).prop_map(|s| format!("kvroute.groups.{s}")),
         (0..8u32).prop_map(|s| format!("kvroute.affinity.{s}")),
     ];
@@ -368,6 +372,9 @@ fn shared_data_and_admin_decoders_never_panic() {
                 let _ = store.set(&format!("kvroute.groups.{shard}"), &bytes, None);
             }
             let _ = groups::read(&store);
+            let _ = store.set(eviction::KEY, &bytes, None);
+            let _ = eviction::read(&store);
+            eviction::raise(&store, 1, key);
             let _ = Suspects::decode(&bytes);
             let _ = endpoints::decode_snapshot(&bytes);
             let _ = endpoints::parse_admin_clusters(&bytes, endpoints::Keep::ALL);

@@ -228,8 +228,18 @@ pub fn served_by(fleet: &Fleet, reply: &Reply) -> usize {
 /// Waits until kvroute has finished two more polls of Envoy's `/clusters`, so its view of host
 /// health and load is newer than anything the test just changed.
 pub async fn wait_for_fresh_poll(fleet: &Fleet) {
-    let now = kv_stat(fleet, "stats_poll.ok").await;
-    let polled = fleet.envoy.wait_for_stat(
+    wait_for_fresh_poll_of(&fleet.envoy).await;
+}
+
+/// [`wait_for_fresh_poll`] of this Envoy.
+pub async fn wait_for_fresh_poll_of(envoy: &Envoy) {
+    let now = envoy
+        .stat("kvroute.stats_poll.ok")
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(0);
+    let polled = envoy.wait_for_stat(
         "kvroute.stats_poll.ok",
         |v| v >= now + 2,
         Duration::from_secs(30),
@@ -323,15 +333,21 @@ pub fn client_per_request() -> reqwest::Client {
 pub async fn kvroute_over_sim(
     spec: kvroute_sim::spec::FleetSpec,
 ) -> (kvroute_sim::fleet::Fleet, Envoy) {
+    kvroute_over_sim_with(spec, json!({ "stats_interval_ms": 200 })).await
+}
+
+/// [`kvroute_over_sim`] with this plugin config.
+pub async fn kvroute_over_sim_with(
+    spec: kvroute_sim::spec::FleetSpec,
+    plugin_config: Value,
+) -> (kvroute_sim::fleet::Fleet, Envoy) {
     let replicas = spec.replicas as u64;
     let sim = kvroute_sim::fleet::Fleet::start(spec, 0, 0)
         .await
         .expect("sim fleet starts");
     let envoy = Envoy::start(EnvoyOptions {
         backends: sim.replicas.iter().map(|r| r.addr).collect(),
-        lb: Lb::Kvroute {
-            plugin_config: json!({ "stats_interval_ms": 200 }),
-        },
+        lb: Lb::Kvroute { plugin_config },
         ..EnvoyOptions::default()
     })
     .await

@@ -1,0 +1,158 @@
+#![cfg(not(target_arch = "wasm32"))]
+//! The closed loop, through a real Envoy over a simulated vLLM fleet: when a replica's engine
+//! reports that it no longer caches a conversation kvroute sent there, kvroute stops sending that
+//! replica's other old conversations there by affinity, and follows again what it recomputed.
+//! (A burst on a prefix still being prefilled is no eviction: the grace rule, unit-tested in
+//! `src/eviction.rs`; the sim, like vLLM, caches blocks once scheduled, so a burst here finds
+//! them.)
+
+mod common;
+
+use kvroute_sim::fleet::Fleet;
+use kvroute_sim::spec::FleetSpec;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+const MODEL: &str = "Qwen/Qwen3-32B";
+
+fn system() -> String {
+    (0..40)
+        .map(|i| format!("Rule {i}: answer as the support desk of the shop would. "))
+        .collect()
+}
+
+/// A user turn long enough that a conversation's history is most of its next request.
+fn long_turn(tag: &str) -> String {
+    (0..50)
+        .map(|i| format!("{tag} detail {i}: the invoice lists another amount. "))
+        .collect()
+}
+
+fn body(messages: Value) -> Value {
+    json!({"model": MODEL, "max_tokens": 2, "stream": false, "messages": messages})
+}
+
+/// The first turn of conversation `tag`, and its second turn (the first answered).
+fn turns(tag: &str) -> (Value, Value) {
+    let first = json!([{"role": "system", "content": system()},
+                       {"role": "user", "content": long_turn(tag)}]);
+    let mut second = first.clone();
+    if let Some(m) = second.as_array_mut() {
+        m.push(json!({"role": "assistant", "content": "Let me check that."}));
+        m.push(json!({"role": "user", "content": format!("{tag}: any news?")}));
+    }
+    (body(first), body(second))
+}
+
+/// Sends `body`; returns kvroute's decision and the replica that served it (requests are sent
+/// one at a time, so the replica whose request count moved).
+async fn send(sim: &Fleet, url: &str, body: &Value) -> (String, usize) {
+    let before: Vec<u64> = sim
+        .replicas
+        .iter()
+        .map(|r| r.replica.snapshot().requests)
+        .collect();
+    let resp = common::client()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(resp.status(), 200);
+    let decision = resp
+        .headers()
+        .get("x-kvroute-decision")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    resp.bytes().await.expect("body");
+    let served = sim
+        .replicas
+        .iter()
+        .zip(&before)
+        .position(|(r, &b)| r.replica.snapshot().requests > b)
+        .expect("a replica served it");
+    (decision, served)
+}
+
+async fn stat(envoy: &kvroute_harness::Envoy, name: &str) -> u64 {
+    envoy.stat(name).await.expect("stats").unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_evicted_stops_drawing_its_old_conversations() {
+    let spec = FleetSpec {
+        replicas: 3,
+        time_scale: 0.05,
+        ..FleetSpec::default()
+    };
+    let grace = Duration::from_millis(300);
+    let config = json!({"stats_interval_ms": 200, "debug_header": true,
+                        "eviction_grace_ms": grace.as_millis() as u64});
+    let (sim, envoy) = common::kvroute_over_sim_with(spec, config).await;
+    let url = format!("{}/v1/chat/completions", envoy.url());
+
+    // The gateway places the group by its balanced assignment from now on.
+    for round in ["warm-up 1", "warm-up 2"] {
+        send(&sim, &url, &turns(round).0).await;
+    }
+    envoy
+        .wait_for_stat("kvroute.groups_placed", |v| v >= 1, Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    common::wait_for_fresh_poll_of(&envoy).await;
+
+    // Two conversations of the group, both served by its home, where each second turn follows.
+    let (a1, a2) = turns("order 17");
+    let (b1, b2) = turns("order 42");
+    let (_, home) = send(&sim, &url, &b1).await;
+    assert_eq!(send(&sim, &url, &a1).await.1, home, "one group, one home");
+    assert_eq!(send(&sim, &url, &a2).await, ("affinity".into(), home));
+
+    // Older than the grace, so no longer possibly being prefilled; then the engine drops it all.
+    tokio::time::sleep(grace * 2).await;
+    sim.replicas[home].replica.reset_prefix_cache();
+    assert_eq!(stat(&envoy, "kvroute.affinity.evictions_seen").await, 0);
+
+    // Conversation a's third turn still follows its history there, and the engine's report
+    // (nothing cached of what the map predicted) shows the eviction.
+    let mut a3 = a2.clone();
+    if let Some(m) = a3["messages"].as_array_mut() {
+        m.push(json!({"role": "assistant", "content": "Nothing yet."}));
+        m.push(json!({"role": "user", "content": "And now?"}));
+    }
+    assert_eq!(send(&sim, &url, &a3).await, ("affinity".into(), home));
+    envoy
+        .wait_for_stat(
+            "kvroute.affinity.evictions_seen",
+            |v| v == 1,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    // Conversation b's history, last used on that replica before a's, is gone too (engines evict
+    // the least recently used first): its second turn is placed with its group, not by affinity.
+    let (decision, _) = send(&sim, &url, &b2).await;
+    assert_eq!(decision, "home");
+    // And a's history, which that replica just computed again, is followed again.
+    let mut a4 = a3.clone();
+    if let Some(m) = a4["messages"].as_array_mut() {
+        m.push(json!({"role": "assistant", "content": "Still nothing."}));
+        m.push(json!({"role": "user", "content": "Tomorrow?"}));
+    }
+    assert_eq!(send(&sim, &url, &a4).await, ("affinity".into(), home));
+    envoy
+        .wait_for_stat(
+            "kvroute.usage.responses",
+            |v| v == 8,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        stat(&envoy, "kvroute.affinity.evictions_seen").await,
+        1,
+        "what was recomputed is no eviction"
+    );
+}
