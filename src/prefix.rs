@@ -33,6 +33,10 @@ pub struct PrefixKeys {
     /// The first key whose chunk reaches past the head: from here on the keys are the request's
     /// own (its question, its conversation), which its later turns look for.
     pub tail_from: usize,
+    /// Which of its group's conversations the request belongs to: a hash of the message that
+    /// opens it ([`PrefixKeys::opened_by`]), the same in all its turns; until then, of the
+    /// request's whole prompt. Splits a group's traffic between its homes.
+    pub conversation: u64,
 }
 
 impl PrefixKeys {
@@ -70,13 +74,24 @@ impl PrefixKeys {
             false => keys.len(),
         };
         let tail_from = (head / chunk_size).min(keys.len());
+        let conversation = keys.last().copied().unwrap_or(group);
         PrefixKeys {
             model,
             keys,
             group,
             head_chunks,
             tail_from,
+            conversation,
         }
+    }
+
+    /// The conversation is the one `opener` (the first message after the head) starts; nothing
+    /// after the head leaves it the whole prompt's.
+    pub fn opened_by(mut self, opener: &str) -> PrefixKeys {
+        if !opener.is_empty() {
+            self.conversation = xxh3_64_with_seed(opener.as_bytes(), self.group);
+        }
+        self
     }
 }
 

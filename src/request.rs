@@ -76,6 +76,9 @@ pub struct Prompt {
     /// prompt. Requests of one group (one app, one document, one conversation) share it; it keys
     /// placement.
     pub head: usize,
+    /// Bytes of `text` of the first message after the head (empty when there is none): what
+    /// opens the conversation, the same in all its later turns.
+    pub opener: std::ops::Range<usize>,
     /// Whether earlier turns follow the head (more than one message after the head's own): only
     /// then is what follows the head cached somewhere already.
     pub history: bool,
@@ -342,7 +345,7 @@ fn parse_chat(body: &[u8], tools_at: ToolsAt) -> Result<Prompt, ParseError> {
         .filter(|i| matches!(i, Item::Message(_)))
         .count();
     let mut text = String::with_capacity(body.len());
-    let mut head = None;
+    let (mut head, mut opener) = (None, None);
     for (n, item) in items.iter().enumerate() {
         match *item {
             Item::Tools => {
@@ -351,18 +354,26 @@ fn parse_chat(body: &[u8], tools_at: ToolsAt) -> Result<Prompt, ParseError> {
                     text.push(RECORD);
                 }
             }
-            Item::Message(i) => push_message(&mut text, &messages[i]),
+            Item::Message(i) => {
+                let start = text.len();
+                push_message(&mut text, &messages[i]);
+                if n >= head_items && opener.is_none() {
+                    opener = Some(start..text.len());
+                }
+            }
         }
         if n + 1 == head_items {
             head = Some(text.len());
         }
     }
     let head = head.unwrap_or(text.len());
+    let opener = opener.unwrap_or(head..head);
     let history = messages.len().saturating_sub(head_messages) > 1;
     Ok(Prompt {
         model,
         text,
         head,
+        opener,
         history,
         salt,
     })
@@ -452,6 +463,7 @@ fn parse_completion(body: &[u8]) -> Result<Prompt, ParseError> {
         model,
         text,
         head,
+        opener: head..head,
         history: false,
         salt,
     })
@@ -608,6 +620,35 @@ mod tests {
         assert!(a.text.contains("search") && a.text.contains(r#"{\"q\":1}"#));
         assert!(a.text.find("search") < a.text.find("RESULT"));
         assert!(a.history, "a tool result after a call is history");
+    }
+
+    #[test]
+    fn every_turn_of_a_conversation_has_the_same_opener() {
+        let turn1 = chat(r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"q1"}]}"#).unwrap();
+        let turn2 = chat(r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"q1"},{"role":"assistant","content":"a1"},{"role":"user","content":"q2"}]}"#).unwrap();
+        let other = chat(r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"q9"}]}"#).unwrap();
+        let opener = |p: &Prompt| p.text[p.opener.clone()].to_string();
+        assert!(opener(&turn1).contains("q1") && !opener(&turn2).contains("a1"));
+        assert_eq!(opener(&turn1), opener(&turn2));
+        assert_ne!(opener(&turn1), opener(&other));
+        // Tools rendered before the last user message are not what opens the conversation.
+        let tools = r#""tools":[{"type":"function","function":{"name":"f"}}]"#;
+        let with_tools = |messages: &str| {
+            let body = format!(r#"{{"model":"m",{tools},"messages":[{messages}]}}"#);
+            parse_with(Api::Chat, body.as_bytes(), ToolsAt::BeforeLastUser).unwrap()
+        };
+        let t1 = with_tools(r#"{"role":"system","content":"S"},{"role":"user","content":"q1"}"#);
+        let t2 = with_tools(
+            r#"{"role":"system","content":"S"},{"role":"user","content":"q1"},{"role":"assistant","content":"a1"},{"role":"user","content":"q2"}"#,
+        );
+        assert_eq!(opener(&t1), opener(&t2));
+        let completion = parse_with(
+            Api::Completions,
+            br#"{"model":"m","prompt":"p"}"#,
+            ToolsAt::default(),
+        )
+        .unwrap();
+        assert!(completion.opener.is_empty());
     }
 
     #[test]

@@ -164,7 +164,8 @@ impl Router {
             prompt.head,
             prompt.history,
             shape,
-        );
+        )
+        .opened_by(prompt.text.get(prompt.opener.clone()).unwrap_or_default());
         let (table, read) = counters::read_for_update(store);
         let candidates = candidates(&table, hosts);
         if candidates.is_empty() {
