@@ -7,7 +7,8 @@
 //! may share one. Here each group weighs its popularity relative to the mean (in quarters of
 //! the mean, with the band around the mean flattened: see [`weight`]) and each endpoint takes groups up to ceil(total weight / endpoints): groups propose to
 //! endpoints in their rendezvous order, and an endpoint keeps the heaviest, then the groups that
-//! rank it highest (deferred acceptance, in key order). The
+//! rank it highest (deferred acceptance, in key order). Where whole groups cannot even the
+//! endpoints out, groups split, their conversations divided between homes ([`shares`]). The
 //! outcome depends only on the groups, their weights and the endpoints, not on the order requests
 //! arrived in, so gateways that have seen the same traffic agree, and a restarted gateway agrees
 //! again once it has seen it.
@@ -253,6 +254,93 @@ pub fn assign(groups: &[(u64, u32)], endpoints: &[u32]) -> HashMap<u64, u32> {
     homes
 }
 
+/// Each group's homes with their shares of its weight, largest first: a group spans several
+/// endpoints only where that evens the fleet out ([`shares`]).
+pub type Shares = HashMap<u64, Vec<(u32, u64)>>;
+
+/// Shares are finer than weights: sixteenths of the mean group.
+pub const SHARE_UNITS: u64 = 4;
+
+/// [`assign`], evened out by splitting groups. Whole groups can leave endpoints uneven however
+/// they are placed: 6 equal groups on 4 endpoints sit 2, 2, 1, 1, and a group with 9× the mean's
+/// traffic outweighs its endpoint's share, and one lone group is all the traffic. While the
+/// busiest endpoint carries more than a quarter of an even share over the idlest, half the gap
+/// moves from its largest part to the idlest; that group's conversations then split between the
+/// two by a hash of their opening message, which every gateway computes alike. Only as many
+/// groups span endpoints as evening out takes: groups that already even out stay whole.
+pub fn shares(groups: &[(u64, u32)], endpoints: &[u32]) -> Shares {
+    let homes = assign(groups, endpoints);
+    let n = endpoints.len();
+    let mut parts: Vec<Vec<(u64, u64)>> = vec![Vec::new(); n];
+    let mut sorted = groups.to_vec();
+    sorted.sort_unstable();
+    for (g, w) in sorted {
+        if let Some(e) = homes
+            .get(&g)
+            .and_then(|h| endpoints.iter().position(|e| e == h))
+        {
+            parts[e].push((g, u64::from(w) * SHARE_UNITS));
+        }
+    }
+    let mut load: Vec<u64> = parts.iter().map(|p| p.iter().map(|x| x.1).sum()).collect();
+    let slack = (load.iter().sum::<u64>() / (4 * n.max(1) as u64)).max(1);
+    // Each move lowers the sum of squared loads; the bound only guards against a bug.
+    for _ in 0..4 * n + groups.len() {
+        let lo = (0..n).min_by_key(|&e| (load[e], e)).unwrap_or(0);
+        let hi = (0..n)
+            .max_by_key(|&e| (load[e], std::cmp::Reverse(e)))
+            .unwrap_or(0);
+        let gap = load[hi] - load[lo];
+        if gap <= slack {
+            break;
+        }
+        let Some(at) = (0..parts[hi].len())
+            .max_by_key(|&i| (parts[hi][i].1, std::cmp::Reverse(parts[hi][i].0)))
+        else {
+            break;
+        };
+        let (g, share) = parts[hi][at];
+        let moved = (gap / 2).min(share);
+        if moved == share {
+            parts[hi].remove(at);
+        } else {
+            parts[hi][at].1 -= moved;
+        }
+        match parts[lo].iter_mut().find(|p| p.0 == g) {
+            Some(p) => p.1 += moved,
+            None => parts[lo].push((g, moved)),
+        }
+        load[hi] -= moved;
+        load[lo] += moved;
+    }
+    let mut out: Shares = HashMap::new();
+    for (e, ps) in parts.iter().enumerate() {
+        for &(g, share) in ps {
+            out.entry(g).or_default().push((endpoints[e], share));
+        }
+    }
+    // The home `assign` gave comes first among equal shares.
+    for (g, parts) in out.iter_mut() {
+        let home = homes.get(g).copied();
+        parts.sort_unstable_by_key(|&(e, share)| (std::cmp::Reverse(share), Some(e) != home, e));
+    }
+    out
+}
+
+/// The home of a group's conversation among its `homes`: each takes the conversations whose
+/// hash falls in its share.
+pub fn home_of(homes: &[(u32, u64)], conversation: u64) -> Option<u32> {
+    let total: u64 = homes.iter().map(|h| h.1).sum();
+    let mut point = ((u128::from(conversation) * u128::from(total)) >> 64) as u64;
+    for &(e, share) in homes {
+        if point < share {
+            return Some(e);
+        }
+        point -= share;
+    }
+    homes.first().map(|h| h.0)
+}
+
 fn encode(records: &[Seen]) -> Vec<u8> {
     let mut out = Vec::with_capacity(1 + records.len() * RECORD_LEN);
     out.push(VERSION);
@@ -429,6 +517,89 @@ mod tests {
             .filter(|(g, _)| before[g] != after[g])
             .count();
         assert!(moved <= 6, "{moved} groups moved");
+    }
+
+    /// Total share homed on each endpoint.
+    fn share_loads(shares: &Shares, eps: &[u32]) -> Vec<u64> {
+        eps.iter()
+            .map(|e| {
+                shares
+                    .values()
+                    .flatten()
+                    .filter(|(h, _)| h == e)
+                    .map(|(_, s)| s)
+                    .sum()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn six_equal_groups_on_four_endpoints_split_two_of_them_to_even_out() {
+        let eps = endpoints(4);
+        let gs: Vec<(u64, u32)> = groups(6).into_iter().map(|(g, _)| (g, 4)).collect();
+        let shares = shares(&gs, &eps);
+        assert_eq!(share_loads(&shares, &eps), vec![24, 24, 24, 24]);
+        let split: Vec<_> = shares.values().filter(|h| h.len() > 1).collect();
+        assert_eq!(split.len(), 2, "{shares:?}");
+        for (g, w) in &gs {
+            let total = shares[g].iter().map(|h| h.1).sum::<u64>();
+            assert_eq!(total, u64::from(*w) * SHARE_UNITS);
+        }
+        // A whole group keeps the home `assign` gave it; a split one keeps most of it there.
+        let homes = assign(&gs, &eps);
+        assert!(
+            gs.iter().all(|(g, _)| shares[g][0].0 == homes[g]),
+            "{shares:?}"
+        );
+    }
+
+    #[test]
+    fn a_lone_group_spans_every_endpoint() {
+        let eps = endpoints(4);
+        let shares = shares(&groups(1), &eps);
+        let homes = shares.values().next().unwrap();
+        assert_eq!(homes.len(), 4, "{homes:?}");
+        assert!(homes.iter().all(|h| h.1 == 1), "{homes:?}");
+    }
+
+    #[test]
+    fn groups_that_already_even_out_stay_whole() {
+        let eps = endpoints(4);
+        let gs = groups(24);
+        let shares = shares(&gs, &eps);
+        assert!(shares.values().all(|h| h.len() == 1));
+        let homes = assign(&gs, &eps);
+        assert!(gs
+            .iter()
+            .all(|(g, _)| shares[g] == vec![(homes[g], SHARE_UNITS)]));
+    }
+
+    #[test]
+    fn a_hot_group_spills_only_what_its_endpoint_cannot_carry() {
+        let eps = endpoints(4);
+        let mut gs = groups(12);
+        gs[0].1 = 24; // 24 of 35: a little over two thirds of the fleet's traffic
+        let shares = shares(&gs, &eps);
+        let loads = share_loads(&shares, &eps);
+        let (lo, hi) = (loads.iter().min().unwrap(), loads.iter().max().unwrap());
+        assert!((hi - lo) * 4 <= *hi, "{loads:?}");
+        assert!(shares[&gs[0].0].len() >= 3, "{:?}", shares[&gs[0].0]);
+        assert_eq!(shares.values().filter(|h| h.len() > 1).count(), 1);
+    }
+
+    #[test]
+    fn conversations_split_by_share_and_always_alike() {
+        let homes = [(7, 3), (9, 1)];
+        let mut count = HashMap::new();
+        for c in 0..4000u64 {
+            let conversation = c.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let home = home_of(&homes, conversation).unwrap();
+            assert_eq!(home_of(&homes, conversation), Some(home));
+            *count.entry(home).or_insert(0) += 1;
+        }
+        assert!((2800..3200).contains(&count[&7]), "{count:?}");
+        assert_eq!(home_of(&[(5, 2)], 12345), Some(5));
+        assert_eq!(home_of(&[], 1), None);
     }
 
     #[test]

@@ -5,8 +5,9 @@
 //! ([`PrefixKeys::group`](crate::prefix::PrefixKeys)); its endpoints are ranked by rendezvous on
 //! that key, and its home is the first of them, or, once this gateway has been up a little while,
 //! its place in the balanced assignment of the groups it has seen ([`groups`](crate::groups)),
-//! which gateways that saw the same groups compute alike. Overload is judged from the engines'
-//! own reports, the same at every gateway:
+//! which gateways that saw the same groups compute alike (where that splits the group, the home
+//! its conversation's hash falls to). Overload is judged from the engines' own reports, the same
+//! at every gateway:
 //!
 //! - a prefix of the request that reaches past its head (a conversation's history) and that this
 //!   gateway saw served, if it covers at least `cache_threshold` of the request: its first
@@ -66,7 +67,7 @@ struct GroupView {
     /// The groups that take a place, with their weights, sorted, and their homes for the
     /// endpoint ids they were computed for.
     counted: Vec<(u64, u32)>,
-    homes: Option<(Vec<u32>, HashMap<u64, u32>)>,
+    homes: Option<(Vec<u32>, groups::Shares)>,
     /// Each endpoint's eviction horizon ([`eviction`]) as the last request that found a match
     /// read it: the holders its record keeps when [`Policy::routed`] rewrites it.
     horizons: HashMap<u32, u64>,
@@ -88,9 +89,17 @@ impl CacheAware {
         }
     }
 
-    /// The group's home among `candidates`: its place in the balanced assignment once this
-    /// gateway has warmed up and counts the group, else its first rendezvous choice.
-    fn home(&self, candidates: &[Candidate], group: u64, order: &[usize], now_ms: u64) -> usize {
+    /// The home among `candidates` of the request's group, or of its conversation where the
+    /// group spans several: its place in the balanced assignment once this gateway has warmed up
+    /// and counts the group, else its first rendezvous choice.
+    fn home(
+        &self,
+        candidates: &[Candidate],
+        keys: &PrefixKeys,
+        order: &[usize],
+        now_ms: u64,
+    ) -> usize {
+        let group = keys.group;
         let first = order.first().copied().unwrap_or(0);
         let mut view = self.view.borrow_mut();
         let warm = view
@@ -111,13 +120,13 @@ impl CacheAware {
             .is_none_or(|(for_ids, _)| !for_ids.iter().copied().eq(ids()))
         {
             let ids: Vec<u32> = ids().collect();
-            let homes = groups::assign(&view.counted, &ids);
-            view.homes = Some((ids, homes));
+            let shares = groups::shares(&view.counted, &ids);
+            view.homes = Some((ids, shares));
         }
         let home = view
             .homes
             .as_ref()
-            .and_then(|(_, h)| h.get(&group).copied());
+            .and_then(|(_, h)| groups::home_of(h.get(&group)?, keys.conversation));
         home.and_then(|id| candidates.iter().position(|c| c.id == id))
             .unwrap_or(first)
     }
@@ -140,7 +149,7 @@ impl Policy for CacheAware {
             self.view.borrow_mut().horizons = horizons;
         }
         let mut order = rendezvous_order(candidates, input.keys.group);
-        let home = self.home(candidates, input.keys.group, &order, input.now_ms);
+        let home = self.home(candidates, input.keys, &order, input.now_ms);
         if let Some(at) = order.iter().position(|&i| i == home) {
             order[..=at].rotate_right(1);
         }
