@@ -377,6 +377,37 @@ mod tests {
     }
 
     #[test]
+    fn once_warm_a_lone_groups_conversations_spread_and_each_keeps_its_home() {
+        let (p, store, c) = (policy(), MemoryStore::new(), candidates(&[0, 0, 0, 0]));
+        p.tick(&store, 0);
+        let pick = |conversation: usize, now| {
+            let opener = format!("conversation {conversation}");
+            let keys = ask("app", &format!("{opener} at {now}")).opened_by(&opener);
+            let input = Input {
+                now_ms: now,
+                ..input(&keys, &store)
+            };
+            let pick = p.pick(&c, &input).unwrap();
+            p.routed(&c, &input, &pick);
+            (pick.index, pick.decision)
+        };
+        pick(0, 10);
+        pick(1, 20);
+        p.tick(&store, 2000);
+        assert_eq!(p.tick(&store, 2001), 1);
+        let homes: Vec<usize> = (0..40).map(|n| pick(n, 2002).0).collect();
+        let used: std::collections::HashSet<_> = homes.iter().collect();
+        assert_eq!(
+            used.len(),
+            4,
+            "one group, all the traffic, every endpoint: {homes:?}"
+        );
+        for (n, &home) in homes.iter().enumerate() {
+            assert_eq!(pick(n, 2003), (home, Decision::Home), "conversation {n}");
+        }
+    }
+
+    #[test]
     fn groups_spread_over_endpoints_by_their_key() {
         let c = candidates(&[0, 0, 0, 0]);
         let store = MemoryStore::new();
