@@ -5,6 +5,10 @@
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
+/// Bytes of a conversation's opening message that tell it apart: conversations that open alike
+/// for this long (a long document, then different questions) share a home, and its cache.
+pub const OPENER_BYTES: usize = 4096;
+
 /// How a prompt is cut into keys (from the config).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shape {
@@ -85,11 +89,12 @@ impl PrefixKeys {
         }
     }
 
-    /// The conversation is the one `opener` (the first message after the head) starts; nothing
-    /// after the head leaves it the whole prompt's.
+    /// The conversation is the one `opener` (the first message after the head) starts, told
+    /// apart by its first [`OPENER_BYTES`]; nothing after the head leaves it the whole prompt's.
     pub fn opened_by(mut self, opener: &str) -> PrefixKeys {
         if !opener.is_empty() {
-            self.conversation = xxh3_64_with_seed(opener.as_bytes(), self.group);
+            let opener = &opener.as_bytes()[..opener.len().min(OPENER_BYTES)];
+            self.conversation = xxh3_64_with_seed(opener, self.group);
         }
         self
     }
