@@ -133,6 +133,25 @@ mod tests {
     }
 
     #[test]
+    fn a_conversation_is_its_opening_message_up_to_a_bound() {
+        let keys =
+            |text: &str| PrefixKeys::new("m", &format!("head{text}"), 4, true, shape(16, 64));
+        let doc = "d".repeat(OPENER_BYTES);
+        let (a, b) = (format!("{doc} question a"), format!("{doc} question b"));
+        assert_eq!(
+            keys(&a).opened_by(&a).conversation,
+            keys(&b).opened_by(&b).conversation
+        );
+        assert_ne!(
+            keys("x").opened_by("x").conversation,
+            keys("y").opened_by("y").conversation
+        );
+        let (one, two) = (keys("same text"), keys("same text"));
+        assert_eq!(one.conversation, two.conversation);
+        assert_eq!(one.opened_by("").conversation, *two.keys.last().unwrap());
+    }
+
+    #[test]
     fn the_model_namespaces_keys() {
         let a = PrefixKeys::new("m1", "same text", 9, true, shape(4, 8));
         let b = PrefixKeys::new("m2", "same text", 9, true, shape(4, 8));
