@@ -1,12 +1,15 @@
 //! What kvroute costs: CPU per request and latency added, for 1 KB and 24 KB prompts, next to
-//! plain Envoy, the floor (a filter that only pauses for the body and reads it), and the peer
-//! routers as a hop (smg, vllm-router).
+//! plain Envoy, the floor (a filter that only pauses for the body and reads it), the floor that
+//! also writes the routing header for Envoy's `override_host` (`floor+header`: what honouring the
+//! header costs Envoy, whoever writes it), and the peer routers as a hop (smg, vllm-router).
 //!
 //! Every config runs at once against the same in-process backends, and every client sends each
 //! body to every config in turn (rotating which goes first), so machine noise (this box is shared)
 //! hits all alike; the numbers that matter are differences and ratios, not absolute values.
-//! `floor` and `kvroute` are measured over plain Envoy; `plain`, `smg` and `vllm-router` over going
-//! straight to a backend (the peers are a hop behind the gateway a user already has).
+//! `floor`, `floor+header` and `kvroute` are measured over plain Envoy; `plain`, `smg` and
+//! `vllm-router` over going straight to a backend (the peers are a hop behind the gateway a user
+//! already has). Each process's CPU while idle is reported too: work that is not per request
+//! (kvroute's polls, health checks) is part of the CPU per request at a given rate.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -28,11 +31,23 @@ const LATENCY_CLIENTS: usize = 4;
 const THROUGHPUT_CLIENTS: usize = 32;
 /// Prefix groups: requests mostly go to their group's home, the common path in production.
 const GROUPS: usize = 16;
+/// How long every process's idle CPU is measured, all at once, after a warm-up.
+const IDLE: Duration = Duration::from_secs(3);
 /// vllm-router's policy here: its cache-aware one, like smg's.
 const VLLM_ROUTER_POLICY: &str = "cache_aware";
 
 /// The configs measured, in table order.
-const CONFIGS: [&str; 5] = ["plain", "floor", "kvroute", "smg", "vllm-router"];
+const CONFIGS: [&str; 6] = [
+    "plain",
+    "floor",
+    "floor+header",
+    "kvroute",
+    "smg",
+    "vllm-router",
+];
+/// Addresses `floor+header` lists per request: the chosen one and one fallback, as kvroute's
+/// default `fallback_endpoints` (1) has it.
+const FLOOR_HEADER_ADDRESSES: usize = 2;
 
 /// One row of the table (and of `--json`).
 #[derive(Debug, Clone, Serialize)]
@@ -47,6 +62,9 @@ pub struct Row {
     /// What the added latency is measured over: `plain` (Envoy) or `backend` (direct).
     pub over: &'static str,
     pub requests_per_s: Option<f64>,
+    /// CPU of the process while no client sends anything (timers, polls, health checks), in ms
+    /// per second.
+    pub idle_cpu_ms_per_s: Option<f64>,
     /// Why the config was not measured (a peer that is not installed or did not start).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub skipped: Option<String>,
@@ -71,7 +89,7 @@ impl Target {
 
     fn over(&self) -> &'static str {
         match self.name {
-            "floor" | "kvroute" => "plain",
+            "floor" | "floor+header" | "kvroute" => "plain",
             _ => "backend",
         }
     }
@@ -97,9 +115,24 @@ pub async fn overhead(
     };
     let mut targets = Vec::new();
     let mut skipped: Vec<(&str, String)> = Vec::new();
+    // Like kvroute's list: each backend first in turn, then the next ones as fallbacks.
+    let header_values: Vec<String> = (0..addrs.len())
+        .map(|i| {
+            (0..FLOOR_HEADER_ADDRESSES.min(addrs.len()))
+                .map(|k| addrs[(i + k) % addrs.len()].to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .collect();
     for (name, lb) in [
         ("plain", Lb::RoundRobin),
         ("floor", Lb::Floor),
+        (
+            "floor+header",
+            Lb::FloorHeader {
+                plugin_config: json!({ "header_values": header_values }),
+            },
+        ),
         ("kvroute", Lb::Kvroute { plugin_config }),
     ] {
         let envoy = start(lb).await.map_err(|e| format!("{name}: {e}"))?;
@@ -137,6 +170,9 @@ pub async fn overhead(
     let mut urls = vec![workers.clone()];
     urls.extend(targets.iter().map(|t| vec![t.url.clone()]));
 
+    // Once every VM has compiled and seen traffic, as it is between the load phases.
+    warm_up(&client, &urls, &bodies(SIZES[0])).await?;
+    let idle = idle_cpu(&targets, IDLE).await;
     let mut rows = Vec::new();
     for size in SIZES {
         let bodies = bodies(size);
@@ -158,6 +194,7 @@ pub async fn overhead(
                 added_p99_us: added(0.99),
                 over: t.over(),
                 requests_per_s: Some(rates[i]),
+                idle_cpu_ms_per_s: idle[i],
                 skipped: None,
             });
         }
@@ -170,6 +207,7 @@ pub async fn overhead(
                 added_p99_us: None,
                 over: "backend",
                 requests_per_s: None,
+                idle_cpu_ms_per_s: None,
                 skipped: Some(why.clone()),
             });
         }
@@ -181,6 +219,18 @@ pub async fn overhead(
     let load_after = load_average();
 
     print_table(&rows);
+    let idle: Vec<String> = targets
+        .iter()
+        .zip(&idle)
+        .map(|(t, ms)| match ms {
+            Some(ms) => format!("{} {ms:.1}", t.name),
+            None => format!("{} ?", t.name),
+        })
+        .collect();
+    println!(
+        "\nidle CPU (ms per s, after a warm-up): {}",
+        idle.join(", ")
+    );
     println!(
         "\nmachine: {} cores, load average (1 min) {} before, {} after",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
@@ -271,11 +321,38 @@ fn print_ratios(rows: &[Row]) {
         if let (Some(a), Some(b)) = (kv.cpu_us_per_request, floor.cpu_us_per_request) {
             line += &format!(" kvroute CPU/request − floor's = {:+.0} µs;", a - b);
         }
+        if let Some(header) = get("floor+header") {
+            if let (Some(a), Some(h), Some(b)) = (
+                kv.cpu_us_per_request,
+                header.cpu_us_per_request,
+                floor.cpu_us_per_request,
+            ) {
+                line += &format!(
+                    " of which Envoy honouring the header (floor+header − floor) {:+.0} µs, \
+                     kvroute's own (kvroute − floor+header) {:+.0} µs;",
+                    h - b,
+                    a - h
+                );
+            }
+        }
         if let (Some(a), Some(b)) = (kv.added_p50_us, get("smg").and_then(|s| s.added_p50_us)) {
             line += &format!(" kvroute added p50 / smg's hop = {:.2}", a / b);
         }
         println!("{line}");
     }
+}
+
+/// Each target's CPU per second of wall time while nobody sends it anything, in ms.
+async fn idle_cpu(targets: &[Target], window: Duration) -> Vec<Option<f64>> {
+    let before: Vec<_> = targets.iter().map(Target::cpu_time).collect();
+    let start = Instant::now();
+    tokio::time::sleep(window).await;
+    let wall = start.elapsed().as_secs_f64();
+    targets
+        .iter()
+        .zip(before)
+        .map(|(t, b)| Some((t.cpu_time()? - b?).as_secs_f64() * 1e3 / wall))
+        .collect()
 }
 
 /// The 1-minute load average, from `/proc/loadavg` (Linux only).

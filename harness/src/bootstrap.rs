@@ -97,7 +97,7 @@ fn patch_filters(listener: &mut Value, patch: &Patch) -> Result<(), HarnessError
         .position(|f| f.get("name").and_then(Value::as_str) == Some(WASM_FILTER))
         .ok_or_else(|| cfg(format!("no {WASM_FILTER} http filter")))?;
     let plugin_config = match patch.lb {
-        Lb::Kvroute { plugin_config } => plugin_config,
+        Lb::Kvroute { plugin_config } | Lb::FloorHeader { plugin_config } => plugin_config,
         Lb::Floor => &Json::Object(Default::default()),
         _ => {
             filters.remove(wasm_at);
@@ -110,9 +110,10 @@ fn patch_filters(listener: &mut Value, patch: &Patch) -> Result<(), HarnessError
         .ok_or_else(|| cfg("the wasm filter needs a wasm path".into()))?;
     let local = get_mut(config, &["vm_config", "code", "local"])?;
     map_mut(local)?.insert("filename".into(), wasm.display().to_string().into());
-    if let Lb::Floor = patch.lb {
-        // Same filter slot and VM settings as kvroute's; the floor reads no configuration.
+    if let Lb::Floor | Lb::FloorHeader { .. } = patch.lb {
+        // Same filter slot and VM settings as kvroute's; the floor reads only its opt-in list.
         map_mut(get_mut(config, &["vm_config"])?)?.insert("vm_id".into(), "floor".into());
+        *get_mut(config, &["configuration", "value"])? = plugin_config.to_string().into();
         return Ok(());
     }
     let value = get_mut(config, &["configuration", "value"])?;
@@ -172,7 +173,7 @@ fn patch_pool(cluster: &mut Value, patch: &Patch) -> Result<(), HarnessError> {
         }
     }
     let plain = match patch.lb {
-        Lb::Kvroute { .. } => return Ok(()),
+        Lb::Kvroute { .. } | Lb::FloorHeader { .. } => return Ok(()),
         Lb::RoundRobin | Lb::Floor => ("round_robin", "round_robin.v3.RoundRobin"),
         Lb::LeastRequest => ("least_request", "least_request.v3.LeastRequest"),
         Lb::RingHash { .. } => ("ring_hash", "ring_hash.v3.RingHash"),
@@ -307,6 +308,18 @@ mod tests {
             assert!(text.contains(needle), "{needle} missing from:\n{text}");
         }
         assert!(!text.contains("override_host"));
+    }
+
+    #[test]
+    fn the_floor_with_a_header_keeps_override_host_and_gets_its_values() {
+        let lb = Lb::FloorHeader {
+            plugin_config: serde_json::json!({ "header_values": ["127.0.0.1:8001"] }),
+        };
+        let text = serde_yaml::to_string(&render_with(&lb)).unwrap();
+        for needle in ["vm_id: floor", "override_host", "127.0.0.1:8001"] {
+            assert!(text.contains(needle), "{needle} missing from:\n{text}");
+        }
+        assert!(!text.contains("admin_cluster"), "not kvroute's config");
     }
 
     #[test]

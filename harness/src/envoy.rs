@@ -25,6 +25,9 @@ pub enum Lb {
     /// The floor for kvroute's overhead: `round_robin` behind the floor filter
     /// (`tools/floor-filter`), which pauses for each request body and reads it, nothing else.
     Floor,
+    /// The floor filter with `plugin_config` (its opt-in `header_values`: it also writes the
+    /// routing header) in front of the shipped `override_host` policy, as kvroute has it.
+    FloorHeader { plugin_config: Json },
 }
 
 /// What to start. Build with struct-update syntax over [`EnvoyOptions::default`].
@@ -90,7 +93,7 @@ impl Envoy {
         let envoy_bin = paths::envoy_bin()?;
         let wasm = match opts.lb {
             Lb::Kvroute { .. } => Some(paths::kvroute_wasm()?),
-            Lb::Floor => Some(paths::floor_wasm()?),
+            Lb::Floor | Lb::FloorHeader { .. } => Some(paths::floor_wasm()?),
             _ => None,
         };
         let [admin_port, listener_port] = free_ports()?;
