@@ -55,6 +55,10 @@ enum Cmd {
         /// kvroute plugin config laid over the shipped one (JSON object), e.g. '{"policy":"round_robin"}'.
         #[arg(long, default_value = "{}")]
         plugin_config: String,
+        /// The configs to measure, comma-separated (plain, the baseline, always runs), e.g.
+        /// `floor,kvroute` to compare builds quickly. Default: all.
+        #[arg(long, value_delimiter = ',')]
+        configs: Vec<String>,
         /// Also write the rows (config, prompt_bytes, cpu_us_per_request, added_p50_us,
         /// added_p99_us, ...) as JSON to FILE.
         #[arg(long, value_name = "FILE")]
@@ -83,9 +87,10 @@ fn main() {
             Cmd::Overhead {
                 seconds,
                 plugin_config,
+                configs,
                 json,
             } => match serde_json::from_str(&plugin_config) {
-                Ok(config) => overhead::overhead(seconds, config, json.as_deref()).await,
+                Ok(config) => overhead::overhead(seconds, config, &configs, json.as_deref()).await,
                 Err(e) => Err(format!("--plugin-config: {e}")),
             },
         }

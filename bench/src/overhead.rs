@@ -98,8 +98,17 @@ impl Target {
 pub async fn overhead(
     seconds: u64,
     plugin_config: serde_json::Value,
+    configs: &[String],
     json_out: Option<&Path>,
 ) -> Result<(), String> {
+    if let Some(unknown) = configs.iter().find(|c| !CONFIGS.contains(&c.as_str())) {
+        return Err(format!(
+            "--configs: unknown config {unknown:?} (known: {})",
+            CONFIGS.join(", ")
+        ));
+    }
+    let wanted =
+        |name: &str| name == "plain" || configs.is_empty() || configs.iter().any(|c| c == name);
     let load_before = load_average();
     let backends = Backend::start_many(4)
         .await
@@ -135,6 +144,9 @@ pub async fn overhead(
         ),
         ("kvroute", Lb::Kvroute { plugin_config }),
     ] {
+        if !wanted(name) {
+            continue;
+        }
         let envoy = start(lb).await.map_err(|e| format!("{name}: {e}"))?;
         targets.push(Target {
             name,
@@ -143,7 +155,7 @@ pub async fn overhead(
             peer: None,
         });
     }
-    for name in ["smg", "vllm-router"] {
+    for name in ["smg", "vllm-router"].into_iter().filter(|n| wanted(n)) {
         let peer = match name {
             "smg" => peers::start_smg_on(&workers).await,
             _ => peers::start_vllm_router_on(VLLM_ROUTER_POLICY, &workers).await,

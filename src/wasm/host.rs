@@ -9,6 +9,7 @@ use proxy_wasm::types::{MetricType, Status};
 use crate::policy::Decision;
 use crate::router::Fallback;
 use crate::store::{SharedStore, StoreError};
+use crate::usage;
 
 /// Envoy shared data: one namespace for every worker VM with kvroute's `vm_id`.
 pub struct HostStore;
@@ -47,6 +48,8 @@ pub struct Metrics {
     slots_used: Option<u32>,
     /// The in-flight gauge of each endpoint address seen.
     inflight: HashMap<String, u32>,
+    /// The usage counters (prompt tokens, cached tokens) of each endpoint address seen.
+    usage: HashMap<String, [Option<u32>; 2]>,
 }
 
 impl Metrics {
@@ -134,6 +137,30 @@ impl Metrics {
         if let Some(id) = id {
             let _ = hostcalls::record_metric(id, value);
         }
+    }
+
+    /// `kvroute.usage.{prompt,cached}_tokens.<endpoint>`, for the endpoint `addr`.
+    pub fn endpoint_usage(&mut self, addr: &str, prompt_tokens: u64, cached_tokens: u64) {
+        let ids = match self.usage.get(addr) {
+            Some(ids) => *ids,
+            None => {
+                let seg = usage::stat_segment(addr);
+                let ids = [
+                    self.id(
+                        MetricType::Counter,
+                        &format!("kvroute.usage.prompt_tokens.{seg}"),
+                    ),
+                    self.id(
+                        MetricType::Counter,
+                        &format!("kvroute.usage.cached_tokens.{seg}"),
+                    ),
+                ];
+                self.usage.insert(addr.to_string(), ids);
+                ids
+            }
+        };
+        increment(ids[0], prompt_tokens as i64);
+        increment(ids[1], cached_tokens as i64);
     }
 }
 

@@ -34,6 +34,11 @@ pub struct Stream {
     blamed: bool,
     /// Who served the response and what its engine reported (see `response`).
     response: Response,
+    /// The response reached its end of stream: no upstream failure cut it short, so Envoy's
+    /// response flags need not be read.
+    complete: bool,
+    /// The end-of-stream work ran (Envoy calls both `on_done` and `on_log`).
+    ended: bool,
 }
 
 impl Stream {
@@ -48,6 +53,8 @@ impl Stream {
             routed: None,
             blamed: false,
             response: Response::default(),
+            complete: false,
+            ended: false,
         }
     }
 
@@ -178,27 +185,36 @@ impl Stream {
         if self.blamed {
             return;
         }
-        let upstream = hostcalls::get_property(vec!["upstream", "address"])
-            .ok()
-            .flatten()
-            .and_then(|b| String::from_utf8(b).ok());
-        if suspects::chosen_failed(chosen, upstream.as_deref(), status, flags) {
+        if suspects::chosen_failed(chosen, self.response.served(), status, flags) {
             self.blamed = true;
             let chosen = chosen.clone();
             self.shared.borrow_mut().mark_suspect(&chosen, now_ms());
         }
     }
 
-    /// At the end of a routed stream: a reset or failed connection after the response started
-    /// (a replica dying mid-stream) shows only in Envoy's response flags.
-    fn blame_at_end(&mut self) {
-        if self.routed.is_none() || self.blamed {
+    /// The stream is over, however it ended (Envoy calls both `on_done` and `on_log`; the first
+    /// does the work): blame, usage and affinity settled, one request fewer in flight.
+    fn end(&mut self) {
+        if std::mem::replace(&mut self.ended, true) {
             return;
         }
-        let flags = response_flags();
+        if self.watched {
+            self.watched = false;
+            self.shared.borrow_mut().body.forget(self.id);
+        }
+        // A reset or failed connection after the response started (a replica dying mid-stream)
+        // shows only in Envoy's response flags; a response that reached its end had none.
+        let involved = self.routed.is_some() || self.response.pending();
+        let flags = if self.complete || !involved {
+            0
+        } else {
+            response_flags()
+        };
         if flags & UPSTREAM_FAILURE_FLAGS != 0 {
             self.blame(None, flags);
         }
+        self.response.end(&self.shared, flags);
+        self.settle();
     }
 
     /// The stream is over, however it ended: one request fewer in flight.
@@ -275,13 +291,7 @@ fn route_cluster() -> Option<String> {
 
 impl Context for Stream {
     fn on_done(&mut self) -> bool {
-        if self.watched {
-            self.watched = false;
-            self.shared.borrow_mut().body.forget(self.id);
-        }
-        self.blame_at_end();
-        self.response.end(&self.shared, response_flags());
-        self.settle();
+        self.end();
         true
     }
 }
@@ -367,9 +377,14 @@ impl HttpContext for Stream {
         self.route()
     }
 
-    fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
         self.settle_watch(false);
+        self.complete = end_of_stream;
         let status = response::status();
+        // Who answered, read once for the blame and the response's settling.
+        if self.routed.is_some() || self.response.pending() {
+            self.response.read_served();
+        }
         if self.routed.is_some() {
             // Retries are over by now (Envoy retries only before it forwards response headers):
             // this is the final answer, and the host that gave it.
@@ -396,14 +411,13 @@ impl HttpContext for Stream {
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.complete |= end_of_stream;
         self.response.body(body_size);
         Action::Continue
     }
 
     fn on_log(&mut self) {
-        self.blame_at_end();
-        self.response.end(&self.shared, response_flags());
-        self.settle();
+        self.end();
     }
 }

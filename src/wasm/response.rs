@@ -19,7 +19,7 @@ use crate::eviction::{self, Predicted};
 use crate::rendezvous::endpoint_id;
 use crate::router::{self, Routed};
 use crate::suspects::UPSTREAM_FAILURE_FLAGS;
-use crate::usage::{self, Tail};
+use crate::usage::Tail;
 
 /// Counters defined at configure time, so dashboards see them at zero.
 pub const COUNTERS: [&str; 6] = [
@@ -62,9 +62,28 @@ impl Response {
         });
     }
 
-    /// Response headers: the final status and the host that gave it (retries are over). If that
-    /// is not the host kvroute counted, the in-flight count moves there. Takes and returns the
-    /// counted `(id, addr)`.
+    /// Whether the response has anything to settle: kvroute routed the request, or its engine
+    /// may report usage.
+    pub fn pending(&self) -> bool {
+        self.chosen.is_some() || self.tail.is_some()
+    }
+
+    /// Reads the host that gave the final answer (retries are over once response headers come).
+    pub fn read_served(&mut self) {
+        self.served = hostcalls::get_property(vec!["upstream", "address"])
+            .ok()
+            .flatten()
+            .and_then(|b| String::from_utf8(b).ok());
+    }
+
+    /// The host that gave the final answer, once [`read_served`](Self::read_served) ran.
+    pub fn served(&self) -> Option<&str> {
+        self.served.as_deref()
+    }
+
+    /// Response headers: the final status. If the host that served (see
+    /// [`read_served`](Self::read_served)) is not the one kvroute counted, the in-flight count
+    /// moves there. Takes and returns the counted `(id, addr)`.
     pub fn headers(
         &mut self,
         shared: &RefCell<Shared>,
@@ -72,13 +91,6 @@ impl Response {
         counted: Option<(u32, String)>,
     ) -> Option<(u32, String)> {
         self.status = status;
-        if self.chosen.is_none() && self.tail.is_none() {
-            return counted;
-        }
-        self.served = hostcalls::get_property(vec!["upstream", "address"])
-            .ok()
-            .flatten()
-            .and_then(|b| String::from_utf8(b).ok());
         let (Some((id, addr)), Some(served)) = (counted.as_ref(), self.served.as_ref()) else {
             return counted;
         };
@@ -131,11 +143,7 @@ impl Response {
                 u.cached_tokens as i64,
             );
             if let Some(served) = &self.served {
-                let seg = usage::stat_segment(served);
-                let prompt = format!("kvroute.usage.prompt_tokens.{seg}");
-                let cached = format!("kvroute.usage.cached_tokens.{seg}");
-                m.add(MetricType::Counter, &prompt, u.prompt_tokens as i64);
-                m.add(MetricType::Counter, &cached, u.cached_tokens as i64);
+                m.endpoint_usage(served, u.prompt_tokens, u.cached_tokens);
             }
         }
         let Some(chosen) = self.chosen.take() else {
