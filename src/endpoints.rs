@@ -42,6 +42,19 @@ impl Host {
 /// Hosts by cluster name: what one stats poll learned.
 pub type Snapshot = HashMap<String, Vec<Host>>;
 
+/// Each engine's finished-requests counter in `snapshot` (address, count), once per address
+/// however many clusters list it, sorted by address.
+pub fn completed(snapshot: &Snapshot) -> Vec<(&str, f64)> {
+    let mut out: Vec<(&str, f64)> = snapshot
+        .values()
+        .flatten()
+        .filter_map(|h| Some((h.addr.as_str(), h.engine?.completed?)))
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(b.0));
+    out.dedup_by(|a, b| a.0 == b.0);
+    out
+}
+
 /// Which clusters a poll keeps: the named ones, or every cluster when none are named.
 #[derive(Debug, Clone, Copy)]
 pub struct Keep<'a> {
@@ -454,5 +467,21 @@ mod tests {
         );
         assert!(parse_admin_clusters(b"<html>", Keep::ALL).is_err());
         assert!(parse_admin_clusters(b"{}", Keep::ALL).is_err());
+    }
+
+    #[test]
+    fn each_engines_finished_requests_count_once_however_many_clusters_list_it() {
+        let host = |addr: &str, completed: Option<f64>| Host {
+            engine: Some(EngineLoad {
+                completed,
+                ..EngineLoad::default()
+            }),
+            ..Host::fixed(addr)
+        };
+        let mut s = Snapshot::new();
+        s.insert("pool".into(), vec![host("b:1", Some(5.0)), host("a:1", Some(3.0))]);
+        s.insert("engines".into(), vec![host("a:1", Some(3.0)), host("c:1", None)]);
+        s.insert("other".into(), vec![Host::fixed("d:1")]);
+        assert_eq!(completed(&s), vec![("a:1", 3.0), ("b:1", 5.0)]);
     }
 }

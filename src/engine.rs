@@ -15,17 +15,20 @@ pub struct Metrics {
     pub running: u64,
     /// Requests queued for admission: the engine is full.
     pub waiting: u64,
+    /// Requests it has finished since it started (a counter), when it says.
+    pub completed: Option<f64>,
 }
 
 /// vLLM's and SGLang's metric families for each number kvroute reads.
 const RUNNING: [&str; 2] = ["vllm:num_requests_running", "sglang:num_running_reqs"];
 const WAITING: [&str; 2] = ["vllm:num_requests_waiting", "sglang:num_queue_reqs"];
+const COMPLETED: [&str; 2] = ["vllm:request_success_total", "sglang:num_requests_total"];
 
 /// Reads an engine's Prometheus text, each number summed over label sets (one per model).
 /// `None` when it exposes neither requests running nor waiting.
 pub fn parse(text: &[u8]) -> Option<Metrics> {
     let text = String::from_utf8_lossy(text);
-    let (mut running, mut waiting) = (None, None);
+    let (mut running, mut waiting, mut completed) = (None, None, None);
     for line in text.lines() {
         let Some(name_end) = line.find(['{', ' ']) else {
             continue;
@@ -35,6 +38,8 @@ pub fn parse(text: &[u8]) -> Option<Metrics> {
             &mut running
         } else if WAITING.contains(&name) {
             &mut waiting
+        } else if COMPLETED.contains(&name) {
+            &mut completed
         } else {
             continue;
         };
@@ -49,6 +54,7 @@ pub fn parse(text: &[u8]) -> Option<Metrics> {
     Some(Metrics {
         running: running.unwrap_or(0.0).round() as u64,
         waiting: waiting.unwrap_or(0.0).round() as u64,
+        completed,
     })
 }
 
@@ -68,6 +74,9 @@ pub struct EngineLoad {
     /// to answer would otherwise look as idle as it last was).
     #[serde(default)]
     pub missed: u32,
+    /// Requests the engine has finished since it started, by every gateway ([`Metrics`]).
+    #[serde(default)]
+    pub completed: Option<f64>,
 }
 
 impl EngineLoad {
@@ -86,6 +95,7 @@ impl EngineLoad {
             capacity,
             own_at_poll: own,
             missed: 0,
+            completed: m.completed,
         }
     }
 
@@ -122,7 +132,11 @@ mod tests {
     use super::*;
 
     fn metrics(running: u64, waiting: u64) -> Metrics {
-        Metrics { running, waiting }
+        Metrics {
+            running,
+            waiting,
+            completed: None,
+        }
     }
 
     #[test]
@@ -140,6 +154,19 @@ mod tests {
         assert_eq!((s.running, s.waiting), (2, 4));
         assert_eq!(parse(b"up 1\n"), None);
         assert_eq!(parse(b"vllm:num_requests_waiting NaN\n"), None);
+        assert_eq!(m.completed, None);
+    }
+
+    #[test]
+    fn finished_requests_are_summed_over_label_sets() {
+        let text = "vllm:num_requests_running 1\n\
+            vllm:request_success_total{finished_reason=\"stop\",model_name=\"a\"} 40.0\n\
+            vllm:request_success_total{finished_reason=\"length\",model_name=\"a\"} 2.0\n";
+        assert_eq!(parse(text.as_bytes()).unwrap().completed, Some(42.0));
+        let s = parse(
+            b"sglang:num_running_reqs 0\nsglang:num_requests_total{is_streaming=\"true\"} 7\n",
+        );
+        assert_eq!(s.unwrap().completed, Some(7.0));
     }
 
     #[test]

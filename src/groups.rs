@@ -26,9 +26,16 @@ use crate::store::{self, SharedStore, Update};
 
 pub const SHARDS: usize = 16;
 pub const PER_SHARD: usize = 64;
-/// A group counts once more than one request of it was seen lately (the count decays, so two
-/// requests a moment apart make a little under 2): one-off prompts are no group.
+/// A group counts once more than one request of it was seen lately by the whole fleet (the count
+/// decays, so two requests a moment apart make a little under 2): one-off prompts are no group.
+/// A gateway that sees a share of the fleet's traffic needs that share of it ([`FleetVolume`]).
 pub const MIN_REQUESTS: f32 = 1.5;
+/// Decayed requests the engines must have finished before a gateway trusts its estimate of its
+/// own share of their traffic.
+pub const MIN_FLEET_VOLUME: f64 = 16.0;
+/// The smallest traffic share a gateway assumes it has (at 1/8, a group counts from its first
+/// request).
+pub const MIN_SHARE: f64 = 0.125;
 /// A group not seen for this long no longer takes a place.
 pub const TTL_MS: u64 = 60_000;
 /// Request counts halve over this time: popularity is recent popularity.
@@ -51,9 +58,10 @@ pub struct Seen {
 }
 
 impl Seen {
-    /// Whether the group takes a place in the assignment at `now_ms`.
-    pub fn counts(&self, now_ms: u64) -> bool {
-        self.requests >= MIN_REQUESTS && now_ms.saturating_sub(self.last_ms) < TTL_MS
+    /// Whether the group takes a place in the assignment at `now_ms`, once this gateway has seen
+    /// `min_requests` of it.
+    pub fn counts(&self, now_ms: u64, min_requests: f32) -> bool {
+        self.requests >= min_requests && now_ms.saturating_sub(self.last_ms) < TTL_MS
     }
 
     /// Requests seen, decayed to `now_ms`.
@@ -132,12 +140,70 @@ pub fn read(store: &dyn SharedStore) -> (Vec<Seen>, Vec<Option<u32>>) {
     (all, versions)
 }
 
-/// The groups that take a place at `now_ms`, sorted by key, each with its weight: its recent
-/// requests over the mean group's, in quarters of the mean (see [`weight`]).
-pub fn weighted(seen: &[Seen], now_ms: u64) -> Vec<(u64, u32)> {
+/// How many requests the whole fleet has finished lately (decayed like the group counts), from
+/// the engines' own counters, so that a gateway knows which share of the traffic it sees: with
+/// three gateways behind a round-robin balancer, each sees a third of every group's requests, and
+/// would otherwise take three times as long as a lone gateway to count a group, each at its own
+/// moment, and place the groups differently meanwhile.
+#[derive(Debug, Default)]
+pub struct FleetVolume {
+    /// Each engine's finished-requests counter at the last observation.
+    last: HashMap<String, f64>,
+    volume: f64,
+    at_ms: Option<u64>,
+}
+
+impl FleetVolume {
+    /// Takes in the engines' counters (address, requests finished since it started) at `now_ms`.
+    /// An engine seen for the first time only sets its baseline; a counter that went down (the
+    /// engine restarted) counts from zero.
+    pub fn observe<'a>(&mut self, totals: impl IntoIterator<Item = (&'a str, f64)>, now_ms: u64) {
+        let mut added = 0.0;
+        let mut next = HashMap::new();
+        for (addr, total) in totals {
+            if let Some(&before) = self.last.get(addr) {
+                added += if total >= before {
+                    total - before
+                } else {
+                    total
+                };
+            }
+            next.insert(addr.to_string(), total);
+        }
+        self.last = next;
+        let age = self.at_ms.map_or(0, |at| now_ms.saturating_sub(at)) as f64;
+        self.volume = self.volume * 0.5f64.powf(age / HALF_LIFE_MS as f64) + added;
+        self.at_ms = Some(now_ms);
+    }
+
+    /// This gateway's share of the fleet's traffic, given the requests it saw lately (`own`,
+    /// decayed alike): 1 until the engines have finished enough to tell, at least [`MIN_SHARE`].
+    pub fn share(&self, own: f64) -> f64 {
+        if self.volume < MIN_FLEET_VOLUME {
+            return 1.0;
+        }
+        (own / self.volume).clamp(MIN_SHARE, 1.0)
+    }
+
+    /// How many requests of a group this gateway must see for it to count: [`MIN_REQUESTS`] of
+    /// the fleet's, scaled by this gateway's share.
+    pub fn min_requests(&self, own: f64) -> f32 {
+        (f64::from(MIN_REQUESTS) * self.share(own)) as f32
+    }
+}
+
+/// The requests this gateway saw lately, all groups together, decayed to `now_ms`.
+pub fn own_volume(seen: &[Seen], now_ms: u64) -> f64 {
+    seen.iter().map(|s| s.requests_at(now_ms)).sum()
+}
+
+/// The groups that take a place at `now_ms` (seen at least `min_requests` times), sorted by key,
+/// each with its weight: its recent requests over the mean group's, in quarters of the mean (see
+/// [`weight`]).
+pub fn weighted(seen: &[Seen], now_ms: u64, min_requests: f32) -> Vec<(u64, u32)> {
     let counted: Vec<(u64, f64)> = seen
         .iter()
-        .filter(|s| s.counts(now_ms))
+        .filter(|s| s.counts(now_ms, min_requests))
         .map(|s| (s.key, s.requests_at(now_ms)))
         .collect();
     let mean = counted.iter().map(|(_, r)| r).sum::<f64>() / counted.len().max(1) as f64;
@@ -467,7 +533,7 @@ mod tests {
                 requests: (1000.0 * s) as f32,
             })
             .collect();
-        let homes = assign(&weighted(&seen, 1000), &eps);
+        let homes = assign(&weighted(&seen, 1000, MIN_REQUESTS), &eps);
         let traffic: Vec<f64> = eps
             .iter()
             .map(|e| {
@@ -617,7 +683,10 @@ mod tests {
             at(4, 1.0),
         ];
         // Mean 32.5: the first is 3.1× the mean, the others under a third of it.
-        assert_eq!(weighted(&seen, 1000), vec![(1, 12), (2, 1), (3, 1), (5, 1)]);
+        assert_eq!(
+            weighted(&seen, 1000, MIN_REQUESTS),
+            vec![(1, 12), (2, 1), (3, 1), (5, 1)]
+        );
         // Counts large enough that chance moves them little: the band alone decides.
         let w = [0.01, 0.2, 0.4, 0.5, 1.4, 1.99, 2.0, 3.0, 9.2, 1e9].map(|p| weight(p * 1e6, 1e6));
         assert_eq!(w, [1, 1, 2, 4, 4, 4, 8, 12, 37, 256]);
@@ -627,7 +696,48 @@ mod tests {
         assert_eq!(weight(40.0, 5.0), 32, "far beyond chance");
         let later = 1000 + HALF_LIFE_MS;
         assert!((seen[0].requests_at(later) - 50.0).abs() < 1e-6);
-        assert!(weighted(&seen, 1000 + TTL_MS).is_empty(), "all expired");
+        assert!(
+            weighted(&seen, 1000 + TTL_MS, MIN_REQUESTS).is_empty(),
+            "all expired"
+        );
+    }
+
+    #[test]
+    fn a_gateway_with_a_third_of_the_traffic_counts_a_group_from_a_third_of_the_requests() {
+        let mut fleet = FleetVolume::default();
+        let engines = |n: f64| [("a:1", 100.0 + n), ("b:1", 50.0 + 2.0 * n)];
+        // The first observation is a baseline: nothing is known of the share yet.
+        fleet.observe(engines(0.0), 0);
+        assert_eq!(fleet.share(10.0), 1.0);
+        assert_eq!(fleet.min_requests(10.0), MIN_REQUESTS);
+        // The engines finished 60 requests since; this gateway saw 20 of them.
+        fleet.observe(engines(20.0), 1000);
+        assert!((fleet.share(20.0) - 1.0 / 3.0).abs() < 0.02);
+        assert!((fleet.min_requests(20.0) - 0.5).abs() < 0.02);
+        let seen = [
+            Seen {
+                key: 1,
+                last_ms: 1000,
+                requests: 1.0,
+            },
+            Seen {
+                key: 2,
+                last_ms: 1000,
+                requests: 2.0,
+            },
+        ];
+        assert_eq!(weighted(&seen, 1000, MIN_REQUESTS).len(), 1);
+        assert_eq!(weighted(&seen, 1000, fleet.min_requests(20.0)).len(), 2);
+        // A lone gateway, or one that sees more than the engines report, keeps the full bar; a
+        // tiny share is bounded.
+        assert_eq!(fleet.share(500.0), 1.0);
+        assert_eq!(fleet.share(0.0), MIN_SHARE);
+        // An engine that restarted counts from zero; one that left counts nothing more.
+        fleet.observe([("a:1", 5.0)], 1000);
+        assert!((fleet.share(65.0) - 1.0).abs() < 1e-9);
+        // The volume decays like the group counts.
+        fleet.observe([("a:1", 5.0)], 1000 + HALF_LIFE_MS);
+        assert!((fleet.share(32.5) - 1.0).abs() < 1e-9);
     }
 
     #[test]

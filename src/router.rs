@@ -223,10 +223,11 @@ impl Router {
 }
 
 impl Router {
-    /// Periodic work (each worker's tick): the policy refreshes what it keeps from shared data.
+    /// Periodic work (each worker's tick): the policy refreshes what it keeps from shared data and
+    /// takes in the engines' finished-requests counters (address, count) from the last poll.
     /// Returns how many groups it now places by balance.
-    pub fn tick(&self, store: &dyn SharedStore, now_ms: u64) -> usize {
-        self.policy.tick(store, now_ms)
+    pub fn tick(&self, store: &dyn SharedStore, now_ms: u64, completed: &[(&str, f64)]) -> usize {
+        self.policy.tick(store, now_ms, completed)
     }
 }
 
@@ -545,7 +546,11 @@ mod tests {
     fn an_engine_that_queues_other_gateways_traffic_takes_no_group() {
         let (r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
         let mut hs = hosts(2);
-        let report = |running, waiting| Metrics { running, waiting };
+        let report = |running, waiting| Metrics {
+            running,
+            waiting,
+            completed: None,
+        };
         hs[1].engine = Some(EngineLoad::observe(None, &report(16, 3), 0));
         hs[0].engine = Some(EngineLoad::observe(None, &report(2, 0), 0));
         for g in 0..10 {

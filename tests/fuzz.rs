@@ -332,7 +332,7 @@ fn a_routed_request_names_only_configured_healthy_hosts_whatever_it_sends() {
                 session: session.as_deref(),
                 request_id: request_id.as_deref(),
             };
-            router.tick(&store, now);
+            router.tick(&store, now, &[]);
             // Twice: the second request finds what the first one wrote beside the corrupted values.
             for _ in 0..2 {
                 if let Ok(routed) = router.route(&store, &hosts, &req, now) {

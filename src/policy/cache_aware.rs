@@ -33,7 +33,7 @@ use super::load::{first_not_overloaded, least_loaded, mean_load, rendezvous_orde
 use super::{Candidate, Decision, Input, Pick, Policy};
 use crate::affinity::{AffinityMap, Match};
 use crate::eviction;
-use crate::groups::{self, Seen};
+use crate::groups::{self, FleetVolume, Seen};
 use crate::prefix::PrefixKeys;
 use crate::store::SharedStore;
 
@@ -68,6 +68,8 @@ struct GroupView {
     /// endpoint ids they were computed for.
     counted: Vec<(u64, u32)>,
     homes: Option<(Vec<u32>, groups::Shares)>,
+    /// The engines' finished requests lately: this gateway's share of the traffic.
+    fleet: FleetVolume,
     /// Each endpoint's eviction horizon ([`eviction`]) as the last request that found a match
     /// read it: the holders its record keeps when [`Policy::routed`] rewrites it.
     horizons: HashMap<u32, u64>,
@@ -195,7 +197,7 @@ impl Policy for CacheAware {
         )
     }
 
-    fn tick(&self, store: &dyn SharedStore, now_ms: u64) -> usize {
+    fn tick(&self, store: &dyn SharedStore, now_ms: u64, completed: &[(&str, f64)]) -> usize {
         let mut view = self.view.borrow_mut();
         let born = *view.born_ms.get_or_insert(now_ms);
         if now_ms.saturating_sub(view.flushed_ms) >= groups::FLUSH_MS && !view.pending.is_empty() {
@@ -209,7 +211,9 @@ impl Policy for CacheAware {
             view.versions = versions;
         }
         let seen: Vec<Seen> = view.seen.values().copied().collect();
-        let counted = groups::weighted(&seen, now_ms);
+        view.fleet.observe(completed.iter().copied(), now_ms);
+        let min_requests = view.fleet.min_requests(groups::own_volume(&seen, now_ms));
+        let counted = groups::weighted(&seen, now_ms, min_requests);
         if counted != view.counted {
             view.counted = counted;
             view.homes = None;
@@ -347,7 +351,7 @@ mod tests {
     #[test]
     fn once_warm_a_gateway_gives_the_groups_it_has_seen_balanced_homes() {
         let (p, store, c) = (policy(), MemoryStore::new(), candidates(&[0, 0, 0, 0]));
-        p.tick(&store, 0);
+        p.tick(&store, 0, &[]);
         let groups: Vec<String> = (0..8).map(|g| format!("group {g}")).collect();
         let home = |now| -> Vec<usize> {
             groups
@@ -366,8 +370,12 @@ mod tests {
         };
         home(10);
         home(20); // each group seen twice
-        p.tick(&store, 2000); // counts written, past the warm-up
-        assert_eq!(p.tick(&store, 2001), 8, "all 8 groups placed by balance");
+        p.tick(&store, 2000, &[]); // counts written, past the warm-up
+        assert_eq!(
+            p.tick(&store, 2001, &[]),
+            8,
+            "all 8 groups placed by balance"
+        );
         let homes = home(2002);
         for e in 0..4 {
             let n = homes.iter().filter(|&&h| h == e).count();
@@ -379,7 +387,7 @@ mod tests {
     #[test]
     fn once_warm_a_lone_groups_conversations_spread_and_each_keeps_its_home() {
         let (p, store, c) = (policy(), MemoryStore::new(), candidates(&[0, 0, 0, 0]));
-        p.tick(&store, 0);
+        p.tick(&store, 0, &[]);
         let pick = |conversation: usize, now| {
             let opener = format!("conversation {conversation}");
             let keys = ask("app", &format!("{opener} at {now}")).opened_by(&opener);
@@ -393,8 +401,8 @@ mod tests {
         };
         pick(0, 10);
         pick(1, 20);
-        p.tick(&store, 2000);
-        assert_eq!(p.tick(&store, 2001), 1);
+        p.tick(&store, 2000, &[]);
+        assert_eq!(p.tick(&store, 2001, &[]), 1);
         let homes: Vec<usize> = (0..40).map(|n| pick(n, 2002).0).collect();
         let used: std::collections::HashSet<_> = homes.iter().collect();
         assert_eq!(

@@ -114,9 +114,10 @@ pub trait Policy {
         0
     }
 
-    /// Called periodically (each worker's tick): refresh what the policy keeps from shared data.
+    /// Called periodically (each worker's tick): refresh what the policy keeps from shared data;
+    /// `completed` holds each engine's finished-requests counter (address, count) as last polled.
     /// Returns how many groups it places by balance (cache_aware), for a gauge.
-    fn tick(&self, _store: &dyn SharedStore, _now_ms: u64) -> usize {
+    fn tick(&self, _store: &dyn SharedStore, _now_ms: u64, _completed: &[(&str, f64)]) -> usize {
         0
     }
 }

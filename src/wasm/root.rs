@@ -195,7 +195,8 @@ impl Root {
             let version = s.snapshot_cas;
             s.snapshot_age.observe(version, mono);
             s.refresh_suspects(now);
-            let placed = s.router.tick(&HostStore, now);
+            let completed = endpoints::completed(&s.snapshot);
+            let placed = s.router.tick(&HostStore, now, &completed);
             s.metrics.gauge("kvroute.groups_placed", placed as u64);
             (s.snapshot_cas.is_some(), mono)
         };
