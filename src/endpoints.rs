@@ -479,8 +479,14 @@ mod tests {
             ..Host::fixed(addr)
         };
         let mut s = Snapshot::new();
-        s.insert("pool".into(), vec![host("b:1", Some(5.0)), host("a:1", Some(3.0))]);
-        s.insert("engines".into(), vec![host("a:1", Some(3.0)), host("c:1", None)]);
+        s.insert(
+            "pool".into(),
+            vec![host("b:1", Some(5.0)), host("a:1", Some(3.0))],
+        );
+        s.insert(
+            "engines".into(),
+            vec![host("a:1", Some(3.0)), host("c:1", None)],
+        );
         s.insert("other".into(), vec![Host::fixed("d:1")]);
         assert_eq!(completed(&s), vec![("a:1", 3.0), ("b:1", 5.0)]);
     }
