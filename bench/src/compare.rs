@@ -8,6 +8,14 @@ use crate::workload::{Api, Workload};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
+/// The counters of kvroute's corrections printed after each run: the engine reported less cached
+/// than predicted, affinity withdrawn from a host that did not serve, and another host served.
+const CORRECTIONS: [&str; 3] = [
+    "kvroute.affinity.evictions_seen",
+    "kvroute.affinity.withdrawn",
+    "kvroute.served_elsewhere",
+];
+
 /// How long a started router may take to serve its first request before it is skipped.
 const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -18,6 +26,9 @@ pub struct RouterRun {
     pub per_replica: Vec<u64>,
     /// kvroute's `routed.<decision>` counters (empty for other routers).
     pub decisions: Vec<(String, u64)>,
+    /// kvroute's corrections of its map from what Envoy and the engines said (empty for other
+    /// routers).
+    pub corrections: Vec<(String, u64)>,
 }
 
 /// Runs every router in turn and collects the results (skipped routers included).
@@ -39,6 +50,14 @@ pub async fn compare(
                 .map(|(k, n)| format!("{k}={n}"))
                 .collect();
             eprintln!("   kvroute decisions: {}", d.join(" "));
+        }
+        if !run.corrections.is_empty() {
+            let c: Vec<String> = run
+                .corrections
+                .iter()
+                .map(|(k, n)| format!("{k}={n}"))
+                .collect();
+            eprintln!("   kvroute map corrections: {}", c.join(" "));
         }
         if !run.per_replica.is_empty() {
             eprintln!(
@@ -93,6 +112,7 @@ pub async fn run_one(
             },
             per_replica: Vec::new(),
             decisions: Vec::new(),
+            corrections: Vec::new(),
         })
     };
     let running = match router.start(&fleet, fleet_spec).await {
@@ -108,6 +128,7 @@ pub async fn run_one(
     let after = fleet.state().await?;
     let usage_after = running.kvroute_usage().await;
     let decisions = running.kvroute_decisions().await;
+    let corrections = running.kvroute_counters(&CORRECTIONS).await;
     let mut measured: Measured = measure(&name, &outcome, &before, &after);
     if let (Some((c0, p0)), Some((c1, p1))) = (usage_before, usage_after) {
         let prompt = p1.saturating_sub(p0);
@@ -120,6 +141,7 @@ pub async fn run_one(
         result: RouterResult::Measured(measured),
         per_replica: after.growth_since(&before, |r| r.requests),
         decisions,
+        corrections,
     })
 }
 

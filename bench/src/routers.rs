@@ -257,6 +257,37 @@ impl Running {
     }
 }
 
+impl Running {
+    /// The counters `names` (kvroute's stat names), summed over kvroute's Envoys, each named by
+    /// its last segment; empty if this is not kvroute.
+    pub async fn kvroute_counters(&self, names: &[&str]) -> Vec<(String, u64)> {
+        let envoys = self.kvroute_envoys();
+        if envoys.is_empty() {
+            return Vec::new();
+        }
+        let mut out: Vec<(String, u64)> = names
+            .iter()
+            .map(|n| (n.rsplit('.').next().unwrap_or(n).to_string(), 0))
+            .collect();
+        // kvroute defines its counters at zero when it starts: an Envoy without them is not
+        // running kvroute.
+        let mut found = false;
+        for envoy in envoys {
+            for (i, name) in names.iter().enumerate() {
+                if let Some(v) = envoy.stat(name).await.ok().flatten() {
+                    out[i].1 += v;
+                    found = true;
+                }
+            }
+        }
+        if found {
+            out
+        } else {
+            Vec::new()
+        }
+    }
+}
+
 /// `http://127.0.0.1:8001` -> `127.0.0.1:8001`.
 fn addr_of(url: &str) -> Result<SocketAddr, String> {
     let hostport = url.trim_start_matches("http://").trim_end_matches('/');
