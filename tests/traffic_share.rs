@@ -5,7 +5,6 @@
 
 mod common;
 
-use kvroute_harness::{Envoy, EnvoyOptions, Lb};
 use kvroute_sim::spec::FleetSpec;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -32,15 +31,7 @@ async fn gateways_that_each_see_a_third_count_a_group_from_its_first_request_the
         .expect("sim fleet starts");
     let mut gateways = Vec::new();
     for _ in 0..GATEWAYS {
-        let envoy = Envoy::start(EnvoyOptions {
-            backends: sim.replicas.iter().map(|r| r.addr).collect(),
-            lb: Lb::Kvroute {
-                plugin_config: json!({ "stats_interval_ms": 200 }),
-            },
-            ..EnvoyOptions::default()
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+        let envoy = common::kvroute_envoy_over(&sim, json!({ "stats_interval_ms": 200 })).await;
         // The engines' counters are known (the baseline) before any traffic.
         envoy
             .wait_for_stat(

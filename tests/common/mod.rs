@@ -341,10 +341,16 @@ pub async fn kvroute_over_sim_with(
     spec: kvroute_sim::spec::FleetSpec,
     plugin_config: Value,
 ) -> (kvroute_sim::fleet::Fleet, Envoy) {
-    let replicas = spec.replicas as u64;
     let sim = kvroute_sim::fleet::Fleet::start(spec, 0, 0)
         .await
         .expect("sim fleet starts");
+    let envoy = kvroute_envoy_over(&sim, plugin_config).await;
+    (sim, envoy)
+}
+
+/// One more Envoy with kvroute (this plugin config) in front of the simulated fleet `sim`, once
+/// kvroute knows every replica: several gateways over one fleet.
+pub async fn kvroute_envoy_over(sim: &kvroute_sim::fleet::Fleet, plugin_config: Value) -> Envoy {
     let envoy = Envoy::start(EnvoyOptions {
         backends: sim.replicas.iter().map(|r| r.addr).collect(),
         lb: Lb::Kvroute { plugin_config },
@@ -355,10 +361,10 @@ pub async fn kvroute_over_sim_with(
     envoy
         .wait_for_stat(
             "kvroute.endpoints_known",
-            |v| v == replicas,
+            |v| v == sim.replicas.len() as u64,
             Duration::from_secs(30),
         )
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    (sim, envoy)
+    envoy
 }
