@@ -47,9 +47,9 @@ pub struct Metrics {
     match_percent: Option<u32>,
     slots_used: Option<u32>,
     /// The in-flight gauge of each endpoint address seen.
-    inflight: HashMap<String, u32>,
+    inflight: HashMap<String, [u32; 1]>,
     /// The usage counters (prompt tokens, cached tokens) of each endpoint address seen.
-    usage: HashMap<String, [Option<u32>; 2]>,
+    usage: HashMap<String, [u32; 2]>,
 }
 
 impl Metrics {
@@ -71,12 +71,7 @@ impl Metrics {
     }
 
     fn id(&mut self, kind: MetricType, name: &str) -> Option<u32> {
-        if let Some(id) = self.ids.get(name) {
-            return Some(*id);
-        }
-        let id = hostcalls::define_metric(kind, name).ok()?;
-        self.ids.insert(name.to_string(), id);
-        Some(id)
+        define(&mut self.ids, kind, name)
     }
 
     /// Makes a counter exist (at zero) so dashboards see it before it first moves.
@@ -122,59 +117,64 @@ impl Metrics {
         increment(self.slots_used, created);
     }
 
-    /// The gauge mirroring kvroute's in-flight count for endpoint `addr` (see [`inflight_gauge`]).
+    /// The gauge mirroring kvroute's in-flight count for endpoint `addr`:
+    /// `kvroute.inflight.<ip>_<port>`.
     pub fn inflight(&mut self, addr: &str, value: u64) {
-        let id = match self.inflight.get(addr) {
-            Some(id) => Some(*id),
-            None => {
-                let id = self.id(MetricType::Gauge, &inflight_gauge(addr));
-                if let Some(id) = id {
-                    self.inflight.insert(addr.to_string(), id);
-                }
-                id
-            }
-        };
-        if let Some(id) = id {
+        let Metrics { ids, inflight, .. } = self;
+        let resolved = per_endpoint(ids, inflight, addr, |seg| {
+            [(MetricType::Gauge, format!("kvroute.inflight.{seg}"))]
+        });
+        if let Some([id]) = resolved {
             let _ = hostcalls::record_metric(id, value);
         }
     }
 
     /// `kvroute.usage.{prompt,cached}_tokens.<endpoint>`, for the endpoint `addr`.
     pub fn endpoint_usage(&mut self, addr: &str, prompt_tokens: u64, cached_tokens: u64) {
-        let ids = match self.usage.get(addr) {
-            Some(ids) => *ids,
-            None => {
-                let seg = usage::stat_segment(addr);
-                let ids = [
-                    self.id(
-                        MetricType::Counter,
-                        &format!("kvroute.usage.prompt_tokens.{seg}"),
-                    ),
-                    self.id(
-                        MetricType::Counter,
-                        &format!("kvroute.usage.cached_tokens.{seg}"),
-                    ),
-                ];
-                self.usage.insert(addr.to_string(), ids);
-                ids
-            }
-        };
-        increment(ids[0], prompt_tokens as i64);
-        increment(ids[1], cached_tokens as i64);
+        let Metrics { ids, usage, .. } = self;
+        let resolved = per_endpoint(ids, usage, addr, |seg| {
+            ["prompt_tokens", "cached_tokens"]
+                .map(|n| (MetricType::Counter, format!("kvroute.usage.{n}.{seg}")))
+        });
+        if let Some([prompt, cached]) = resolved {
+            increment(Some(prompt), prompt_tokens as i64);
+            increment(Some(cached), cached_tokens as i64);
+        }
     }
+}
+
+/// The ids of endpoint `addr`'s stats, from `cache` once they have all been defined; else defined
+/// now from their kinds and names (`names` gets the address as a stat segment). Per request, an
+/// endpoint's stats cost a lookup by its address, not a formatted name.
+fn per_endpoint<const N: usize>(
+    ids: &mut HashMap<String, u32>,
+    cache: &mut HashMap<String, [u32; N]>,
+    addr: &str,
+    names: impl FnOnce(&str) -> [(MetricType, String); N],
+) -> Option<[u32; N]> {
+    if let Some(found) = cache.get(addr) {
+        return Some(*found);
+    }
+    let mut resolved = [0; N];
+    for (slot, (kind, name)) in resolved.iter_mut().zip(names(&usage::stat_segment(addr))) {
+        *slot = define(ids, kind, &name)?;
+    }
+    cache.insert(addr.to_string(), resolved);
+    Some(resolved)
+}
+
+/// The id of the stat `name`, from `ids` or defined now (and kept there).
+fn define(ids: &mut HashMap<String, u32>, kind: MetricType, name: &str) -> Option<u32> {
+    if let Some(id) = ids.get(name) {
+        return Some(*id);
+    }
+    let id = hostcalls::define_metric(kind, name).ok()?;
+    ids.insert(name.to_string(), id);
+    Some(id)
 }
 
 fn increment(id: Option<u32>, delta: i64) {
     if let Some(id) = id {
         let _ = hostcalls::increment_metric(id, delta);
     }
-}
-
-/// The gauge mirroring kvroute's in-flight count for an endpoint: `kvroute.inflight.<ip>_<port>`.
-pub fn inflight_gauge(addr: &str) -> String {
-    let clean: String = addr
-        .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-        .collect();
-    format!("kvroute.inflight.{}", clean.trim_matches('_'))
 }
