@@ -255,36 +255,32 @@ impl Running {
             .filter(|(k, v)| *v > 0 || !k.starts_with("fallback:"))
             .collect()
     }
-}
 
-impl Running {
     /// The counters `names` (kvroute's stat names), summed over kvroute's Envoys, each named by
-    /// its last segment; empty if this is not kvroute.
+    /// its last segment; empty if this is not kvroute (kvroute defines them at zero on start).
     pub async fn kvroute_counters(&self, names: &[&str]) -> Vec<(String, u64)> {
-        let envoys = self.kvroute_envoys();
-        if envoys.is_empty() {
-            return Vec::new();
-        }
-        let mut out: Vec<(String, u64)> = names
-            .iter()
-            .map(|n| (n.rsplit('.').next().unwrap_or(n).to_string(), 0))
-            .collect();
-        // kvroute defines its counters at zero when it starts: an Envoy without them is not
-        // running kvroute.
-        let mut found = false;
-        for envoy in envoys {
-            for (i, name) in names.iter().enumerate() {
-                if let Some(v) = envoy.stat(name).await.ok().flatten() {
-                    out[i].1 += v;
-                    found = true;
+        let mut sum: Vec<Option<u64>> = vec![None; names.len()];
+        for envoy in self.kvroute_envoys() {
+            let stats = envoy.stats("kvroute.").await.unwrap_or_default();
+            for (name, v) in stats {
+                if let Some(i) = names.iter().position(|n| name.ends_with(n)) {
+                    *sum[i].get_or_insert(0) += v;
                 }
             }
         }
-        if found {
-            out
-        } else {
-            Vec::new()
+        if sum.iter().all(Option::is_none) {
+            return Vec::new();
         }
+        names
+            .iter()
+            .zip(sum)
+            .map(|(n, v)| {
+                (
+                    n.rsplit('.').next().unwrap_or(n).to_string(),
+                    v.unwrap_or(0),
+                )
+            })
+            .collect()
     }
 }
 
