@@ -66,9 +66,13 @@ impl Seen {
 
     /// Requests seen, decayed to `now_ms`.
     pub fn requests_at(&self, now_ms: u64) -> f64 {
-        let age = now_ms.saturating_sub(self.last_ms) as f64;
-        f64::from(self.requests) * 0.5f64.powf(age / HALF_LIFE_MS as f64)
+        f64::from(self.requests) * decay(now_ms.saturating_sub(self.last_ms))
     }
+}
+
+/// What a count keeps of itself after `age_ms`: it halves every [`HALF_LIFE_MS`].
+fn decay(age_ms: u64) -> f64 {
+    0.5f64.powf(age_ms as f64 / HALF_LIFE_MS as f64)
 }
 
 fn shard_of(group: u64) -> usize {
@@ -171,8 +175,8 @@ impl FleetVolume {
             next.insert(addr.to_string(), total);
         }
         self.last = next;
-        let age = self.at_ms.map_or(0, |at| now_ms.saturating_sub(at)) as f64;
-        self.volume = self.volume * 0.5f64.powf(age / HALF_LIFE_MS as f64) + added;
+        let age = self.at_ms.map_or(0, |at| now_ms.saturating_sub(at));
+        self.volume = self.volume * decay(age) + added;
         self.at_ms = Some(now_ms);
     }
 
