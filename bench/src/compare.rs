@@ -1,6 +1,6 @@
 //! `compare`: runs one workload through each router, each against a fresh (cold) sim fleet.
 
-use crate::driver;
+use crate::driver::{self, Sample};
 use crate::report::{measure, Measured, Results, RouterResult};
 use crate::routers::{Router, Running};
 use crate::sim_process::SimFleet;
@@ -29,6 +29,8 @@ pub struct RouterRun {
     /// kvroute's corrections of its map from what Envoy and the engines said (empty for other
     /// routers).
     pub corrections: Vec<(String, u64)>,
+    /// Every request as the client saw it.
+    pub samples: Vec<Sample>,
 }
 
 /// Runs every router in turn and collects the results (skipped routers included).
@@ -38,6 +40,7 @@ pub async fn compare(
     routers: &[Router],
 ) -> Result<Results, String> {
     let mut results = Vec::new();
+    let mut samples = Vec::new();
     let mut sent = 0;
     for (i, router) in routers.iter().enumerate() {
         eprintln!("== [{}/{}] {}", i + 1, routers.len(), router.name());
@@ -68,6 +71,7 @@ pub async fn compare(
         if let RouterResult::Measured(m) = &run.result {
             sent = sent.max(m.requests as usize);
         }
+        samples.push((router.name(), run.samples));
         results.push(run.result);
     }
     let ceiling = (sent > 0)
@@ -91,6 +95,7 @@ pub async fn compare(
         fleet: fleet_spec.clone(),
         ceiling_hit_rate: ceiling.map(|c| (c * 1e4).round() / 1e4),
         results,
+        samples,
     })
 }
 
@@ -113,6 +118,7 @@ pub async fn run_one(
             per_replica: Vec::new(),
             decisions: Vec::new(),
             corrections: Vec::new(),
+            samples: Vec::new(),
         })
     };
     let running = match router.start(&fleet, fleet_spec).await {
@@ -142,6 +148,7 @@ pub async fn run_one(
         per_replica: after.growth_since(&before, |r| r.requests),
         decisions,
         corrections,
+        samples: outcome.samples,
     })
 }
 

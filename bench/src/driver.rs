@@ -21,14 +21,21 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
 const MAX_IN_FLIGHT: usize = 512;
 
 /// What the client saw of one request.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Sample {
+    /// The workload's user tag (`u<group>-<member>-<episode>`).
+    pub user: String,
+    /// Milliseconds from the run's start to the request's send.
+    pub sent_ms: f64,
     pub error: Option<String>,
     pub ttft_ms: Option<f64>,
     pub e2e_ms: f64,
     pub output_tokens: u64,
     /// The `x-sim-replica` response header: which replica served it.
     pub replica: Option<usize>,
+    /// The final usage chunk's `prompt_tokens` and `prompt_tokens_details.cached_tokens`.
+    pub prompt_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
 }
 
 /// Everything a run produced.
@@ -65,6 +72,7 @@ pub async fn run(base_url: &str, w: &Workload, model: &str, label: &str) -> RunO
         url: format!("{}{}", base_url.trim_end_matches('/'), w.path()),
         session_header: w.session_header,
         progress: progress.clone(),
+        run_start: Instant::now(),
     };
     let mut requests = w.stream(model);
     let mut arrivals = ChaCha8Rng::seed_from_u64(w.seed ^ 0xA11_7E5);
@@ -232,12 +240,14 @@ struct Client {
     url: String,
     session_header: bool,
     progress: Arc<Progress>,
+    run_start: Instant,
 }
 
 impl Client {
     async fn send(self, req: Request) -> Sample {
         self.progress.sent.fetch_add(1, Ordering::Relaxed);
         let start = Instant::now();
+        let user = req.user.clone();
         let mut sample = match timeout(REQUEST_TIMEOUT, self.stream(req, start)).await {
             Ok(s) => s,
             Err(_) => Sample {
@@ -246,6 +256,8 @@ impl Client {
             },
         };
         sample.e2e_ms = start.elapsed().as_secs_f64() * 1e3;
+        sample.sent_ms = start.duration_since(self.run_start).as_secs_f64() * 1e3;
+        sample.user = user;
         let counter = if sample.error.is_some() {
             &self.progress.errors
         } else {
@@ -292,6 +304,10 @@ impl Client {
                         if sample.ttft_ms.is_none() && event.has_token {
                             sample.ttft_ms = Some(start.elapsed().as_secs_f64() * 1e3);
                         }
+                        if let Some((p, c)) = event.prompt {
+                            sample.prompt_tokens = Some(p);
+                            sample.cached_tokens = Some(c);
+                        }
                         if let Some(n) = event.completion_tokens {
                             sample.output_tokens = n;
                         } else if event.has_token && !sse.saw_usage {
@@ -318,6 +334,8 @@ impl Client {
 struct Event {
     has_token: bool,
     completion_tokens: Option<u64>,
+    /// `prompt_tokens` and `prompt_tokens_details.cached_tokens` of the usage chunk.
+    prompt: Option<(u64, u64)>,
 }
 
 /// Splits a byte stream into SSE `data:` events and reads the parts the driver needs.
@@ -345,6 +363,10 @@ impl SseParser {
                 continue;
             };
             let completion_tokens = v["usage"]["completion_tokens"].as_u64();
+            let prompt = v["usage"]["prompt_tokens"].as_u64().map(|p| {
+                let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+                (p, cached.unwrap_or(0))
+            });
             if completion_tokens.is_some() {
                 self.saw_usage = true;
             }
@@ -359,6 +381,7 @@ impl SseParser {
             events.push(Event {
                 has_token,
                 completion_tokens,
+                prompt,
             });
         }
         events
@@ -378,7 +401,8 @@ mod tests {
             p.push(role.as_bytes()),
             vec![Event {
                 has_token: false,
-                completion_tokens: None
+                completion_tokens: None,
+                prompt: None
             }]
         );
         let tok = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n";
@@ -388,7 +412,8 @@ mod tests {
             p.push(b.as_bytes()),
             vec![Event {
                 has_token: true,
-                completion_tokens: None
+                completion_tokens: None,
+                prompt: None
             }]
         );
         let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":7}}\n\ndata: [DONE]\n\n";
@@ -396,7 +421,8 @@ mod tests {
             p.push(usage.as_bytes()),
             vec![Event {
                 has_token: false,
-                completion_tokens: Some(7)
+                completion_tokens: Some(7),
+                prompt: Some((5, 0))
             }]
         );
     }

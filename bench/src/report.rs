@@ -1,6 +1,6 @@
 //! The comparison's outputs: results.json (the contract), results.md (table) and ttft.svg (bars).
 
-use crate::driver::RunOutcome;
+use crate::driver::{RunOutcome, Sample};
 use crate::sim_process::FleetState;
 use crate::stats::{max_over_min, percentile, ratio};
 use serde::{Deserialize, Serialize};
@@ -18,6 +18,9 @@ pub struct Results {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ceiling_hit_rate: Option<f64>,
     pub results: Vec<RouterResult>,
+    /// Every request each router's run sent, as the client saw it (written to samples.jsonl).
+    #[serde(skip)]
+    pub samples: Vec<(String, Vec<Sample>)>,
 }
 
 /// One router's line: measured, or skipped with the reason.
@@ -115,7 +118,27 @@ impl Results {
         let json = serde_json::to_string_pretty(self).map_err(|e| e.to_string())?;
         write("results.json", json + "\n")?;
         write("results.md", self.markdown())?;
+        write("samples.jsonl", self.samples_jsonl())?;
         write("ttft.svg", self.svg())
+    }
+
+    /// One JSON line per request: the router's name and its [`Sample`], for analyses the table
+    /// does not make (per group, per replica, over time).
+    fn samples_jsonl(&self) -> String {
+        let mut out = String::new();
+        for (router, samples) in &self.samples {
+            for s in samples {
+                let mut line = serde_json::json!({ "router": router });
+                if let (Some(obj), Ok(serde_json::Value::Object(fields))) =
+                    (line.as_object_mut(), serde_json::to_value(s))
+                {
+                    obj.extend(fields);
+                }
+                out.push_str(&line.to_string());
+                out.push('\n');
+            }
+        }
+        out
     }
 
     fn measured(&self) -> impl Iterator<Item = &Measured> {
@@ -254,7 +277,6 @@ fn xml_escape(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::driver::Sample;
     use crate::sim_process::ReplicaState;
 
     fn state(rows: &[(u64, u64, u64)]) -> FleetState {
@@ -304,6 +326,7 @@ mod tests {
             workload: serde_json::json!({"name": "t"}),
             fleet: serde_json::json!({"replicas": 2}),
             ceiling_hit_rate: None,
+            samples: Vec::new(),
             results: vec![
                 RouterResult::Measured(m),
                 RouterResult::Skipped {

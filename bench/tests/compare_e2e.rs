@@ -112,6 +112,33 @@ fn kvroute_beats_round_robin_hit_rate_and_results_file_is_complete() {
     assert!(std::fs::read_to_string(out.join("ttft.svg"))
         .unwrap()
         .starts_with("<svg"));
+    // samples.jsonl: every request of every row, with who sent it, where it went and what the
+    // replica had cached for it (the sim always reports usage).
+    let samples: Vec<Value> = std::fs::read_to_string(out.join("samples.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for (i, name) in names.iter().enumerate() {
+        let mine: Vec<&Value> = samples.iter().filter(|s| s["router"] == *name).collect();
+        assert_eq!(
+            mine.len() as u64,
+            rows[i]["requests"].as_u64().unwrap(),
+            "{name}"
+        );
+        for s in mine {
+            assert!(
+                s["user"].as_str().is_some_and(|u| u.starts_with('u')),
+                "{s}"
+            );
+            assert!(s["replica"].as_u64().is_some(), "{s}");
+            let (prompt, cached) = (s["prompt_tokens"].as_u64(), s["cached_tokens"].as_u64());
+            assert!(
+                prompt.zip(cached).is_some_and(|(p, c)| p > 0 && c <= p),
+                "{s}"
+            );
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
