@@ -9,7 +9,6 @@ use kvroute::rendezvous::{self, endpoint_id};
 
 /// How often the table is read and the homes recomputed (the groups table's flush period).
 const TICK_MS: u64 = groups::FLUSH_MS;
-const ENDPOINTS: usize = 4;
 
 struct Request {
     at_ms: u64,
@@ -17,16 +16,21 @@ struct Request {
     conversation: u64,
 }
 
-/// One router's requests (every router was sent the same sequence), in the order they were sent.
-fn read(path: &str) -> Result<Vec<Request>, String> {
+/// One router's requests (every router was sent the same sequence), in the order they were sent,
+/// and how many replicas served them.
+fn read(path: &str) -> Result<(Vec<Request>, usize), String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
     let mut out = Vec::new();
     let mut router = None;
+    let mut replicas = 0;
     for line in text.lines() {
         let v: serde_json::Value = serde_json::from_str(line).map_err(|e| e.to_string())?;
         let name = v["router"].as_str().unwrap_or_default().to_string();
         if router.get_or_insert_with(|| name.clone()) != &name {
             continue;
+        }
+        if let Some(r) = v["replica"].as_u64() {
+            replicas = replicas.max(r as usize + 1);
         }
         // `u<group>-<member>-<episode>`: the group is the first part, the conversation all of it.
         let user = v["user"].as_str().unwrap_or_default();
@@ -38,7 +42,7 @@ fn read(path: &str) -> Result<Vec<Request>, String> {
         });
     }
     out.sort_by_key(|r| r.at_ms);
-    Ok(out)
+    Ok((out, replicas))
 }
 
 /// `key/weight` of each group, short.
@@ -71,14 +75,14 @@ fn main() {
         eprintln!("usage: placement_replay SAMPLES.jsonl [--moves]");
         std::process::exit(2);
     };
-    let requests = match read(path) {
+    let (requests, replicas) = match read(path) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("placement_replay: {e}");
             std::process::exit(1);
         }
     };
-    let eps: Vec<u32> = (0..ENDPOINTS)
+    let eps: Vec<u32> = (0..replicas)
         .map(|i| endpoint_id(&format!("127.0.0.1:{}", 9001 + i)))
         .collect();
     let mut seen: HashMap<u64, Seen> = HashMap::new();

@@ -125,17 +125,19 @@ impl Results {
     /// One JSON line per request: the router's name and its [`Sample`], for analyses the table
     /// does not make (per group, per replica, over time).
     fn samples_jsonl(&self) -> String {
+        #[derive(Serialize)]
+        struct Line<'a> {
+            router: &'a str,
+            #[serde(flatten)]
+            sample: &'a Sample,
+        }
         let mut out = String::new();
         for (router, samples) in &self.samples {
-            for s in samples {
-                let mut line = serde_json::json!({ "router": router });
-                if let (Some(obj), Ok(serde_json::Value::Object(fields))) =
-                    (line.as_object_mut(), serde_json::to_value(s))
-                {
-                    obj.extend(fields);
+            for sample in samples {
+                if let Ok(line) = serde_json::to_string(&Line { router, sample }) {
+                    out.push_str(&line);
+                    out.push('\n');
                 }
-                out.push_str(&line.to_string());
-                out.push('\n');
             }
         }
         out
