@@ -5,7 +5,8 @@
 //! Rendezvous alone gives each group a home every gateway agrees on, but by chance: 24 groups on
 //! 4 endpoints often put 9 on one and 3 on another, and under skewed traffic the hottest groups
 //! may share one. Here each group weighs its popularity relative to the mean (in quarters of
-//! the mean, with the band around the mean flattened: see [`weight`]) and each endpoint takes groups up to ceil(total weight / endpoints): groups propose to
+//! the mean, with the band around the mean flattened: see [`weight`]) and each endpoint takes groups
+//! up to ceil(total weight / endpoints), rounded up to whole mean groups: groups propose to
 //! endpoints in their rendezvous order, and an endpoint keeps the heaviest, then the groups that
 //! rank it highest (deferred acceptance, in key order). Where whole groups cannot even the
 //! endpoints out, groups split, their conversations divided between homes ([`shares`]). The
@@ -42,6 +43,8 @@ pub const TTL_MS: u64 = 60_000;
 pub const HALF_LIFE_MS: u64 = 30_000;
 /// How often a worker writes the requests it counted to the table.
 pub const FLUSH_MS: u64 = 1_000;
+/// The mean group's weight: weights are in quarters of it.
+pub const MEAN_WEIGHT: u64 = 4;
 /// The heaviest weight a group can have, in quarters of the mean group.
 pub const MAX_WEIGHT: u32 = 256;
 
@@ -227,12 +230,16 @@ pub fn weighted(seen: &[Seen], now_ms: u64, min_requests: f32) -> Vec<(u64, u32)
 /// all noise, weighs every group alike. Beyond both a group weighs what it is worth (a group with
 /// 9× the mean's traffic takes the room of nine, a rare one a quarter), so the endpoint that homes
 /// a hot group takes few others, the rare groups of a skewed fleet are not taken for average
-/// ones, and the traffic stays balanced.
+/// ones, and the traffic stays balanced. A hot group weighs whole means: its count grows and
+/// decays a little between any two ticks, and each quarter it gained or lost would change the
+/// room it leaves to the others on its endpoint, and so move one of them, losing its prefix.
 fn weight(r: f64, mean: f64) -> u32 {
     let mean = mean.max(f64::MIN_POSITIVE);
     let popularity = r / mean;
     let w = if (0.5..2.0).contains(&popularity) || (r - mean).abs() <= 3.0 * mean.sqrt() {
         4.0
+    } else if popularity > 1.0 {
+        4.0 * popularity.round()
     } else {
         (4.0 * popularity).round()
     };
@@ -240,9 +247,9 @@ fn weight(r: f64, mean: f64) -> u32 {
 }
 
 /// Each group's home among `endpoints` (ids): groups (key, weight) fill endpoints up to
-/// ceil(total weight / endpoints), each as high in its rendezvous order as that allows; an
-/// endpoint always keeps the group that ranks it highest, however heavy. Independent of the order
-/// of `groups`.
+/// ceil(total weight / endpoints) rounded up to whole mean groups, each as high in its rendezvous
+/// order as that allows; an endpoint always keeps the group that ranks it highest, however heavy.
+/// Independent of the order of `groups`.
 pub fn assign(groups: &[(u64, u32)], endpoints: &[u32]) -> HashMap<u64, u32> {
     let mut homes = HashMap::new();
     if endpoints.is_empty() {
@@ -251,7 +258,8 @@ pub fn assign(groups: &[(u64, u32)], endpoints: &[u32]) -> HashMap<u64, u32> {
     let mut groups = groups.to_vec();
     groups.sort_unstable();
     let total: u64 = groups.iter().map(|&(_, w)| u64::from(w)).sum();
-    let capacity = total.div_ceil(endpoints.len() as u64);
+    // In whole means too, so that the rare groups' quarters coming and going rarely change it.
+    let capacity = total.div_ceil(endpoints.len() as u64).div_ceil(MEAN_WEIGHT) * MEAN_WEIGHT;
     let orders: Vec<Vec<usize>> = groups
         .iter()
         .map(|&(g, _)| rendezvous::order(g, endpoints))
@@ -555,6 +563,58 @@ mod tests {
     }
 
     #[test]
+    fn a_hot_groups_count_going_up_and_down_moves_no_other_group() {
+        // Zipf(1.1) over 32 groups, as zipf-pressure sends them; one of the three hottest
+        // groups' count moves by a few percent between ticks as requests arrive and counts decay.
+        let eps = endpoints(4);
+        let share: Vec<f64> = (1..=32).map(|k| 1.0 / f64::from(k).powf(1.1)).collect();
+        let total: f64 = share.iter().sum();
+        let mut compared = 0;
+        for (salt, hot) in (0..60u64).zip([0usize, 1, 2].into_iter().cycle()) {
+            let mut seen: Vec<Seen> = share
+                .iter()
+                .enumerate()
+                .map(|(i, s)| Seen {
+                    key: (i as u64 + 1 + salt * 100).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                    last_ms: 1000,
+                    requests: (1000.0 * s / total) as f32,
+                })
+                .collect();
+            let count = seen[hot].requests;
+            let mut before: Option<(Vec<(u64, u32)>, Shares)> = None;
+            for step in [
+                -6.0f32, -4.0, -2.0, 0.0, 2.0, 4.0, 6.0, 4.0, 2.0, 0.0, -2.0, -4.0,
+            ] {
+                seen[hot].requests = count * (1.0 + step / 100.0);
+                let weights = weighted(&seen, 1000, MIN_REQUESTS);
+                let homes = shares(&weights, &eps);
+                // Where only the hot group's weight changed (the mean moves a little too, and a
+                // group on the edge of the band may cross it: such steps are skipped), every
+                // other group keeps its endpoints.
+                let key = seen[hot].key;
+                let others = |ws: &[(u64, u32)]| -> Vec<(u64, u32)> {
+                    ws.iter().copied().filter(|&(g, _)| g != key).collect()
+                };
+                if let Some((was, before)) = before
+                    .as_ref()
+                    .filter(|(was, _)| others(was) == others(&weights))
+                {
+                    compared += 1;
+                    for (g, _) in others(was) {
+                        let at = |h: &Shares| h[&g].iter().map(|p| p.0).collect::<Vec<_>>();
+                        assert_eq!(at(before), at(&homes), "salt {salt}, group {hot}, {step}%");
+                    }
+                }
+                before = Some((weights, homes));
+            }
+        }
+        assert!(
+            compared >= 300,
+            "only {compared} steps left the other weights alone"
+        );
+    }
+
+    #[test]
     fn the_assignment_does_not_depend_on_the_order_groups_were_seen() {
         let eps = endpoints(4);
         let mut gs = groups(30);
@@ -693,7 +753,10 @@ mod tests {
         );
         // Counts large enough that chance moves them little: the band alone decides.
         let w = [0.01, 0.2, 0.4, 0.5, 1.4, 1.99, 2.0, 3.0, 9.2, 1e9].map(|p| weight(p * 1e6, 1e6));
-        assert_eq!(w, [1, 1, 2, 4, 4, 4, 8, 12, 37, 256]);
+        assert_eq!(w, [1, 1, 2, 4, 4, 4, 8, 12, 36, 256]);
+        // A hot group weighs whole means: a few percent more or less is the same weight.
+        let w = [8.6, 9.0, 9.4, 9.6].map(|p| weight(p * 1e6, 1e6));
+        assert_eq!(w, [36, 36, 36, 40]);
         // Few requests seen: counts within chance of the mean weigh alike, however far apart.
         let w = [1.5, 2.0, 6.0, 11.0].map(|r| weight(r, 5.0));
         assert_eq!(w, [4, 4, 4, 4]);
