@@ -530,29 +530,34 @@ mod tests {
         );
     }
 
-    #[test]
-    fn zipf_skewed_groups_leave_no_endpoint_with_twice_the_traffic_of_another() {
-        // 32 groups with Zipf(1.1) popularity, as the bench's zipf-pressure workload sends them:
-        // the hottest has 28% of the traffic, more than a quarter of a 4-endpoint fleet.
-        let eps = endpoints(4);
+    /// 32 groups with Zipf(1.1) popularity, as the bench's zipf-pressure workload sends them (the
+    /// hottest has 28% of the traffic, more than a quarter of a 4-endpoint fleet), 1000 requests
+    /// in all; `salt` varies the keys.
+    fn zipf_groups(salt: u64) -> Vec<Seen> {
         let share: Vec<f64> = (1..=32).map(|k| 1.0 / f64::from(k).powf(1.1)).collect();
-        let seen: Vec<Seen> = share
+        let total: f64 = share.iter().sum();
+        share
             .iter()
             .enumerate()
             .map(|(i, s)| Seen {
-                key: (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                key: (i as u64 + 1 + salt * 100).wrapping_mul(0x9e37_79b9_7f4a_7c15),
                 last_ms: 1000,
-                requests: (1000.0 * s) as f32,
+                requests: (1000.0 * s / total) as f32,
             })
-            .collect();
+            .collect()
+    }
+
+    #[test]
+    fn zipf_skewed_groups_leave_no_endpoint_with_twice_the_traffic_of_another() {
+        let eps = endpoints(4);
+        let seen = zipf_groups(0);
         let homes = assign(&weighted(&seen, 1000, MIN_REQUESTS), &eps);
         let traffic: Vec<f64> = eps
             .iter()
             .map(|e| {
                 seen.iter()
-                    .zip(&share)
-                    .filter(|(s, _)| homes[&s.key] == *e)
-                    .map(|(_, x)| x)
+                    .filter(|s| homes[&s.key] == *e)
+                    .map(|s| f64::from(s.requests))
                     .sum()
             })
             .collect();
@@ -564,22 +569,12 @@ mod tests {
 
     #[test]
     fn a_hot_groups_count_going_up_and_down_moves_no_other_group() {
-        // Zipf(1.1) over 32 groups, as zipf-pressure sends them; one of the three hottest
-        // groups' count moves by a few percent between ticks as requests arrive and counts decay.
+        // One of the three hottest groups' count moves by a few percent between ticks, as
+        // requests arrive and counts decay.
         let eps = endpoints(4);
-        let share: Vec<f64> = (1..=32).map(|k| 1.0 / f64::from(k).powf(1.1)).collect();
-        let total: f64 = share.iter().sum();
         let mut compared = 0;
         for (salt, hot) in (0..60u64).zip([0usize, 1, 2].into_iter().cycle()) {
-            let mut seen: Vec<Seen> = share
-                .iter()
-                .enumerate()
-                .map(|(i, s)| Seen {
-                    key: (i as u64 + 1 + salt * 100).wrapping_mul(0x9e37_79b9_7f4a_7c15),
-                    last_ms: 1000,
-                    requests: (1000.0 * s / total) as f32,
-                })
-                .collect();
+            let mut seen = zipf_groups(salt);
             let count = seen[hot].requests;
             let mut before: Option<(Vec<(u64, u32)>, Shares)> = None;
             for step in [
