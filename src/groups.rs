@@ -6,7 +6,8 @@
 //! 4 endpoints often put 9 on one and 3 on another, and under skewed traffic the hottest groups
 //! may share one. Here each group weighs its popularity relative to the mean (in quarters of
 //! the mean, with the band around the mean flattened: see [`weight`]) and each endpoint takes groups
-//! up to ceil(total weight / endpoints), rounded up to whole mean groups: groups propose to
+//! up to ceil(total weight of the groups at least as busy as the mean / endpoints), rounded up to
+//! whole mean groups (rarer ones take what room is left): groups propose to
 //! endpoints in their rendezvous order, and an endpoint keeps the heaviest, then the groups that
 //! rank it highest (deferred acceptance, in key order). Where whole groups cannot even the
 //! endpoints out, groups split, their conversations divided between homes ([`shares`]). The
@@ -247,9 +248,9 @@ fn weight(r: f64, mean: f64) -> u32 {
 }
 
 /// Each group's home among `endpoints` (ids): groups (key, weight) fill endpoints up to
-/// ceil(total weight / endpoints) rounded up to whole mean groups, each as high in its rendezvous
-/// order as that allows; an endpoint always keeps the group that ranks it highest, however heavy.
-/// Independent of the order of `groups`.
+/// ceil(total weight of the groups of at least the mean's weight / endpoints) rounded up to whole
+/// mean groups, each as high in its rendezvous order as that allows; an endpoint always keeps the
+/// group that ranks it highest, however heavy. Independent of the order of `groups`.
 pub fn assign(groups: &[(u64, u32)], endpoints: &[u32]) -> HashMap<u64, u32> {
     let mut homes = HashMap::new();
     if endpoints.is_empty() {
@@ -257,8 +258,16 @@ pub fn assign(groups: &[(u64, u32)], endpoints: &[u32]) -> HashMap<u64, u32> {
     }
     let mut groups = groups.to_vec();
     groups.sort_unstable();
-    let total: u64 = groups.iter().map(|&(_, w)| u64::from(w)).sum();
-    // In whole means too, so that the rare groups' quarters coming and going rarely change it.
+    // The room is what the groups of at least the mean's weight need, in whole means: a rare
+    // group (a one-off prompt one gateway saw, a group on its way in or out) ranks below every
+    // other and takes what room is left, so whether a gateway counts it moves no other group.
+    // Whole means, so that a hot group's count moving by a few percent rarely changes it.
+    // (Where no group weighs the mean, every group counts.)
+    let weights = || groups.iter().map(|&(_, w)| u64::from(w));
+    let total = match weights().filter(|&w| w >= MEAN_WEIGHT).sum::<u64>() {
+        0 => weights().sum(),
+        counted => counted,
+    };
     let capacity = total.div_ceil(endpoints.len() as u64).div_ceil(MEAN_WEIGHT) * MEAN_WEIGHT;
     let orders: Vec<Vec<usize>> = groups
         .iter()
@@ -607,6 +616,35 @@ mod tests {
             compared >= 300,
             "only {compared} steps left the other weights alone"
         );
+    }
+
+    #[test]
+    fn a_one_off_group_that_one_gateway_saw_moves_no_other_group() {
+        // Three gateways each count 16 equally busy groups (about 15 requests each lately); one
+        // of them also saw a single request of a prompt nobody sent again. That gateway must
+        // still give the 16 groups the homes the other two give them.
+        let eps = endpoints(4);
+        for salt in 0..50u64 {
+            let seen: Vec<Seen> = (0..16u64)
+                .map(|i| Seen {
+                    key: (i + 1 + salt * 100).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                    last_ms: 1000,
+                    requests: 13.0 + (i % 5) as f32,
+                })
+                .collect();
+            let mut with_one_off = seen.clone();
+            with_one_off.push(Seen {
+                key: (salt + 7).wrapping_mul(0xc2b2_ae3d_27d4_eb4f),
+                last_ms: 1000,
+                requests: 0.7,
+            });
+            let min_requests = 0.5;
+            let homes = shares(&weighted(&seen, 1000, min_requests), &eps);
+            let other = shares(&weighted(&with_one_off, 1000, min_requests), &eps);
+            for s in &seen {
+                assert_eq!(homes[&s.key], other[&s.key], "salt {salt}");
+            }
+        }
     }
 
     #[test]
