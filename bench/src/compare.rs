@@ -67,6 +67,10 @@ pub async fn compare(
                 "   requests per replica: {}",
                 replica_shares(&run.per_replica, " ")
             );
+            let (changes, cold) = group_replica_changes(&run.samples);
+            eprintln!(
+                "   group replica changes: {changes} ({cold} onto a replica without the group's prefix)"
+            );
         }
         if let RouterResult::Measured(m) = &run.result {
             sent = sent.max(m.requests as usize);
@@ -200,4 +204,70 @@ pub fn replica_shares(per_replica: &[u64], sep: &str) -> String {
         .map(|(i, n)| format!("r{i}={n}"))
         .collect();
     shares.join(sep)
+}
+
+/// How often a group's request went to another replica than the group's previous request (in
+/// the order they were sent), and how many of those found less than half their prompt cached
+/// there. The group is the first part of the workload's user tag (`u<group>-...`); requests
+/// outside any group (`u-unique-...`) and failed ones are left out. A router that keeps each
+/// group on one replica scores 0; one that splits a group scores its alternations.
+pub fn group_replica_changes(samples: &[Sample]) -> (u64, u64) {
+    let mut sorted: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.error.is_none() && !s.user.starts_with("u-"))
+        .collect();
+    sorted.sort_by(|a, b| a.sent_ms.total_cmp(&b.sent_ms));
+    let mut last: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    let (mut changes, mut cold) = (0, 0);
+    for s in sorted {
+        let (Some(replica), Some(group)) = (s.replica, s.user.split('-').next()) else {
+            continue;
+        };
+        if last
+            .insert(group, replica)
+            .is_some_and(|before| before != replica)
+        {
+            changes += 1;
+            let cached = s.cached_tokens.unwrap_or(0);
+            if cached * 2 < s.prompt_tokens.unwrap_or(0) {
+                cold += 1;
+            }
+        }
+    }
+    (changes, cold)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(user: &str, sent_ms: f64, replica: usize, cached: u64) -> Sample {
+        Sample {
+            user: user.into(),
+            sent_ms,
+            replica: Some(replica),
+            prompt_tokens: Some(100),
+            cached_tokens: Some(cached),
+            ..Sample::default()
+        }
+    }
+
+    #[test]
+    fn group_replica_changes_counts_each_move_of_a_group_in_send_order() {
+        let samples = [
+            sample("u1-0-0", 30.0, 2, 90), // back to 2 after 1: a move, warm
+            sample("u0-0-0", 0.0, 0, 0),
+            sample("u1-0-0", 10.0, 2, 0),
+            sample("u0-1-0", 15.0, 0, 90), // same replica: no move
+            sample("u1-1-0", 20.0, 1, 10), // a move, cold
+            sample("u-unique-3", 25.0, 3, 0),
+            sample("u-unique-4", 26.0, 2, 0),
+        ];
+        assert_eq!(group_replica_changes(&samples), (2, 1));
+        let failed = Sample {
+            error: Some("x".into()),
+            ..sample("u0-2-0", 40.0, 3, 0)
+        };
+        assert_eq!(group_replica_changes(&[samples[1].clone(), failed]), (0, 0));
+    }
 }
