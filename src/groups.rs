@@ -237,12 +237,13 @@ pub fn weighted(seen: &[Seen], now_ms: u64, min_requests: f32) -> Vec<(u64, u32)
 fn weight(r: f64, mean: f64) -> u32 {
     let mean = mean.max(f64::MIN_POSITIVE);
     let popularity = r / mean;
+    let mean_weight = MEAN_WEIGHT as f64;
     let w = if (0.5..2.0).contains(&popularity) || (r - mean).abs() <= 3.0 * mean.sqrt() {
-        4.0
+        mean_weight
     } else if popularity > 1.0 {
-        4.0 * popularity.round()
+        mean_weight * popularity.round()
     } else {
-        (4.0 * popularity).round()
+        (mean_weight * popularity).round()
     };
     w.clamp(1.0, f64::from(MAX_WEIGHT)) as u32
 }
