@@ -226,9 +226,12 @@ pub fn weighted(seen: &[Seen], now_ms: u64, min_requests: f32) -> Vec<(u64, u32)
 /// A group's recent requests `r`, against the mean group's, as a weight in quarters of the mean
 /// group. A group weighs 4 (the mean) while it is within 0.5–2× the mean, or within what chance
 /// alone moves a count by (3 standard deviations of a Poisson count with the mean's
-/// expectation): the ordinary ups and downs of equally popular groups, which each gateway counts a
-/// little differently, move nothing, and a gateway that has seen few requests, whose counts are
-/// all noise, weighs every group alike. Beyond both a group weighs what it is worth (a group with
+/// expectation) and at least a quarter of the mean: the ordinary ups and downs of equally popular
+/// groups, which each gateway counts a little differently, move nothing, and a gateway that has
+/// seen few requests, whose counts are all noise, weighs every group alike. (A count below a
+/// quarter of the mean is no such chance: a one-off prompt one gateway saw among groups of a
+/// few requests each stays a rare group there, instead of changing the room of every endpoint
+/// at that gateway alone.) Beyond both a group weighs what it is worth (a group with
 /// 9× the mean's traffic takes the room of nine, a rare one a quarter), so the endpoint that homes
 /// a hot group takes few others, the rare groups of a skewed fleet are not taken for average
 /// ones, and the traffic stays balanced. A hot group weighs whole means: its count grows and
@@ -238,7 +241,8 @@ fn weight(r: f64, mean: f64) -> u32 {
     let mean = mean.max(f64::MIN_POSITIVE);
     let popularity = r / mean;
     let mean_weight = MEAN_WEIGHT as f64;
-    let w = if (0.5..2.0).contains(&popularity) || (r - mean).abs() <= 3.0 * mean.sqrt() {
+    let chance = popularity >= 0.25 && (r - mean).abs() <= 3.0 * mean.sqrt();
+    let w = if (0.5..2.0).contains(&popularity) || chance {
         mean_weight
     } else if popularity > 1.0 {
         mean_weight * popularity.round()
@@ -638,6 +642,35 @@ mod tests {
                 key: (salt + 7).wrapping_mul(0xc2b2_ae3d_27d4_eb4f),
                 last_ms: 1000,
                 requests: 0.7,
+            });
+            let min_requests = 0.5;
+            let homes = shares(&weighted(&seen, 1000, min_requests), &eps);
+            let other = shares(&weighted(&with_one_off, 1000, min_requests), &eps);
+            for s in &seen {
+                assert_eq!(homes[&s.key], other[&s.key], "salt {salt}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_one_off_group_moves_no_other_group_while_the_counts_are_small() {
+        // As above, behind three gateways early in a run: each group has only 5 to 9 requests
+        // lately at each gateway, so a single request lies within 3 standard deviations of the
+        // mean's count. It is still a rare group, not an average one.
+        let eps = endpoints(4);
+        for salt in 0..50u64 {
+            let seen: Vec<Seen> = (0..16u64)
+                .map(|i| Seen {
+                    key: (i + 1 + salt * 100).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                    last_ms: 1000,
+                    requests: 5.0 + (i % 5) as f32,
+                })
+                .collect();
+            let mut with_one_off = seen.clone();
+            with_one_off.push(Seen {
+                key: (salt + 7).wrapping_mul(0xc2b2_ae3d_27d4_eb4f),
+                last_ms: 1000,
+                requests: 1.0,
             });
             let min_requests = 0.5;
             let homes = shares(&weighted(&seen, 1000, min_requests), &eps);
