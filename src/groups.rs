@@ -226,12 +226,12 @@ pub fn weighted(seen: &[Seen], now_ms: u64, min_requests: f32) -> Vec<(u64, u32)
 /// A group's recent requests `r`, against the mean group's, as a weight in quarters of the mean
 /// group. A group weighs 4 (the mean) while it is within 0.5–2× the mean, or within what chance
 /// alone moves a count by (3 standard deviations of a Poisson count with the mean's
-/// expectation) and at least a quarter of the mean: the ordinary ups and downs of equally popular
-/// groups, which each gateway counts a little differently, move nothing, and a gateway that has
-/// seen few requests, whose counts are all noise, weighs every group alike. (A count below a
-/// quarter of the mean is no such chance: a one-off prompt one gateway saw among groups of a
-/// few requests each stays a rare group there, instead of changing the room of every endpoint
-/// at that gateway alone.) Beyond both a group weighs what it is worth (a group with
+/// expectation) and seen more than once lately ([`MIN_REQUESTS`]): the ordinary ups and downs of
+/// equally popular groups, which each gateway counts a little differently, move nothing, and a
+/// gateway that has seen few requests, whose counts are all noise, weighs every group alike. (A
+/// prompt seen once is no such chance: a one-off one gateway saw among groups of a few requests
+/// each stays a rare group there, instead of changing the room of every endpoint at that gateway
+/// alone.) Beyond both a group weighs what it is worth (a group with
 /// 9× the mean's traffic takes the room of nine, a rare one a quarter), so the endpoint that homes
 /// a hot group takes few others, the rare groups of a skewed fleet are not taken for average
 /// ones, and the traffic stays balanced. A hot group weighs whole means: its count grows and
@@ -241,7 +241,7 @@ fn weight(r: f64, mean: f64) -> u32 {
     let mean = mean.max(f64::MIN_POSITIVE);
     let popularity = r / mean;
     let mean_weight = MEAN_WEIGHT as f64;
-    let chance = popularity >= 0.25 && (r - mean).abs() <= 3.0 * mean.sqrt();
+    let chance = r >= f64::from(MIN_REQUESTS) && (r - mean).abs() <= 3.0 * mean.sqrt();
     let w = if (0.5..2.0).contains(&popularity) || chance {
         mean_weight
     } else if popularity > 1.0 {
@@ -828,6 +828,11 @@ mod tests {
         let w = [1.5, 2.0, 6.0, 11.0].map(|r| weight(r, 5.0));
         assert_eq!(w, [4, 4, 4, 4]);
         assert_eq!(weight(40.0, 5.0), 32, "far beyond chance");
+        // A group in a lull at this gateway (2 lately among groups of 10) is chance; a prompt
+        // seen once is not, however small the counts.
+        assert_eq!(weight(2.0, 10.0), 4);
+        assert_eq!(weight(1.0, 10.0), 1);
+        assert_eq!(weight(1.0, 6.0), 1);
         let later = 1000 + HALF_LIFE_MS;
         assert!((seen[0].requests_at(later) - 50.0).abs() < 1e-6);
         assert!(
