@@ -71,6 +71,14 @@ pub async fn compare(
             eprintln!(
                 "   group replica changes: {changes} ({cold} onto a replica without the group's prefix)"
             );
+            let phases: Vec<String> = hit_rate_by_phase(&run.samples)
+                .iter()
+                .map(|(name, hit)| match hit {
+                    Some(h) => format!("{name} {:.1}%", h * 100.0),
+                    None => format!("{name} -"),
+                })
+                .collect();
+            eprintln!("   hit rate by send time: {}", phases.join(", "));
         }
         if let RouterResult::Measured(m) = &run.result {
             sent = sent.max(m.requests as usize);
@@ -237,9 +245,52 @@ pub fn group_replica_changes(samples: &[Sample]) -> (u64, u64) {
     (changes, cold)
 }
 
+/// The phases of a run [`hit_rate_by_phase`] reports: routers that learn the fleet (kvroute's
+/// warm-up, three gateways each counting the groups on its own) differ most in the first.
+const PHASES: [(&str, f64, f64); 3] = [
+    ("0-10 s", 0.0, 10_000.0),
+    ("10-25 s", 10_000.0, 25_000.0),
+    ("after 25 s", 25_000.0, f64::INFINITY),
+];
+
+/// The engines' hit rate (cached over prompt tokens, from each response's usage) of the requests
+/// sent in each of [`PHASES`], `None` for a phase without such requests.
+pub fn hit_rate_by_phase(samples: &[Sample]) -> Vec<(&'static str, Option<f64>)> {
+    PHASES
+        .iter()
+        .map(|&(name, from, to)| {
+            let (cached, prompt) = samples
+                .iter()
+                .filter(|s| s.error.is_none() && (from..to).contains(&s.sent_ms))
+                .filter_map(|s| Some((s.cached_tokens?, s.prompt_tokens?)))
+                .fold((0, 0), |(c, p), (sc, sp)| (c + sc, p + sp));
+            (name, (prompt > 0).then(|| cached as f64 / prompt as f64))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hit_rate_by_phase_weighs_tokens_of_the_requests_sent_in_each_phase() {
+        let samples = [
+            sample("u0-0-0", 0.0, 0, 0),
+            sample("u0-1-0", 9_999.0, 0, 50),
+            sample("u0-2-0", 10_000.0, 0, 90),
+            sample("u0-3-0", 30_000.0, 0, 100),
+            Sample {
+                error: Some("x".into()),
+                ..sample("u0-4-0", 31_000.0, 1, 0)
+            },
+        ];
+        let phases = hit_rate_by_phase(&samples);
+        assert_eq!(phases[0], ("0-10 s", Some(0.25)));
+        assert_eq!(phases[1], ("10-25 s", Some(0.9)));
+        assert_eq!(phases[2], ("after 25 s", Some(1.0)));
+        assert_eq!(hit_rate_by_phase(&samples[..2])[2], ("after 25 s", None));
+    }
 
     fn sample(user: &str, sent_ms: f64, replica: usize, cached: u64) -> Sample {
         Sample {
