@@ -226,12 +226,13 @@ pub fn weighted(seen: &[Seen], now_ms: u64, min_requests: f32) -> Vec<(u64, u32)
 /// A group's recent requests `r`, against the mean group's, as a weight in quarters of the mean
 /// group. A group weighs 4 (the mean) while it is within 0.5–2× the mean, or within what chance
 /// alone moves a count by (3 standard deviations of a Poisson count with the mean's
-/// expectation) and seen more than once lately ([`MIN_REQUESTS`]): the ordinary ups and downs of
+/// expectation) and seen more than once lately ([`MIN_REQUESTS`]) or at a mean so small that a
+/// mean group is often seen only once ([`once_is_chance`]): the ordinary ups and downs of
 /// equally popular groups, which each gateway counts a little differently, move nothing, and a
 /// gateway that has seen few requests, whose counts are all noise, weighs every group alike. (A
-/// prompt seen once is no such chance: a one-off one gateway saw among groups of a few requests
-/// each stays a rare group there, instead of changing the room of every endpoint at that gateway
-/// alone.) Beyond both a group weighs what it is worth (a group with
+/// prompt seen once among groups of several requests each is no such chance: a one-off one
+/// gateway saw stays a rare group there, instead of changing the room of every endpoint at that
+/// gateway alone.) Beyond both a group weighs what it is worth (a group with
 /// 9× the mean's traffic takes the room of nine, a rare one a quarter), so the endpoint that homes
 /// a hot group takes few others, the rare groups of a skewed fleet are not taken for average
 /// ones, and the traffic stays balanced. A hot group weighs whole means: its count grows and
@@ -241,7 +242,8 @@ fn weight(r: f64, mean: f64) -> u32 {
     let mean = mean.max(f64::MIN_POSITIVE);
     let popularity = r / mean;
     let mean_weight = MEAN_WEIGHT as f64;
-    let chance = r >= f64::from(MIN_REQUESTS) && (r - mean).abs() <= 3.0 * mean.sqrt();
+    let chance = (r >= f64::from(MIN_REQUESTS) || once_is_chance(mean))
+        && (r - mean).abs() <= 3.0 * mean.sqrt();
     let w = if (0.5..2.0).contains(&popularity) || chance {
         mean_weight
     } else if popularity > 1.0 {
@@ -250,6 +252,15 @@ fn weight(r: f64, mean: f64) -> u32 {
         (mean_weight * popularity).round()
     };
     w.clamp(1.0, f64::from(MAX_WEIGHT)) as u32
+}
+
+/// Whether a group as popular as the mean would be seen at most once lately at least one time in
+/// 20 (a Poisson count with the mean's expectation; true below a mean of about 4.7). A gateway
+/// that sees a third of the traffic counts groups of a request every few seconds a few requests
+/// each for its first 20 s: there, a group it has seen once is as likely an average group as a
+/// rare one, and the other gateways, which saw two of it, weigh it the mean.
+fn once_is_chance(mean: f64) -> bool {
+    (-mean).exp() * (1.0 + mean) >= 0.05
 }
 
 /// Each group's home among `endpoints` (ids): groups (key, weight) fill endpoints up to
@@ -813,10 +824,15 @@ mod tests {
         assert_eq!(w, [4, 4, 4, 4]);
         assert_eq!(weight(40.0, 5.0), 32, "far beyond chance");
         // A group in a lull at this gateway (2 lately among groups of 10) is chance; a prompt
-        // seen once is not, however small the counts.
+        // seen once among groups of 5 or more is not; among groups of 2-4 (a gateway with a
+        // third of the traffic, early on), seeing an average group once is ordinary.
         assert_eq!(weight(2.0, 10.0), 4);
         assert_eq!(weight(1.0, 10.0), 1);
         assert_eq!(weight(1.0, 6.0), 1);
+        assert_eq!(weight(1.0, 5.0), 1);
+        assert_eq!(weight(1.0, 4.0), 4);
+        assert_eq!(weight(1.0, 2.5), 4);
+        assert!(once_is_chance(4.7) && !once_is_chance(4.8));
         let later = 1000 + HALF_LIFE_MS;
         assert!((seen[0].requests_at(later) - 50.0).abs() < 1e-6);
         assert!(
