@@ -226,8 +226,9 @@ pub fn weighted(seen: &[Seen], now_ms: u64, min_requests: f32) -> Vec<(u64, u32)
 /// A group's recent requests `r`, against the mean group's, as a weight in quarters of the mean
 /// group. A group weighs 4 (the mean) while it is within 0.5–2× the mean, or within what chance
 /// alone moves a count by (3 standard deviations of a Poisson count with the mean's
-/// expectation) and seen more than once lately ([`MIN_REQUESTS`]) or at a mean so small that a
-/// mean group is often seen only once ([`once_is_chance`]): the ordinary ups and downs of
+/// expectation) and seen more than once lately (a count above 1: one request never decays to
+/// more, and two seen a while ago may have decayed below [`MIN_REQUESTS`]) or at a mean so small
+/// that a mean group is often seen only once ([`once_is_chance`]): the ordinary ups and downs of
 /// equally popular groups, which each gateway counts a little differently, move nothing, and a
 /// gateway that has seen few requests, whose counts are all noise, weighs every group alike. (A
 /// prompt seen once among groups of several requests each is no such chance: a one-off one
@@ -242,8 +243,7 @@ fn weight(r: f64, mean: f64) -> u32 {
     let mean = mean.max(f64::MIN_POSITIVE);
     let popularity = r / mean;
     let mean_weight = MEAN_WEIGHT as f64;
-    let chance = (r >= f64::from(MIN_REQUESTS) || once_is_chance(mean))
-        && (r - mean).abs() <= 3.0 * mean.sqrt();
+    let chance = (r > 1.0 || once_is_chance(mean)) && (r - mean).abs() <= 3.0 * mean.sqrt();
     let w = if (0.5..2.0).contains(&popularity) || chance {
         mean_weight
     } else if popularity > 1.0 {
@@ -833,6 +833,9 @@ mod tests {
         assert_eq!(weight(1.0, 4.0), 4);
         assert_eq!(weight(1.0, 2.5), 4);
         assert!(once_is_chance(4.7) && !once_is_chance(4.8));
+        // Two requests seen 20 s ago (1.26 now) are a group in a lull, not a one-off.
+        assert_eq!(weight(2.0 * 0.5f64.powf(20.0 / 30.0), 7.0), 4);
+        assert_eq!(weight(1.0, 7.0), 1);
         let later = 1000 + HALF_LIFE_MS;
         assert!((seen[0].requests_at(later) - 50.0).abs() < 1e-6);
         assert!(
