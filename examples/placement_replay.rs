@@ -1,14 +1,19 @@
 //! Replays a bench run's requests (`samples.jsonl` from `kvroute-bench compare`) through the
-//! groups table and the balanced assignment, as one gateway with one worker would see them, and
-//! prints how often a group's home moved, on what, and how even the homes' traffic was:
-//! `cargo run --release --example placement_replay -- .work/<run>/samples.jsonl [--moves]`.
+//! groups table and the balanced assignment, as gateways with one worker each would see them, and
+//! prints how often a group's home moved, on what, and how even the homes' traffic was; with
+//! `--gateways N`, the requests are dealt round robin to N gateways, each counting its own share,
+//! and it also prints how often they would send a request to different replicas:
+//! `cargo run --release --example placement_replay -- .work/<run>/samples.jsonl [--moves] [--gateways N]`.
 
 use hashbrown::HashMap;
-use kvroute::groups::{self, Seen, Shares};
+use kvroute::groups::{self, FleetVolume, Seen, Shares};
+use kvroute::policy::cache_aware::WARMUP_POLLS;
 use kvroute::rendezvous::{self, endpoint_id};
 
-/// How often the table is read and the homes recomputed (the groups table's flush period).
-const TICK_MS: u64 = groups::FLUSH_MS;
+/// How often a gateway reads its table and recomputes the homes: the shipped `stats_interval_ms`.
+const TICK_MS: u64 = 500;
+/// Phases of a run by send time, as the bench reports hit rates: 0-10 s, 10-25 s, after 25 s.
+const PHASES_MS: [u64; 2] = [10_000, 25_000];
 
 struct Request {
     at_ms: u64,
@@ -68,11 +73,132 @@ fn moved(before: &Shares, after: &Shares, counted: &[(u64, u32)]) -> Vec<String>
         .collect()
 }
 
+/// One gateway: its groups table, its share of the traffic, and the homes it computed, as
+/// `cache_aware` keeps them (first rendezvous choice while warming up or for an uncounted group).
+struct Gateway {
+    seen: HashMap<u64, Seen>,
+    fleet: FleetVolume,
+    counted: Vec<(u64, u32)>,
+    shares: Shares,
+    /// Its ticks fall at `phase_ms` past each [`TICK_MS`]: gateways started at different moments.
+    phase_ms: u64,
+    next_tick: u64,
+}
+
+impl Gateway {
+    fn new(phase_ms: u64) -> Gateway {
+        Gateway {
+            seen: HashMap::new(),
+            fleet: FleetVolume::default(),
+            counted: Vec::new(),
+            shares: Shares::new(),
+            phase_ms,
+            next_tick: phase_ms,
+        }
+    }
+
+    /// Runs the ticks due by `at_ms`, the fleet having finished `finished` requests. Returns how
+    /// many recomputed the homes; prints what moved if `show` (named `label`).
+    fn tick_until(&mut self, at_ms: u64, finished: f64, eps: &[u32], show: Option<&str>) -> u32 {
+        let mut recomputes = 0;
+        while self.next_tick <= at_ms {
+            let now = self.next_tick;
+            self.next_tick += TICK_MS;
+            self.fleet.observe([("engines", finished)], now);
+            let all: Vec<Seen> = self.seen.values().copied().collect();
+            let min_requests = self.fleet.min_requests(groups::own_volume(&all, now));
+            let counted = groups::weighted(&all, now, min_requests);
+            if counted == self.counted {
+                continue;
+            }
+            let next = groups::shares(&counted, eps);
+            let changed = moved(&self.shares, &next, &counted);
+            if let Some(label) = show.filter(|_| !changed.is_empty()) {
+                let added: Vec<_> = counted
+                    .iter()
+                    .copied()
+                    .filter(|c| !self.counted.contains(c))
+                    .collect();
+                let gone: Vec<_> = self
+                    .counted
+                    .iter()
+                    .copied()
+                    .filter(|c| !counted.contains(c))
+                    .collect();
+                println!(
+                    "{label}t={now} +{:?} -{:?} moved {changed:?}",
+                    names(&added),
+                    names(&gone)
+                );
+            }
+            self.counted = counted;
+            self.shares = next;
+            recomputes += 1;
+        }
+        recomputes
+    }
+
+    /// Where this gateway sends `r` at `r.at_ms`, and whether the group is counted and split.
+    fn home(&self, r: &Request, eps: &[u32]) -> (u32, bool, bool) {
+        let warm = r.at_ms >= self.phase_ms + WARMUP_POLLS * TICK_MS;
+        let first = eps[rendezvous::order(r.group, eps)[0]];
+        let parts = self.shares.get(&r.group).filter(|_| warm);
+        let home = parts
+            .and_then(|h| groups::home_of(h, r.conversation))
+            .unwrap_or(first);
+        (home, parts.is_some(), parts.is_some_and(|h| h.len() > 1))
+    }
+
+    fn saw(&mut self, r: &Request) {
+        let entry = self.seen.entry(r.group).or_insert(Seen {
+            key: r.group,
+            last_ms: r.at_ms,
+            requests: 0.0,
+        });
+        entry.requests = (entry.requests_at(r.at_ms) + 1.0) as f32;
+        entry.last_ms = r.at_ms;
+    }
+}
+
+/// Requests per phase, and how many of them the gateways would have sent to different replicas.
+#[derive(Default)]
+struct Agreement {
+    requests: [u64; 3],
+    split: [u64; 3],
+}
+
+impl Agreement {
+    fn add(&mut self, at_ms: u64, agree: bool) {
+        let phase = PHASES_MS.iter().filter(|&&p| at_ms >= p).count();
+        self.requests[phase] += 1;
+        self.split[phase] += u64::from(!agree);
+    }
+
+    fn percent(&self, phase: usize) -> f64 {
+        100.0 * self.split[phase] as f64 / self.requests[phase].max(1) as f64
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let show_moves = args.iter().any(|a| a == "--moves");
-    let Some(path) = args.iter().find(|a| !a.starts_with("--")) else {
-        eprintln!("usage: placement_replay SAMPLES.jsonl [--moves]");
+    let gateways: usize = match args.iter().position(|a| a == "--gateways") {
+        Some(at) => match args.get(at + 1).and_then(|n| n.parse().ok()) {
+            Some(n) if n >= 1 => n,
+            _ => {
+                eprintln!("placement_replay: --gateways needs a count of at least 1");
+                std::process::exit(2);
+            }
+        },
+        None => 1,
+    };
+    let path = args
+        .iter()
+        .enumerate()
+        .find(|(i, a)| !a.starts_with("--") && (*i == 0 || args[i - 1] != "--gateways"))
+        .map(|(_, a)| a);
+    let Some(path) = path else {
+        eprintln!("usage: placement_replay SAMPLES.jsonl [--moves] [--gateways N]");
         std::process::exit(2);
     };
     let (requests, replicas) = match read(path) {
@@ -85,51 +211,26 @@ fn main() {
     let eps: Vec<u32> = (0..replicas)
         .map(|i| endpoint_id(&format!("127.0.0.1:{}", 9001 + i)))
         .collect();
-    let mut seen: HashMap<u64, Seen> = HashMap::new();
-    let mut shares = Shares::new();
-    let mut counted: Vec<(u64, u32)> = Vec::new();
-    let mut next_tick = 0;
+    // Gateways started a little apart: their ticks fall at different moments.
+    let mut gws: Vec<Gateway> = (0..gateways)
+        .map(|k| Gateway::new(k as u64 * TICK_MS / gateways as u64))
+        .collect();
     // Each group's home for its previous request, and whether it was counted then.
     let mut last: HashMap<u64, (u32, bool)> = HashMap::new();
     let (mut recomputes, mut moves, mut entry_moves, mut split_requests) = (0, 0, 0, 0);
     let mut per_endpoint: HashMap<u32, u64> = HashMap::new();
-    for r in &requests {
-        while r.at_ms >= next_tick {
-            let all: Vec<Seen> = seen.values().copied().collect();
-            let now = groups::weighted(&all, next_tick, groups::MIN_REQUESTS);
-            if now != counted {
-                let next = groups::shares(&now, &eps);
-                let changed = moved(&shares, &next, &now);
-                if show_moves && !changed.is_empty() {
-                    let added: Vec<_> = now
-                        .iter()
-                        .copied()
-                        .filter(|c| !counted.contains(c))
-                        .collect();
-                    let gone: Vec<_> = counted
-                        .iter()
-                        .copied()
-                        .filter(|c| !now.contains(c))
-                        .collect();
-                    println!(
-                        "t={next_tick} +{:?} -{:?} moved {changed:?}",
-                        names(&added),
-                        names(&gone)
-                    );
-                }
-                counted = now;
-                shares = next;
-                recomputes += 1;
-            }
-            next_tick += TICK_MS;
+    let mut agreement = Agreement::default();
+    for (i, r) in requests.iter().enumerate() {
+        for (k, gw) in gws.iter_mut().enumerate() {
+            let label = format!("gateway {k}: ");
+            let show = show_moves.then_some(if gateways > 1 { label.as_str() } else { "" });
+            recomputes += gw.tick_until(r.at_ms, i as f64, &eps, show);
         }
-        let first = eps[rendezvous::order(r.group, &eps)[0]];
-        let parts = shares.get(&r.group);
-        let home = parts
-            .and_then(|h| groups::home_of(h, r.conversation))
-            .unwrap_or(first);
-        let is_counted = parts.is_some();
-        let split = parts.is_some_and(|h| h.len() > 1);
+        let homes: Vec<u32> = gws.iter().map(|gw| gw.home(r, &eps).0).collect();
+        agreement.add(r.at_ms, homes.iter().all(|&h| h == homes[0]));
+        // The front balancer deals requests to the gateways in turn.
+        let gw = &mut gws[i % gateways];
+        let (home, is_counted, split) = gw.home(r, &eps);
         split_requests += usize::from(split);
         // A move: the group's previous request went elsewhere, and no split keeps them apart.
         if let Some(&(before, was_counted)) = last.get(&r.group) {
@@ -143,23 +244,30 @@ fn main() {
         }
         last.insert(r.group, (home, is_counted));
         *per_endpoint.entry(home).or_default() += 1;
-        let entry = seen.entry(r.group).or_insert(Seen {
-            key: r.group,
-            last_ms: r.at_ms,
-            requests: 0.0,
-        });
-        entry.requests = (entry.requests_at(r.at_ms) + 1.0) as f32;
-        entry.last_ms = r.at_ms;
+        gw.saw(r);
     }
     let loads: Vec<u64> = eps
         .iter()
         .map(|e| per_endpoint.get(e).copied().unwrap_or(0))
         .collect();
+    let groups = requests
+        .iter()
+        .map(|r| r.group)
+        .collect::<hashbrown::HashSet<_>>()
+        .len();
     println!(
-        "{} requests, {} groups, {recomputes} recomputes, {moves} moves of a counted group, \
-         {entry_moves} on being counted or dropped, {split_requests} requests of split groups, \
-         requests per home {loads:?}",
+        "{} requests, {groups} groups, {gateways} gateway(s), {recomputes} recomputes, {moves} \
+         moves of a counted group, {entry_moves} on being counted or dropped, {split_requests} \
+         requests of split groups, requests per home {loads:?}",
         requests.len(),
-        seen.len()
     );
+    if gateways > 1 {
+        println!(
+            "requests the gateways would send to different replicas: 0-10 s {:.1}%, 10-25 s \
+             {:.1}%, after 25 s {:.1}%",
+            agreement.percent(0),
+            agreement.percent(1),
+            agreement.percent(2)
+        );
+    }
 }
