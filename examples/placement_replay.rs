@@ -107,7 +107,7 @@ impl Gateway {
             self.fleet.observe([("engines", finished)], now);
             let all: Vec<Seen> = self.seen.values().copied().collect();
             let min_requests = self.fleet.min_requests(groups::own_volume(&all, now));
-            let counted = groups::weighted(&all, now, min_requests);
+            let counted = groups::steady(&self.counted, groups::weighted(&all, now, min_requests));
             if counted == self.counted {
                 continue;
             }

@@ -5,7 +5,8 @@
 //! Rendezvous alone gives each group a home every gateway agrees on, but by chance: 24 groups on
 //! 4 endpoints often put 9 on one and 3 on another, and under skewed traffic the hottest groups
 //! may share one. Here each group weighs its popularity relative to the mean (in quarters of
-//! the mean, with the band around the mean flattened: see [`weight`]) and each endpoint takes groups
+//! the mean, with the band around the mean flattened: see [`weight`]; a weight that wanders by
+//! one mean stays put: see [`steady`]) and each endpoint takes groups
 //! up to ceil(total weight of the groups at least as busy as the mean / endpoints), rounded up to
 //! whole mean groups (rarer ones take what room is left): groups propose to
 //! endpoints in their rendezvous order, and an endpoint keeps the heaviest, then the groups that
@@ -221,6 +222,25 @@ pub fn weighted(seen: &[Seen], now_ms: u64, min_requests: f32) -> Vec<(u64, u32)
         .collect();
     out.sort_unstable();
     out
+}
+
+/// The weights `next`, except that a group which weighed at least the mean in `previous` and
+/// still does keeps its previous weight while it moved by one mean at most. A hot group's count
+/// wanders around the boundary between two whole means as requests come and decay, and each step
+/// across it changes the room its endpoint leaves to the others, moving the group that was
+/// last in line there and back again (on zipf-pressure one group moved twelve times in 45 s);
+/// a step of two means is a change in popularity, not noise. Both sides sorted by key.
+pub fn steady(previous: &[(u64, u32)], mut next: Vec<(u64, u32)>) -> Vec<(u64, u32)> {
+    let mean = MEAN_WEIGHT as u32;
+    for (group, w) in next.iter_mut() {
+        if let Ok(i) = previous.binary_search_by_key(group, |&(g, _)| g) {
+            let before = previous[i].1;
+            if before >= mean && *w >= mean && before.abs_diff(*w) <= mean {
+                *w = before;
+            }
+        }
+    }
+    next
 }
 
 /// A group's recent requests `r`, against the mean group's, as a weight in quarters of the mean
@@ -674,6 +694,54 @@ mod tests {
         // gateway, so a single request lies within 3 standard deviations of the mean's count.
         // It is still a rare group, not an average one.
         assert_a_one_off_moves_no_other_group(5.0, 1.0);
+    }
+
+    #[test]
+    fn a_hot_group_wandering_across_a_whole_mean_moves_no_other_group() {
+        let eps = endpoints(4);
+        // 24 groups of 20 requests lately and a hot one whose count wanders across 4.5 means
+        // (100 requests weigh 4 means, 110 weigh 5), then grows to 6 means (140).
+        let seen = |salt: u64, hot: f32| -> Vec<Seen> {
+            (0..25u64)
+                .map(|i| Seen {
+                    key: (i + 1 + salt * 100).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                    last_ms: 1000,
+                    requests: if i == 0 { hot } else { 20.0 },
+                })
+                .collect()
+        };
+        let mut moved = 0;
+        for salt in 0..50u64 {
+            let mut counted = Vec::new();
+            let mut first = None;
+            for hot in [100.0, 110.0, 100.0, 110.0, 105.0] {
+                counted = steady(&counted, weighted(&seen(salt, hot), 1000, MIN_REQUESTS));
+                let homes = shares(&counted, &eps);
+                let before = first.get_or_insert_with(|| homes.clone());
+                moved += usize::from(*before != homes);
+            }
+            let hot_key = seen(salt, 0.0)[0].key;
+            let hot_weight = |c: &[(u64, u32)]| c.iter().find(|g| g.0 == hot_key).map(|g| g.1);
+            assert_eq!(hot_weight(&counted), Some(16), "salt {salt}");
+            counted = steady(&counted, weighted(&seen(salt, 140.0), 1000, MIN_REQUESTS));
+            assert_eq!(
+                hot_weight(&counted),
+                Some(24),
+                "salt {salt}: two means is a change"
+            );
+        }
+        assert_eq!(moved, 0);
+    }
+
+    #[test]
+    fn steady_keeps_a_weight_that_moved_by_one_mean_only() {
+        let previous = [(1, 16), (2, 4), (3, 2), (4, 8)];
+        let next = vec![(1, 20), (2, 8), (3, 4), (4, 16), (5, 4)];
+        // One mean up, one mean up, rare to average, two means up, new.
+        assert_eq!(
+            steady(&previous, next),
+            vec![(1, 16), (2, 4), (3, 4), (4, 16), (5, 4)]
+        );
     }
 
     #[test]

@@ -213,7 +213,7 @@ impl Policy for CacheAware {
         let seen: Vec<Seen> = view.seen.values().copied().collect();
         view.fleet.observe(completed.iter().copied(), now_ms);
         let min_requests = view.fleet.min_requests(groups::own_volume(&seen, now_ms));
-        let counted = groups::weighted(&seen, now_ms, min_requests);
+        let counted = groups::steady(&view.counted, groups::weighted(&seen, now_ms, min_requests));
         if counted != view.counted {
             view.counted = counted;
             view.homes = None;
