@@ -67,9 +67,19 @@ pub async fn compare(
                 "   requests per replica: {}",
                 replica_shares(&run.per_replica, " ")
             );
-            let (changes, cold) = group_replica_changes(&run.samples);
+            let moves = group_replica_changes(&run.samples);
+            let why: Vec<String> = moves
+                .cold_by_decision
+                .iter()
+                .map(|(d, n)| format!("{d} {n}"))
+                .collect();
+            let why = match why.is_empty() {
+                true => String::new(),
+                false => format!("; kvroute's decisions: {}", why.join(", ")),
+            };
             eprintln!(
-                "   group replica changes: {changes} ({cold} onto a replica without the group's prefix)"
+                "   group replica changes: {} ({} onto a replica without the group's prefix{why})",
+                moves.changes, moves.cold
             );
             let phases: Vec<String> = hit_rate_by_phase(&run.samples)
                 .iter()
@@ -214,19 +224,31 @@ pub fn replica_shares(per_replica: &[u64], sep: &str) -> String {
     shares.join(sep)
 }
 
+/// How often a row's groups changed replica ([`group_replica_changes`]).
+#[derive(Debug, Default, PartialEq)]
+pub struct ReplicaChanges {
+    pub changes: u64,
+    /// Those that found less than half their prompt cached there.
+    pub cold: u64,
+    /// The cold ones by kvroute's decision (`x-kvroute-decision`: `home`, `affinity`, ...), for
+    /// rows whose router says.
+    pub cold_by_decision: std::collections::BTreeMap<String, u64>,
+}
+
 /// How often a group's request went to another replica than the group's previous request (in
 /// the order they were sent), and how many of those found less than half their prompt cached
-/// there. The group is the first part of the workload's user tag (`u<group>-...`); requests
-/// outside any group (`u-unique-...`) and failed ones are left out. A router that keeps each
-/// group on one replica scores 0; one that splits a group scores its alternations.
-pub fn group_replica_changes(samples: &[Sample]) -> (u64, u64) {
+/// there, by why kvroute sent it there. The group is the first part of the workload's user tag
+/// (`u<group>-...`); requests outside any group (`u-unique-...`) and failed ones are left out. A
+/// router that keeps each group on one replica scores 0; one that splits a group scores its
+/// alternations.
+pub fn group_replica_changes(samples: &[Sample]) -> ReplicaChanges {
     let mut sorted: Vec<&Sample> = samples
         .iter()
         .filter(|s| s.error.is_none() && !s.user.starts_with("u-"))
         .collect();
     sorted.sort_by(|a, b| a.sent_ms.total_cmp(&b.sent_ms));
     let mut last: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
-    let (mut changes, mut cold) = (0, 0);
+    let mut out = ReplicaChanges::default();
     for s in sorted {
         let (Some(replica), Some(group)) = (s.replica, s.user.split('-').next()) else {
             continue;
@@ -235,14 +257,17 @@ pub fn group_replica_changes(samples: &[Sample]) -> (u64, u64) {
             .insert(group, replica)
             .is_some_and(|before| before != replica)
         {
-            changes += 1;
+            out.changes += 1;
             let cached = s.cached_tokens.unwrap_or(0);
             if cached * 2 < s.prompt_tokens.unwrap_or(0) {
-                cold += 1;
+                out.cold += 1;
+                if let Some(d) = &s.decision {
+                    *out.cold_by_decision.entry(d.clone()).or_default() += 1;
+                }
             }
         }
     }
-    (changes, cold)
+    out
 }
 
 /// The phases of a run [`hit_rate_by_phase`] reports: routers that learn the fleet (kvroute's
@@ -314,11 +339,38 @@ mod tests {
             sample("u-unique-3", 25.0, 3, 0),
             sample("u-unique-4", 26.0, 2, 0),
         ];
-        assert_eq!(group_replica_changes(&samples), (2, 1));
+        let moves = group_replica_changes(&samples);
+        assert_eq!((moves.changes, moves.cold), (2, 1));
+        assert!(moves.cold_by_decision.is_empty(), "no router said why");
         let failed = Sample {
             error: Some("x".into()),
             ..sample("u0-2-0", 40.0, 3, 0)
         };
-        assert_eq!(group_replica_changes(&[samples[1].clone(), failed]), (0, 0));
+        let none = group_replica_changes(&[samples[1].clone(), failed]);
+        assert_eq!(none, ReplicaChanges::default());
+    }
+
+    #[test]
+    fn cold_replica_changes_are_counted_by_kvroutes_decision() {
+        let said = |user, sent_ms, replica, cached, decision: &str| Sample {
+            decision: Some(decision.into()),
+            ..sample(user, sent_ms, replica, cached)
+        };
+        let samples = [
+            said("u0-0-0", 0.0, 0, 0, "home"),
+            said("u0-1-0", 10.0, 1, 0, "home"), // cold, home moved
+            said("u0-0-1", 20.0, 0, 0, "affinity"), // cold, history lost there
+            said("u0-2-0", 30.0, 1, 90, "home"), // warm
+            said("u0-3-0", 40.0, 2, 10, "spread"), // cold
+            said("u0-3-1", 50.0, 3, 0, "home"), // cold
+        ];
+        let moves = group_replica_changes(&samples);
+        assert_eq!((moves.changes, moves.cold), (5, 4));
+        let by: Vec<(&str, u64)> = moves
+            .cold_by_decision
+            .iter()
+            .map(|(d, n)| (d.as_str(), *n))
+            .collect();
+        assert_eq!(by, vec![("affinity", 1), ("home", 2), ("spread", 1)]);
     }
 }

@@ -33,6 +33,9 @@ pub struct Sample {
     pub output_tokens: u64,
     /// The `x-sim-replica` response header: which replica served it.
     pub replica: Option<usize>,
+    /// kvroute's `x-kvroute-decision` response header (`home`, `spread`, `affinity`, ...): why
+    /// it went to that replica. Other routers send none.
+    pub decision: Option<String>,
     /// The final usage chunk's `prompt_tokens` and `prompt_tokens_details.cached_tokens`.
     pub prompt_tokens: Option<u64>,
     pub cached_tokens: Option<u64>,
@@ -287,6 +290,11 @@ impl Client {
             .get("x-sim-replica")
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.trim().parse().ok());
+        sample.decision = resp
+            .headers()
+            .get("x-kvroute-decision")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
         if !resp.status().is_success() {
             let status = resp.status();
             let text = resp.text().await.unwrap_or_default();

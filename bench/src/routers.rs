@@ -148,9 +148,10 @@ impl Router {
                 .await
             }
             Router::Kvroute(policy) => {
+                // The decision header lets each sample say why it went where it went.
                 let plugin_config = match policy {
-                    Some(p) => json!({ "policy": p }),
-                    None => json!({}),
+                    Some(p) => json!({ "policy": p, "debug_header": true }),
+                    None => json!({ "debug_header": true }),
                 };
                 envoy(Lb::Kvroute { plugin_config }).await
             }
