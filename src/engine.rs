@@ -1,9 +1,11 @@
 //! What an engine says about itself: its Prometheus `/metrics` (vLLM's or SGLang's names) read as
-//! its load (running, waiting, every gateway's traffic) and its capacity, learnt from when it
-//! queues.
+//! its load (running, waiting, every gateway's traffic), its capacity, learnt from when it
+//! queues, and how fast its KV cache turns over ([`retention`](crate::retention)).
 
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
+
+use crate::retention::{Churn, KvMetrics};
 
 /// Engine loads by host address, as the last metrics polls found them.
 pub type EngineLoads = HashMap<String, EngineLoad>;
@@ -17,34 +19,73 @@ pub struct Metrics {
     pub waiting: u64,
     /// Requests it has finished since it started (a counter), when it says.
     pub completed: Option<f64>,
+    /// Its KV cache: size, use and the tokens written into it, where it says.
+    pub kv: KvMetrics,
 }
 
 /// vLLM's and SGLang's metric families for each number kvroute reads.
 const RUNNING: [&str; 2] = ["vllm:num_requests_running", "sglang:num_running_reqs"];
 const WAITING: [&str; 2] = ["vllm:num_requests_waiting", "sglang:num_queue_reqs"];
 const COMPLETED: [&str; 2] = ["vllm:request_success_total", "sglang:num_requests_total"];
+const KV_USAGE: [&str; 2] = ["vllm:kv_cache_usage_perc", "sglang:token_usage"];
+/// vLLM gives its cache size as labels of `vllm:cache_config_info` instead.
+const KV_TOKENS: [&str; 1] = ["sglang:max_total_num_tokens"];
+const VLLM_CACHE_CONFIG: &str = "vllm:cache_config_info";
+const PROMPT_TOKENS: [&str; 2] = [
+    "vllm:prefix_cache_queries_total",
+    "sglang:prompt_tokens_total",
+];
+const CACHED_TOKENS: [&str; 2] = ["vllm:prefix_cache_hits_total", "sglang:cached_tokens_total"];
+const GENERATED_TOKENS: [&str; 2] = [
+    "vllm:generation_tokens_total",
+    "sglang:generation_tokens_total",
+];
 
-/// Reads an engine's Prometheus text, each number summed over label sets (one per model).
-/// `None` when it exposes neither requests running nor waiting.
+/// Reads an engine's Prometheus text, each number summed over label sets (one per model; the
+/// cache's use is the highest). `None` when it exposes neither requests running nor waiting.
 pub fn parse(text: &[u8]) -> Option<Metrics> {
     let text = String::from_utf8_lossy(text);
     let (mut running, mut waiting, mut completed) = (None, None, None);
+    let mut kv = KvMetrics::default();
     for line in text.lines() {
         let Some(name_end) = line.find(['{', ' ']) else {
             continue;
         };
         let name = &line[..name_end];
+        let value = line
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|v| v.is_finite() && *v >= 0.0);
         let slot = if RUNNING.contains(&name) {
             &mut running
         } else if WAITING.contains(&name) {
             &mut waiting
         } else if COMPLETED.contains(&name) {
             &mut completed
+        } else if KV_TOKENS.contains(&name) {
+            &mut kv.capacity_tokens
+        } else if PROMPT_TOKENS.contains(&name) {
+            &mut kv.prompt_tokens
+        } else if CACHED_TOKENS.contains(&name) {
+            &mut kv.cached_tokens
+        } else if GENERATED_TOKENS.contains(&name) {
+            &mut kv.generated_tokens
+        } else if KV_USAGE.contains(&name) {
+            if let Some(v) = value {
+                kv.usage = Some(kv.usage.map_or(v, |u: f64| u.max(v)));
+            }
+            continue;
+        } else if name == VLLM_CACHE_CONFIG {
+            let tokens = label(line, "num_gpu_blocks").zip(label(line, "block_size"));
+            if let Some((blocks, size)) = tokens {
+                *kv.capacity_tokens.get_or_insert(0.0) += blocks * size;
+            }
+            continue;
         } else {
             continue;
         };
-        let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
-        if let Some(v) = value.filter(|v| v.is_finite() && *v >= 0.0) {
+        if let Some(v) = value {
             *slot.get_or_insert(0.0) += v;
         }
     }
@@ -55,6 +96,16 @@ pub fn parse(text: &[u8]) -> Option<Metrics> {
         running: running.unwrap_or(0.0).round() as u64,
         waiting: waiting.unwrap_or(0.0).round() as u64,
         completed,
+        kv,
+    })
+}
+
+/// A numeric label's value in a Prometheus sample line (`name{a="1",b="2"} 1.0`).
+fn label(line: &str, name: &str) -> Option<f64> {
+    let labels = &line[line.find('{')? + 1..line.rfind('}')?];
+    labels.split(',').find_map(|pair| {
+        let (k, v) = pair.split_once('=')?;
+        (k.trim() == name).then(|| v.trim().trim_matches('"').parse().ok())?
     })
 }
 
@@ -77,13 +128,16 @@ pub struct EngineLoad {
     /// Requests the engine has finished since it started, by every gateway ([`Metrics`]).
     #[serde(default)]
     pub completed: Option<f64>,
+    /// How fast its KV cache turns over, where its metrics say ([`Churn`]).
+    #[serde(default)]
+    pub churn: Option<Churn>,
 }
 
 impl EngineLoad {
     /// The engine's new report, learning its capacity from the previous ones: once it has
     /// queued, the most it was ever seen running. (A queue with nothing running is a stall, not
     /// a limit.)
-    pub fn observe(previous: Option<&EngineLoad>, m: &Metrics, own: u32) -> Self {
+    pub fn observe(previous: Option<&EngineLoad>, m: &Metrics, own: u32, now_ms: u64) -> Self {
         let known = previous.and_then(|p| p.capacity);
         let capacity = match known {
             Some(c) => Some(c.max(m.running)),
@@ -96,6 +150,7 @@ impl EngineLoad {
             own_at_poll: own,
             missed: 0,
             completed: m.completed,
+            churn: Churn::observe(previous.and_then(|p| p.churn.as_ref()), &m.kv, now_ms),
         }
     }
 
@@ -135,7 +190,7 @@ mod tests {
         Metrics {
             running,
             waiting,
-            completed: None,
+            ..Metrics::default()
         }
     }
 
@@ -158,6 +213,37 @@ mod tests {
     }
 
     #[test]
+    fn vllm_and_sglang_pages_give_their_kv_cache_and_the_tokens_written_to_it() {
+        let text = "vllm:num_requests_running{engine=\"0\"} 2.0\n\
+            vllm:kv_cache_usage_perc{engine=\"0\"} 0.25\n\
+            vllm:gpu_cache_usage_perc{engine=\"0\"} 0.9\n\
+            vllm:prefix_cache_queries_total{engine=\"0\"} 5000.0\n\
+            vllm:prefix_cache_hits_total{engine=\"0\"} 3000.0\n\
+            vllm:generation_tokens_total{engine=\"0\"} 100.0\n\
+            vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"576\"} 1.0\n";
+        let kv = parse(text.as_bytes()).unwrap().kv;
+        assert_eq!(kv.capacity_tokens, Some(9216.0));
+        assert_eq!(kv.usage, Some(0.25), "the V0 name is not read");
+        assert_eq!(
+            (kv.prompt_tokens, kv.cached_tokens, kv.generated_tokens),
+            (Some(5000.0), Some(3000.0), Some(100.0))
+        );
+        let s = parse(
+            b"sglang:num_running_reqs 1\nsglang:max_total_num_tokens 4096\nsglang:token_usage 0.5\n\
+              sglang:prompt_tokens_total 70\nsglang:cached_tokens_total 20\n\
+              sglang:generation_tokens_total 8\n",
+        );
+        let kv = s.unwrap().kv;
+        assert_eq!((kv.capacity_tokens, kv.usage), (Some(4096.0), Some(0.5)));
+        assert_eq!(
+            (kv.prompt_tokens, kv.cached_tokens, kv.generated_tokens),
+            (Some(70.0), Some(20.0), Some(8.0))
+        );
+        let bare = parse(b"vllm:num_requests_running 1\n").unwrap();
+        assert_eq!(bare.kv, KvMetrics::default());
+    }
+
+    #[test]
     fn finished_requests_are_summed_over_label_sets() {
         let text = "vllm:num_requests_running 1\n\
             vllm:request_success_total{finished_reason=\"stop\",model_name=\"a\"} 40.0\n\
@@ -171,42 +257,42 @@ mod tests {
 
     #[test]
     fn an_engine_that_queues_teaches_its_capacity() {
-        let idle = EngineLoad::observe(None, &metrics(3, 0), 0);
+        let idle = EngineLoad::observe(None, &metrics(3, 0), 0, 0);
         assert_eq!(idle.capacity, None);
         assert!(!idle.queueing(idle.estimate(0)));
-        let full = EngineLoad::observe(Some(&idle), &metrics(16, 5), 2);
+        let full = EngineLoad::observe(Some(&idle), &metrics(16, 5), 2, 0);
         assert_eq!(full.capacity, Some(16));
         assert!(full.queueing(full.estimate(2)), "it reported a queue");
-        let drained = EngineLoad::observe(Some(&full), &metrics(10, 0), 0);
+        let drained = EngineLoad::observe(Some(&full), &metrics(10, 0), 0, 0);
         assert_eq!(drained.capacity, Some(16), "capacity is remembered");
         assert!(!drained.queueing(drained.estimate(0)));
         assert!(
             drained.queueing(drained.estimate(7)),
             "7 more sent since the poll make 17 > 16"
         );
-        let stall = EngineLoad::observe(None, &metrics(0, 9), 0);
+        let stall = EngineLoad::observe(None, &metrics(0, 9), 0, 0);
         assert_eq!(stall.capacity, None, "a stall");
     }
 
     #[test]
     fn an_engine_that_stops_answering_is_taken_as_queueing() {
-        let mut load = EngineLoad::observe(None, &metrics(0, 0), 0);
+        let mut load = EngineLoad::observe(None, &metrics(0, 0), 0, 0);
         for _ in 0..crate::freshness::STALE_POLLS {
             assert!(!load.queueing(0));
             load = load.missed_poll();
         }
         assert!(load.stale() && load.queueing(0));
-        let back = EngineLoad::observe(Some(&load), &metrics(1, 0), 0);
+        let back = EngineLoad::observe(Some(&load), &metrics(1, 0), 0, 0);
         assert!(!back.stale() && !back.queueing(1));
     }
 
     #[test]
     fn the_estimate_adds_what_kvroute_sent_since_the_poll() {
-        let load = EngineLoad::observe(None, &metrics(4, 2), 3);
+        let load = EngineLoad::observe(None, &metrics(4, 2), 3, 0);
         assert_eq!(load.estimate(3), 6);
         assert_eq!(load.estimate(5), 8, "two more sent");
         assert_eq!(load.estimate(0), 3, "three of ours finished");
-        let stale = EngineLoad::observe(None, &metrics(0, 0), 9);
+        let stale = EngineLoad::observe(None, &metrics(0, 0), 9, 0);
         assert_eq!(stale.estimate(2), 2, "never below our own count");
     }
 }

@@ -21,6 +21,7 @@ pub mod policy;
 pub mod prefix;
 pub mod rendezvous;
 pub mod request;
+pub mod retention;
 pub mod router;
 pub mod store;
 pub mod suspects;

@@ -259,6 +259,7 @@ fn candidates<'h>(table: &Table, hosts: &'h [Host]) -> Vec<Candidate<'h>> {
                 id,
                 load,
                 queueing,
+                retention_ms: h.engine.and_then(|e| e.churn?.retention_ms()),
             }
         })
         .collect();
@@ -549,10 +550,10 @@ mod tests {
         let report = |running, waiting| Metrics {
             running,
             waiting,
-            completed: None,
+            ..Metrics::default()
         };
-        hs[1].engine = Some(EngineLoad::observe(None, &report(16, 3), 0));
-        hs[0].engine = Some(EngineLoad::observe(None, &report(2, 0), 0));
+        hs[1].engine = Some(EngineLoad::observe(None, &report(16, 3), 0, 0));
+        hs[0].engine = Some(EngineLoad::observe(None, &report(2, 0), 0, 0));
         for g in 0..10 {
             let routed = send(&r, &store, &hs, &chat(&system(g), "q")).unwrap();
             assert_eq!(routed.endpoints[0], "127.0.0.1:8001");
@@ -563,7 +564,7 @@ mod tests {
     fn engines_that_stopped_answering_are_avoided_and_all_stale_falls_back() {
         let (r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
         let mut hs = hosts(2);
-        let fresh = EngineLoad::observe(None, &Metrics::default(), 0);
+        let fresh = EngineLoad::observe(None, &Metrics::default(), 0, 0);
         let mut stale = fresh;
         for _ in 0..crate::freshness::STALE_POLLS {
             stale = stale.missed_poll();

@@ -11,8 +11,8 @@
 //!
 //! - a prefix of the request that reaches past its head (a conversation's history) and that this
 //!   gateway saw served, if it covers at least `cache_threshold` of the request: its first
-//!   holder in the group's order that is not overloaded (`affinity`), where that history is
-//!   cached;
+//!   holder in the group's order that is not overloaded and used it within its engine's
+//!   retention ([`retention`](crate::retention)), where that history is still cached;
 //! - else the group's home (`home`), unless it is overloaded (its engine queues, or its load
 //!   exceeds `rel` × the mean + `abs`): then the next endpoint in its rendezvous order that is
 //!   not (`spread`), so a hot group grows onto a few replicas, always the same ones, and comes
@@ -228,7 +228,8 @@ impl Policy for CacheAware {
 }
 
 impl CacheAware {
-    /// The first holder of the matched prefix in the group's order that is not overloaded, if the
+    /// The first holder of the matched prefix in the group's order that is not overloaded and
+    /// likely still keeps it (its engine has not written its free cache over since), if the
     /// match reaches past the head and covers enough of the request. A match within the head is
     /// the group's own prefix: its place is the group's home, the same for every gateway.
     fn holder(
@@ -247,8 +248,10 @@ impl CacheAware {
         }
         let mean = mean_load(candidates);
         order.iter().copied().find(|&i| {
-            m.record.holders.contains(&candidates[i].id)
-                && !self.thresholds.overloaded(&candidates[i], mean)
+            let c = &candidates[i];
+            m.record.holders.contains(&c.id)
+                && c.keeps(m.record.stamp_ms, input.now_ms)
+                && !self.thresholds.overloaded(c, mean)
         })
     }
 }
@@ -279,6 +282,7 @@ fn first_to_record(
 mod tests {
     use super::*;
     use crate::policy::testing::{candidates, input, keys, thresholds};
+    use crate::policy::Input;
     use crate::prefix::PrefixKeys;
     use crate::store::MemoryStore;
 
@@ -498,6 +502,35 @@ mod tests {
         let turn3 = follow_up("g", &format!("{history}next question, its answer. third"));
         let third = route(&p, &c, &turn3, &store);
         assert_eq!((third.index, third.decision), (o[0], Decision::Affinity));
+    }
+
+    #[test]
+    fn a_history_older_than_its_engine_keeps_what_nobody_uses_goes_home() {
+        let (p, store) = (policy(), MemoryStore::new());
+        let history = "first question, first answer. ".repeat(4);
+        let turn1 = ask("g", &history);
+        let o = order(&candidates(&[0, 0, 0, 0]), &turn1);
+        let mut loads = [0u64; 4];
+        loads[o[0]] = 30;
+        assert_eq!(route(&p, &candidates(&loads), &turn1, &store).index, o[1]);
+        // Each engine writes its free cache over in 2 s (its metrics say so).
+        let mut churned = candidates(&[0, 0, 0, 0]);
+        for c in churned.iter_mut() {
+            c.retention_ms = Some(2000);
+        }
+        let turn2 = follow_up("g", &format!("{history}next question"));
+        let soon = Input {
+            now_ms: 1500,
+            ..input(&turn2, &store)
+        };
+        let pick = p.pick(&churned, &soon).unwrap();
+        assert_eq!((pick.index, pick.decision), (o[1], Decision::Affinity));
+        let late = Input {
+            now_ms: 3001,
+            ..input(&turn2, &store)
+        };
+        let pick = p.pick(&churned, &late).unwrap();
+        assert_eq!((pick.index, pick.decision), (o[0], Decision::Home));
     }
 
     #[test]

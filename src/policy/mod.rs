@@ -26,6 +26,17 @@ pub struct Candidate<'h> {
     pub load: u64,
     /// The engine queues new requests: it is full, whatever the others' load.
     pub queueing: bool,
+    /// How long its engine keeps a prefix nobody uses ([`retention`](crate::retention)); `None`
+    /// where its metrics do not say, or it keeps everything.
+    pub retention_ms: Option<u64>,
+}
+
+impl Candidate<'_> {
+    /// Whether a prefix it last used at `stamp_ms` is likely still in its cache at `now_ms`.
+    pub fn keeps(&self, stamp_ms: u64, now_ms: u64) -> bool {
+        self.retention_ms
+            .is_none_or(|r| now_ms.saturating_sub(stamp_ms) <= r)
+    }
 }
 
 /// Why an endpoint was picked. Each is a counter and a debug-header value, so names are stable.
@@ -168,6 +179,7 @@ pub(crate) mod testing {
                 addr,
                 load,
                 queueing: false,
+                retention_ms: None,
             })
             .collect()
     }

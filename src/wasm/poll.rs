@@ -9,7 +9,7 @@ use hashbrown::HashMap;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType};
 
-use super::host::HostStore;
+use super::host::{now_ms, HostStore};
 use super::root::{Shared, HOSTS_KEY};
 use crate::counters;
 use crate::endpoints::{self, Snapshot};
@@ -197,7 +197,7 @@ impl Poller {
     /// Folds this round's engine reports into the snapshot and shares it with every worker.
     fn publish(&mut self, shared: &mut Shared, mut snapshot: Snapshot) {
         if shared.router.config.engine_metrics_cluster.is_some() {
-            let loads = engine_loads(&self.reports, &snapshot);
+            let loads = engine_loads(&self.reports, &snapshot, now_ms());
             let stale = loads.values().filter(|l| l.stale()).count();
             if stale > 0 {
                 shared.metrics.add(
@@ -252,7 +252,11 @@ fn admin_response(
 
 /// Every engine's load: this round's reports over the last known (which carry what was learnt of
 /// each engine's capacity, whichever worker polled it), kept only for hosts still in the snapshot.
-fn engine_loads(reports: &HashMap<String, (Metrics, u32)>, snapshot: &Snapshot) -> EngineLoads {
+fn engine_loads(
+    reports: &HashMap<String, (Metrics, u32)>,
+    snapshot: &Snapshot,
+    now_ms: u64,
+) -> EngineLoads {
     let mut loads = EngineLoads::default();
     store::update(&HostStore, ENGINE_KEY, |current| {
         let known: EngineLoads = current
@@ -265,7 +269,7 @@ fn engine_loads(reports: &HashMap<String, (Metrics, u32)>, snapshot: &Snapshot) 
             .filter_map(|h| {
                 let previous = known.get(&h.addr);
                 let load = match reports.get(&h.addr) {
-                    Some((metrics, own)) => EngineLoad::observe(previous, metrics, *own),
+                    Some((metrics, own)) => EngineLoad::observe(previous, metrics, *own, now_ms),
                     // No answer this round: the same numbers, one poll older.
                     None => previous?.missed_poll(),
                 };
