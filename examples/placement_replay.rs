@@ -7,7 +7,8 @@
 
 use hashbrown::HashMap;
 use kvroute::groups::{self, FleetVolume, Seen, Shares};
-use kvroute::policy::cache_aware::WARMUP_POLLS;
+use kvroute::homes::Held;
+use kvroute::policy::cache_aware::{HOLD_POLLS, WARMUP_POLLS};
 use kvroute::rendezvous::{self, endpoint_id};
 
 /// How often a gateway reads its table and recomputes the homes: the shipped `stats_interval_ms`.
@@ -74,12 +75,17 @@ fn moved(before: &Shares, after: &Shares, counted: &[(u64, u32)]) -> Vec<String>
 }
 
 /// One gateway: its groups table, its share of the traffic, and the homes it computed, as
-/// `cache_aware` keeps them (first rendezvous choice while warming up or for an uncounted group).
+/// `cache_aware` keeps them (first rendezvous choice while warming up or for an uncounted group;
+/// a new home once it held).
 struct Gateway {
     seen: HashMap<u64, Seen>,
     fleet: FleetVolume,
     counted: Vec<(u64, u32)>,
     shares: Shares,
+    held: Held,
+    /// `held` has taken in `shares`, computed at `shares_ms`.
+    assigned: bool,
+    shares_ms: u64,
     /// Its ticks fall at `phase_ms` past each [`TICK_MS`]: gateways started at different moments.
     phase_ms: u64,
     next_tick: u64,
@@ -92,6 +98,9 @@ impl Gateway {
             fleet: FleetVolume::default(),
             counted: Vec::new(),
             shares: Shares::new(),
+            held: Held::new(HOLD_POLLS * TICK_MS),
+            assigned: false,
+            shares_ms: 0,
             phase_ms,
             next_tick: phase_ms,
         }
@@ -133,20 +142,30 @@ impl Gateway {
             }
             self.counted = counted;
             self.shares = next;
+            self.assigned = false;
+            self.shares_ms = now;
             recomputes += 1;
         }
         recomputes
     }
 
     /// Where this gateway sends `r` at `r.at_ms`, and whether the group is counted and split.
-    fn home(&self, r: &Request, eps: &[u32]) -> (u32, bool, bool) {
-        let warm = r.at_ms >= self.phase_ms + WARMUP_POLLS * TICK_MS;
+    fn home(&mut self, r: &Request, eps: &[u32]) -> (u32, bool, bool) {
+        let warm_ms = self.phase_ms + WARMUP_POLLS * TICK_MS;
+        let warm = r.at_ms >= warm_ms;
         let first = eps[rendezvous::order(r.group, eps)[0]];
         let parts = self.shares.get(&r.group).filter(|_| warm);
-        let home = parts
-            .and_then(|h| groups::home_of(h, r.conversation))
+        let (counted, split) = (parts.is_some(), parts.is_some_and(|h| h.len() > 1));
+        if counted && !self.assigned {
+            self.held
+                .update(eps, &self.shares, self.shares_ms.max(warm_ms));
+            self.assigned = true;
+        }
+        let home = counted
+            .then(|| self.held.home(r.group, r.conversation, r.at_ms))
+            .flatten()
             .unwrap_or(first);
-        (home, parts.is_some(), parts.is_some_and(|h| h.len() > 1))
+        (home, counted, split)
     }
 
     fn saw(&mut self, r: &Request) {
@@ -226,7 +245,7 @@ fn main() {
             let show = show_moves.then_some(if gateways > 1 { label.as_str() } else { "" });
             recomputes += gw.tick_until(r.at_ms, i as f64, &eps, show);
         }
-        let homes: Vec<u32> = gws.iter().map(|gw| gw.home(r, &eps).0).collect();
+        let homes: Vec<u32> = gws.iter_mut().map(|gw| gw.home(r, &eps).0).collect();
         agreement.add(r.at_ms, homes.iter().all(|&h| h == homes[0]));
         // The front balancer deals requests to the gateways in turn.
         let gw = &mut gws[i % gateways];

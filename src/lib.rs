@@ -17,6 +17,7 @@ pub mod engine;
 pub mod eviction;
 pub mod freshness;
 pub mod groups;
+pub mod homes;
 pub mod policy;
 pub mod prefix;
 pub mod rendezvous;

@@ -21,8 +21,10 @@
 //!
 //! A gateway that restarts with an empty map, or joins late, sends each group to its first
 //! rendezvous choice while it warms up, then to the same balanced home as the others once it has
-//! seen the groups. The affinity map records which endpoint served which prefix (chained chunk
-//! keys); a holder whose engine has since been found to evict what it last used by then
+//! seen the groups. A group moves to a new home only once the assignment has kept giving it that
+//! home for a few polls ([`homes`](crate::homes)), so an assignment swaying as groups are counted
+//! one by one moves nobody. The affinity map records which endpoint served which prefix (chained
+//! chunk keys); a holder whose engine has since been found to evict what it last used by then
 //! ([`eviction`](crate::eviction)) no longer counts.
 
 use std::cell::RefCell;
@@ -34,6 +36,7 @@ use super::{Candidate, Decision, Input, Pick, Policy};
 use crate::affinity::{AffinityMap, Match};
 use crate::eviction;
 use crate::groups::{self, FleetVolume, Seen};
+use crate::homes::Held;
 use crate::prefix::PrefixKeys;
 use crate::store::SharedStore;
 
@@ -44,6 +47,10 @@ pub const REFRESH_MS: u64 = 1000;
 /// Poll intervals (`stats_interval_ms`) a gateway waits, seeing groups, before it places them
 /// by the balanced assignment rather than by their first rendezvous choice.
 pub const WARMUP_POLLS: u64 = 10;
+
+/// Poll intervals the balanced assignment must keep giving a group a new home before the group
+/// moves there ([`homes`](crate::homes)).
+pub const HOLD_POLLS: u64 = 4;
 
 pub struct CacheAware {
     /// Shared-data slots of the affinity map.
@@ -64,10 +71,14 @@ struct GroupView {
     /// Requests of known groups routed by this worker since it last wrote them to the table.
     pending: HashMap<u64, u32>,
     flushed_ms: u64,
-    /// The groups that take a place, with their weights, sorted, and their homes for the
-    /// endpoint ids they were computed for.
+    /// The groups that take a place, with their weights, sorted; whether their assignment is
+    /// computed for the current weights, and the homes requests go to ([`Held`]).
     counted: Vec<(u64, u32)>,
-    homes: Option<(Vec<u32>, groups::Shares)>,
+    assigned: bool,
+    /// When the weights last changed: the assignment holds from then, or from the end of the
+    /// warm-up, whichever is later.
+    counted_ms: u64,
+    homes: Held,
     /// The engines' finished requests lately: this gateway's share of the traffic.
     fleet: FleetVolume,
     /// Each endpoint's eviction horizon ([`eviction`]) as the last request that found a match
@@ -81,13 +92,17 @@ impl CacheAware {
         cache_threshold: f64,
         thresholds: Thresholds,
         warmup_ms: u64,
+        hold_ms: u64,
     ) -> Self {
         CacheAware {
             capacity,
             cache_threshold,
             thresholds,
             warmup_ms,
-            view: RefCell::default(),
+            view: RefCell::new(GroupView {
+                homes: Held::new(hold_ms),
+                ..GroupView::default()
+            }),
         }
     }
 
@@ -116,19 +131,15 @@ impl CacheAware {
             return first;
         }
         let ids = || candidates.iter().map(|c| c.id);
-        if view
-            .homes
-            .as_ref()
-            .is_none_or(|(for_ids, _)| !for_ids.iter().copied().eq(ids()))
-        {
+        if !view.assigned || !view.homes.is_for(ids()) {
             let ids: Vec<u32> = ids().collect();
             let shares = groups::shares(&view.counted, &ids);
-            view.homes = Some((ids, shares));
+            let warm_ms = view.born_ms.unwrap_or(0) + self.warmup_ms;
+            let since = view.counted_ms.max(warm_ms);
+            view.homes.update(&ids, &shares, since);
+            view.assigned = true;
         }
-        let home = view
-            .homes
-            .as_ref()
-            .and_then(|(_, h)| groups::home_of(h.get(&group)?, keys.conversation));
+        let home = view.homes.home(group, keys.conversation, now_ms);
         home.and_then(|id| candidates.iter().position(|c| c.id == id))
             .unwrap_or(first)
     }
@@ -216,7 +227,8 @@ impl Policy for CacheAware {
         let counted = groups::steady(&view.counted, groups::weighted(&seen, now_ms, min_requests));
         if counted != view.counted {
             view.counted = counted;
-            view.homes = None;
+            view.counted_ms = now_ms;
+            view.assigned = false;
         }
         let warm = now_ms.saturating_sub(born) >= self.warmup_ms;
         if warm {
@@ -287,7 +299,7 @@ mod tests {
     use crate::store::MemoryStore;
 
     fn policy() -> CacheAware {
-        CacheAware::new(1024, 0.3, thresholds(), 1000)
+        CacheAware::new(1024, 0.3, thresholds(), 1000, 0)
     }
 
     /// Picks for `keys` and records the pick, as the router does.

@@ -145,6 +145,7 @@ pub fn build(config: &Config) -> Box<dyn Policy> {
             config.cache_threshold,
             thresholds,
             config.stats_interval_ms * cache_aware::WARMUP_POLLS,
+            config.stats_interval_ms * cache_aware::HOLD_POLLS,
         )),
         PolicyKind::RoundRobin => Box::new(round_robin::RoundRobin),
         PolicyKind::LeastRequest => Box::new(least_request::LeastRequest),

@@ -263,7 +263,7 @@ pub async fn warm_up(fleet: &Fleet, groups: impl Iterator<Item = usize>) {
 
 /// Sends every body of `groups` (each group's requests, in rounds: the first of each group, then
 /// the second, ...), then waits until kvroute places at least `groups.len()` groups by its
-/// balanced assignment and every worker has seen them.
+/// balanced assignment, every worker has seen them, and their homes have held.
 pub async fn warm_up_with(fleet: &Fleet, groups: &[Vec<Value>]) {
     let rounds = groups.iter().map(Vec::len).max().unwrap_or(0);
     for round in 0..rounds {
@@ -277,8 +277,11 @@ pub async fn warm_up_with(fleet: &Fleet, groups: &[Vec<Value>]) {
             .envoy
             .wait_for_stat("kvroute.groups_placed", |v| v >= n, Duration::from_secs(30));
     placed.await.unwrap_or_else(|e| panic!("{e}"));
-    // Every worker ticks after the table is complete: two more polls.
-    wait_for_fresh_poll(fleet).await;
+    // Every worker ticks after the table is complete, and the homes hold (`HOLD_POLLS`, 4 polls)
+    // before groups leave their first rendezvous choice for them: six more polls.
+    for _ in 0..3 {
+        wait_for_fresh_poll(fleet).await;
+    }
 }
 
 /// The routing header (`x-gateway-destination-endpoint`) of every request the backends recorded

@@ -1,0 +1,188 @@
+//! Homes that hold still: a group moves to the home the balanced assignment gives it only once
+//! the assignment has kept giving it that home for a while.
+//!
+//! The balanced assignment ([`groups::shares`]) is recomputed whenever a group is counted or
+//! dropped or a weight changes, and each time it may send a few groups elsewhere and, at the next
+//! recompute, back again: on a skewed fleet where the long tail's groups are counted one by one,
+//! the same groups swayed between two endpoints every few seconds, and every move costs a prefill
+//! of the group's prompt where it lands. Here a group keeps the home it was last sent to until the
+//! assignment has agreed on another for `hold_ms`; a sway shorter than that moves nothing. The
+//! held homes depend on this gateway's recent assignments only, so gateways that compute the same
+//! ones still agree, and a restarted gateway, which holds nothing, takes the assignment as it is:
+//! it differs from the others for `hold_ms` at most after a change.
+
+use hashbrown::HashMap;
+
+use crate::groups::{self, Shares};
+use crate::rendezvous;
+
+/// A group's homes with their shares ([`Shares`]).
+type Parts = Vec<(u32, u64)>;
+
+#[derive(Debug, Default)]
+pub struct Held {
+    hold_ms: u64,
+    /// The endpoints the homes are for: another endpoint set starts afresh.
+    ids: Vec<u32>,
+    /// Each group's homes as requests are sent now.
+    used: HashMap<u64, Parts>,
+    /// A different home the assignment gives a group, and since when.
+    pending: HashMap<u64, (Parts, u64)>,
+}
+
+impl Held {
+    pub fn new(hold_ms: u64) -> Self {
+        Held {
+            hold_ms,
+            ..Held::default()
+        }
+    }
+
+    /// Whether the homes are for endpoints `ids`.
+    pub fn is_for(&self, ids: impl IntoIterator<Item = u32>) -> bool {
+        self.ids.iter().copied().eq(ids)
+    }
+
+    /// Takes in the assignment `computed` for endpoints `ids`, in force since `since_ms`: a group
+    /// new to it starts from its first rendezvous choice (where it went until it was counted), and
+    /// every group takes its home once that has held ([`Held::home`]); groups no longer in it are
+    /// forgotten. Where the endpoints changed since the last one (a host left or came back), every
+    /// group takes it as it is.
+    pub fn update(&mut self, ids: &[u32], computed: &Shares, since_ms: u64) {
+        if !self.is_for(ids.iter().copied()) {
+            // Another endpoint set (a host left or came back): what was held was for the old one.
+            let first = self.ids.is_empty();
+            self.ids = ids.to_vec();
+            self.pending.clear();
+            if !first {
+                self.used = computed.clone();
+                return;
+            }
+        }
+        self.used.retain(|g, _| computed.contains_key(g));
+        self.pending.retain(|g, _| computed.contains_key(g));
+        for (&group, parts) in computed {
+            match self.used.get(&group) {
+                // Until now the group went to its first rendezvous choice (it was not counted,
+                // or this gateway was warming up): that is where its prefix is.
+                None => {
+                    let first = rendezvous::order(group, ids).first().map(|&i| ids[i]);
+                    let total = parts.iter().map(|p| p.1).sum();
+                    let was = first.map_or_else(|| parts.clone(), |e| vec![(e, total)]);
+                    if was != *parts {
+                        self.pending.insert(group, (parts.clone(), since_ms));
+                    }
+                    self.used.insert(group, was);
+                }
+                Some(used) if used == parts => {
+                    self.pending.remove(&group);
+                }
+                Some(_) => {
+                    if self.pending.get(&group).is_none_or(|(p, _)| p != parts) {
+                        self.pending.insert(group, (parts.clone(), since_ms));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The home of `group`'s `conversation` at `now_ms` ([`groups::home_of`]), after it takes the
+    /// home the assignment has kept giving it for `hold_ms`.
+    pub fn home(&mut self, group: u64, conversation: u64, now_ms: u64) -> Option<u32> {
+        let held = self
+            .pending
+            .get(&group)
+            .is_some_and(|(_, since)| now_ms.saturating_sub(*since) >= self.hold_ms);
+        if held {
+            if let Some((parts, _)) = self.pending.remove(&group) {
+                self.used.insert(group, parts);
+            }
+        }
+        groups::home_of(self.used.get(&group)?, conversation)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const IDS: [u32; 2] = [1, 2];
+
+    fn shares(homes: &[(u64, u32)]) -> Shares {
+        homes.iter().map(|&(g, e)| (g, vec![(e, 16)])).collect()
+    }
+
+    /// `group`'s first rendezvous choice among [`IDS`], and the other one.
+    fn first_and_other(group: u64) -> (u32, u32) {
+        let order = rendezvous::order(group, &IDS);
+        (IDS[order[0]], IDS[order[1]])
+    }
+
+    #[test]
+    fn a_group_leaves_its_first_choice_for_its_home_once_that_held() {
+        let mut h = Held::new(2000);
+        let (first, other) = first_and_other(7);
+        h.update(&IDS, &shares(&[(7, other)]), 0);
+        assert_eq!(
+            h.home(7, 0, 0),
+            Some(first),
+            "where it went before it was counted"
+        );
+        assert_eq!(h.home(7, 0, 1999), Some(first));
+        assert_eq!(h.home(7, 0, 2000), Some(other), "the home held 2 s");
+        let (first, _) = first_and_other(8);
+        h.update(&IDS, &shares(&[(7, other), (8, first)]), 2500);
+        assert_eq!(
+            h.home(8, 0, 2500),
+            Some(first),
+            "its home is its first choice"
+        );
+    }
+
+    #[test]
+    fn a_sway_shorter_than_the_hold_moves_nothing() {
+        let mut h = Held::new(2000);
+        let (first, other) = first_and_other(7);
+        h.update(&IDS, &shares(&[(7, first)]), 0);
+        h.update(&IDS, &shares(&[(7, other)]), 1000);
+        h.update(&IDS, &shares(&[(7, first)]), 2000);
+        assert_eq!(h.home(7, 0, 3500), Some(first));
+        // Away again: the hold starts over.
+        h.update(&IDS, &shares(&[(7, other)]), 4000);
+        assert_eq!(h.home(7, 0, 5000), Some(first));
+        assert_eq!(h.home(7, 0, 6000), Some(other));
+    }
+
+    #[test]
+    fn without_a_hold_the_assignment_is_taken_as_it_is() {
+        let mut h = Held::new(0);
+        let (first, other) = first_and_other(7);
+        h.update(&IDS, &shares(&[(7, other)]), 0);
+        assert_eq!(h.home(7, 0, 0), Some(other));
+        h.update(&IDS, &shares(&[(7, first)]), 10);
+        assert_eq!(h.home(7, 0, 10), Some(first));
+    }
+
+    #[test]
+    fn on_another_endpoint_set_every_group_takes_its_home_at_once() {
+        let mut h = Held::new(2000);
+        let (first, other) = first_and_other(7);
+        h.update(&IDS, &shares(&[(7, first)]), 0);
+        let three = [1, 2, 3];
+        h.update(&three, &shares(&[(7, other), (8, 3)]), 500);
+        assert!(h.is_for(three) && !h.is_for(IDS));
+        assert_eq!(h.home(7, 0, 500), Some(other));
+        assert_eq!(h.home(8, 0, 500), Some(3));
+    }
+
+    #[test]
+    fn a_group_dropped_from_the_assignment_is_forgotten() {
+        let mut h = Held::new(2000);
+        let (first, other) = first_and_other(7);
+        h.update(&IDS, &shares(&[(7, first)]), 0);
+        h.update(&IDS, &shares(&[(8, 2)]), 100);
+        assert_eq!(h.home(7, 0, 100), None);
+        h.update(&IDS, &shares(&[(7, other), (8, 2)]), 200);
+        assert_eq!(h.home(7, 0, 200), Some(first), "back as a new group");
+    }
+}
