@@ -102,7 +102,7 @@ pub fn parse(text: &[u8]) -> Option<Metrics> {
 
 /// A numeric label's value in a Prometheus sample line (`name{a="1",b="2"} 1.0`).
 fn label(line: &str, name: &str) -> Option<f64> {
-    let labels = &line[line.find('{')? + 1..line.rfind('}')?];
+    let labels = line.get(line.find('{')? + 1..line.rfind('}')?)?;
     labels.split(',').find_map(|pair| {
         let (k, v) = pair.split_once('=')?;
         (k.trim() == name).then(|| v.trim().trim_matches('"').parse().ok())?
@@ -241,6 +241,16 @@ mod tests {
         );
         let bare = parse(b"vllm:num_requests_running 1\n").unwrap();
         assert_eq!(bare.kv, KvMetrics::default());
+        for garbled in [
+            "vllm:cache_config_info{} 1",
+            "vllm:cache_config_info{block_size=\"x\",num_gpu_blocks=\"2\"} 1",
+            "vllm:cache_config_info{num_gpu_blocks=\"2\" 1",
+            "vllm:cache_config_info 1",
+        ] {
+            let page = format!("vllm:num_requests_running 1\n{garbled}\n");
+            let kv = parse(page.as_bytes()).unwrap().kv;
+            assert_eq!(kv.capacity_tokens, None, "{garbled}");
+        }
     }
 
     #[test]
