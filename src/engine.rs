@@ -52,11 +52,13 @@ pub fn parse(text: &[u8]) -> Option<Metrics> {
             continue;
         };
         let name = &line[..name_end];
-        let value = line
-            .rsplit(' ')
-            .next()
-            .and_then(|v| v.parse::<f64>().ok())
-            .filter(|v| v.is_finite() && *v >= 0.0);
+        // Read only for the lines kept: most of a page is histograms kvroute skips.
+        let value = || {
+            line.rsplit(' ')
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+                .filter(|v| v.is_finite() && *v >= 0.0)
+        };
         let slot = if RUNNING.contains(&name) {
             &mut running
         } else if WAITING.contains(&name) {
@@ -72,7 +74,7 @@ pub fn parse(text: &[u8]) -> Option<Metrics> {
         } else if GENERATED_TOKENS.contains(&name) {
             &mut kv.generated_tokens
         } else if KV_USAGE.contains(&name) {
-            if let Some(v) = value {
+            if let Some(v) = value() {
                 kv.usage = Some(kv.usage.map_or(v, |u: f64| u.max(v)));
             }
             continue;
@@ -85,7 +87,7 @@ pub fn parse(text: &[u8]) -> Option<Metrics> {
         } else {
             continue;
         };
-        if let Some(v) = value {
+        if let Some(v) = value() {
             *slot.get_or_insert(0.0) += v;
         }
     }
