@@ -51,10 +51,10 @@ impl Held {
     pub fn update(&mut self, ids: &[u32], computed: &Shares, since_ms: u64) {
         if !self.is_for(ids.iter().copied()) {
             // Another endpoint set (a host left or came back): what was held was for the old one.
-            let first = self.ids.is_empty();
+            let fresh = self.ids.is_empty();
             self.ids = ids.to_vec();
             self.pending.clear();
-            if !first {
+            if !fresh {
                 self.used = computed.clone();
                 return;
             }
