@@ -113,6 +113,11 @@ pub async fn overhead(
     let backends = Backend::start_many(4)
         .await
         .map_err(|e| format!("backends: {e}"))?;
+    // Hundreds of thousands of requests: a backend that kept each one (24 KB bodies) grew the
+    // bench to tens of GB, and the machine's paging then measured itself.
+    for b in &backends {
+        b.set_recording(false);
+    }
     let addrs: Vec<_> = backends.iter().map(Backend::addr).collect();
     let workers: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
     let start = |lb: Lb| {
