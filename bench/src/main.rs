@@ -76,27 +76,54 @@ fn main() {
         Err(e) => fail(format!("tokio runtime: {e}")),
     };
     let outcome = rt.block_on(async {
-        match cli.command {
-            Cmd::Compare {
-                fleet,
-                workload,
-                routers,
-                out,
-            } => run_compare(fleet, workload, routers, out).await,
-            Cmd::Demo => demo::demo().await,
-            Cmd::Overhead {
-                seconds,
-                plugin_config,
-                configs,
-                json,
-            } => match serde_json::from_str(&plugin_config) {
-                Ok(config) => overhead::overhead(seconds, config, &configs, json.as_deref()).await,
-                Err(e) => Err(format!("--plugin-config: {e}")),
-            },
+        let work = async {
+            match cli.command {
+                Cmd::Compare {
+                    fleet,
+                    workload,
+                    routers,
+                    out,
+                } => run_compare(fleet, workload, routers, out).await,
+                Cmd::Demo => demo::demo().await,
+                Cmd::Overhead {
+                    seconds,
+                    plugin_config,
+                    configs,
+                    json,
+                } => match serde_json::from_str(&plugin_config) {
+                    Ok(config) => {
+                        overhead::overhead(seconds, config, &configs, json.as_deref()).await
+                    }
+                    Err(e) => Err(format!("--plugin-config: {e}")),
+                },
+            }
+        };
+        // Stopped by a signal, the run's future is dropped, and with it the Envoys, sims and peer
+        // routers it started (each kills its process on drop); a bare exit would leave them running.
+        tokio::select! {
+            outcome = work => outcome,
+            signal = stop_signal() => Err(format!("stopped by {signal}")),
         }
     });
+    // Tasks the run spawned hold processes too: end them before exiting.
+    rt.shutdown_timeout(std::time::Duration::from_secs(5));
     if let Err(e) = outcome {
         fail(e);
+    }
+}
+
+/// The first SIGINT or SIGTERM, by name; never, where signals cannot be watched.
+async fn stop_signal() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(mut int), Ok(mut term)) => tokio::select! {
+            _ = int.recv() => "SIGINT",
+            _ = term.recv() => "SIGTERM",
+        },
+        _ => std::future::pending().await,
     }
 }
 
