@@ -81,6 +81,10 @@ pub async fn compare(
                 "   group replica changes: {} ({} onto a replica without the group's prefix{why})",
                 moves.changes, moves.cold
             );
+            eprintln!(
+                "   group requests without their prefix cached: {} on a replica new to the group, {} on one that had served it",
+                moves.misses_new_there, moves.misses_served_before
+            );
             let phases: Vec<String> = hit_rate_by_phase(&run.samples)
                 .iter()
                 .map(|(name, hit)| match hit {
@@ -233,6 +237,12 @@ pub struct ReplicaChanges {
     /// The cold ones by kvroute's decision (`x-kvroute-decision`: `home`, `affinity`, ...), for
     /// rows whose router says.
     pub cold_by_decision: std::collections::BTreeMap<String, u64>,
+    /// Requests of a group that found less than half their prompt cached, on a replica that had
+    /// never served the group before (a first request, a move or a split)...
+    pub misses_new_there: u64,
+    /// ... and on one that had: it evicted the group's prefix since (or was still prefilling it).
+    /// Under cache pressure these are what capacity-aware placement can win back.
+    pub misses_served_before: u64,
 }
 
 /// How often a group's request went to another replica than the group's previous request (in
@@ -240,7 +250,8 @@ pub struct ReplicaChanges {
 /// there, by why kvroute sent it there. The group is the first part of the workload's user tag
 /// (`u<group>-...`); requests outside any group (`u-unique-...`) and failed ones are left out. A
 /// router that keeps each group on one replica scores 0; one that splits a group scores its
-/// alternations.
+/// alternations. Every cold request of a group is also counted by whether its replica had served
+/// the group before.
 pub fn group_replica_changes(samples: &[Sample]) -> ReplicaChanges {
     let mut sorted: Vec<&Sample> = samples
         .iter()
@@ -248,18 +259,26 @@ pub fn group_replica_changes(samples: &[Sample]) -> ReplicaChanges {
         .collect();
     sorted.sort_by(|a, b| a.sent_ms.total_cmp(&b.sent_ms));
     let mut last: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    let mut served: std::collections::HashSet<(&str, usize)> = std::collections::HashSet::new();
     let mut out = ReplicaChanges::default();
     for s in sorted {
         let (Some(replica), Some(group)) = (s.replica, s.user.split('-').next()) else {
             continue;
         };
+        let cold = s.cached_tokens.unwrap_or(0) * 2 < s.prompt_tokens.unwrap_or(0);
+        if cold {
+            match served.contains(&(group, replica)) {
+                true => out.misses_served_before += 1,
+                false => out.misses_new_there += 1,
+            }
+        }
+        served.insert((group, replica));
         if last
             .insert(group, replica)
             .is_some_and(|before| before != replica)
         {
             out.changes += 1;
-            let cached = s.cached_tokens.unwrap_or(0);
-            if cached * 2 < s.prompt_tokens.unwrap_or(0) {
+            if cold {
                 out.cold += 1;
                 if let Some(d) = &s.decision {
                     *out.cold_by_decision.entry(d.clone()).or_default() += 1;
@@ -346,8 +365,10 @@ mod tests {
             error: Some("x".into()),
             ..sample("u0-2-0", 40.0, 3, 0)
         };
-        let none = group_replica_changes(&[samples[1].clone(), failed]);
-        assert_eq!(none, ReplicaChanges::default());
+        assert_eq!((moves.misses_new_there, moves.misses_served_before), (3, 0));
+        let one = group_replica_changes(&[samples[1].clone(), failed]);
+        assert_eq!((one.changes, one.cold), (0, 0), "one request moves nothing");
+        assert_eq!((one.misses_new_there, one.misses_served_before), (1, 0));
     }
 
     #[test]
@@ -366,6 +387,8 @@ mod tests {
         ];
         let moves = group_replica_changes(&samples);
         assert_eq!((moves.changes, moves.cold), (5, 4));
+        // Cold on replica 0 (new), 1 (new), 0 again (served before), 2 (new), 3 (new).
+        assert_eq!((moves.misses_new_there, moves.misses_served_before), (4, 1));
         let by: Vec<(&str, u64)> = moves
             .cold_by_decision
             .iter()
