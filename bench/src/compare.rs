@@ -100,26 +100,33 @@ pub async fn compare(
         samples.push((router.name(), run.samples));
         results.push(run.result);
     }
-    let ceiling = (sent > 0)
-        .then(|| crate::ceiling::hit_rate(workload, fleet_spec, sent))
+    let bounds = (sent > 0)
+        .then(|| crate::ceiling::bounds(workload, fleet_spec, sent))
         .transpose()?;
-    if let Some(ceiling) = ceiling {
-        eprintln!("   ceiling hit rate (unbounded cache, perfect routing): {ceiling:.4}");
+    if let Some(b) = bounds {
+        eprintln!("   ceiling hit rate (unbounded cache, perfect routing): {:.4}", b.ceiling);
+        eprintln!(
+            "   capacity bound (the fleet's KV blocks, the best eviction): {:.4}; the fleet's blocks as one LRU cache: {:.4}",
+            b.capacity, b.fleet_lru
+        );
         for r in &results {
             if let RouterResult::Measured(m) = r {
-                if m.prefix_hit_rate > ceiling + 1e-4 {
+                if m.prefix_hit_rate > b.capacity + 1e-4 {
                     eprintln!(
-                        "   WARNING: {} hit rate {} is above the ceiling",
+                        "   WARNING: {} hit rate {} is above the capacity bound",
                         m.router, m.prefix_hit_rate
                     );
                 }
             }
         }
     }
+    let round = |x: f64| (x * 1e4).round() / 1e4;
     Ok(Results {
         workload: serde_json::to_value(workload).map_err(|e| e.to_string())?,
         fleet: fleet_spec.clone(),
-        ceiling_hit_rate: ceiling.map(|c| (c * 1e4).round() / 1e4),
+        ceiling_hit_rate: bounds.map(|b| round(b.ceiling)),
+        capacity_bound_hit_rate: bounds.map(|b| round(b.capacity)),
+        fleet_lru_hit_rate: bounds.map(|b| round(b.fleet_lru)),
         results,
         samples,
     })

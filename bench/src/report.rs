@@ -17,6 +17,13 @@ pub struct Results {
     /// computed once, fleet-wide), counted as the simulator counts hits: no router can beat it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ceiling_hit_rate: Option<f64>,
+    /// The hit rate with the fleet's KV capacity as one cache that evicts what is needed furthest
+    /// in the future: no router can beat it on this fleet ([`crate::ceiling::Bounds`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_bound_hit_rate: Option<f64>,
+    /// The hit rate with the fleet's KV capacity as one LRU cache: a reference, not a bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fleet_lru_hit_rate: Option<f64>,
     pub results: Vec<RouterResult>,
     /// Every request each router's run sent, as the client saw it (written to samples.jsonl).
     #[serde(skip)]
@@ -186,6 +193,19 @@ impl Results {
                 }
             }
         }
+        if let (Some(c), Some(b), Some(l)) = (
+            self.ceiling_hit_rate,
+            self.capacity_bound_hit_rate,
+            self.fleet_lru_hit_rate,
+        ) {
+            let _ = writeln!(
+                s,
+                "\nWhat the workload allows: {:.1}% with an unbounded cache (the ceiling), {:.1}% with the fleet's KV blocks and the best eviction (the capacity bound), {:.1}% with the fleet's KV blocks as one LRU cache.",
+                c * 100.0,
+                b * 100.0,
+                l * 100.0
+            );
+        }
         let Some(rr) = self.measured().find(|m| m.router == "round_robin") else {
             return s;
         };
@@ -328,6 +348,8 @@ mod tests {
             workload: serde_json::json!({"name": "t"}),
             fleet: serde_json::json!({"replicas": 2}),
             ceiling_hit_rate: None,
+            capacity_bound_hit_rate: None,
+            fleet_lru_hit_rate: None,
             samples: Vec::new(),
             results: vec![
                 RouterResult::Measured(m),
@@ -396,5 +418,20 @@ mod tests {
         assert!(md.contains("| smg | skipped: not installed"));
         assert!(md.contains("Ratio to round_robin"));
         assert!(r.svg().contains(">round_robin</text>"));
+        assert!(!md.contains("What the workload allows"), "no bounds, no line");
+    }
+
+    #[test]
+    fn markdown_gives_what_the_workload_allows() {
+        let mut r = results();
+        r.ceiling_hit_rate = Some(0.8588);
+        r.capacity_bound_hit_rate = Some(0.8323);
+        r.fleet_lru_hit_rate = Some(0.7234);
+        let md = r.markdown();
+        assert!(md.contains("85.9% with an unbounded cache"), "{md}");
+        assert!(md.contains("83.2% with the fleet's KV blocks and the best eviction"), "{md}");
+        assert!(md.contains("72.3% with the fleet's KV blocks as one LRU cache"), "{md}");
+        let back: Results = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(back.capacity_bound_hit_rate, Some(0.8323));
     }
 }
