@@ -1,7 +1,14 @@
-//! kvroute's own requests in flight per endpoint, shared by all workers in one shared-data value,
-//! so a request reads every endpoint's count with one host call. Current between polls, where the
-//! engines' reports and Envoy's `rq_active` are up to one poll interval old. Entries at zero are
-//! dropped, so the value stays as small as the set of busy endpoints.
+//! kvroute's own requests in flight per endpoint, shared by all workers in one shared-data value.
+//! Current between polls, where the engines' reports and Envoy's `rq_active` are up to one poll
+//! interval old. Entries at zero are dropped, so the value stays as small as the set of busy
+//! endpoints.
+//!
+//! A worker counts its own requests in a [`Local`] (no host call on the request path) and writes
+//! them to the shared value once per tick with one compare-and-swap, reading back what every worker
+//! wrote: it sees its own requests at once and the other workers' a tick late. Counting each
+//! request in the shared value took four shared-data calls per request (a read and a
+//! compare-and-swap as it was routed, again as it ended), each swap racing every other worker's
+//! requests for the one key.
 
 use crate::store::{self, SharedStore, Update};
 
@@ -80,6 +87,99 @@ fn add_from<S: SharedStore + ?Sized>(
     match outcome {
         Update::Created | Update::Written | Update::Declined => result,
         Update::Failed => None,
+    }
+}
+
+/// Adds each endpoint's delta with one compare-and-swap (counts never going below zero). Returns
+/// the table as written, or `None` if the update lost too many races.
+pub fn add_all<S: SharedStore + ?Sized>(store: &S, deltas: &[(u32, i64)]) -> Option<Table> {
+    let mut result = None;
+    let outcome = store::update(store, KEY, |current| {
+        let mut counts = current.map(decode).unwrap_or_default();
+        for &(id, delta) in deltas {
+            apply(&mut counts, id, delta);
+        }
+        let value = encode(&counts);
+        result = Some(Table { counts });
+        Some(value)
+    });
+    match outcome {
+        Update::Created | Update::Written | Update::Declined => result,
+        Update::Failed => None,
+    }
+}
+
+/// One worker's view of the counts: the shared table as last read, plus its own requests since
+/// (started and ended), which it writes at the next [`Local::flush`].
+#[derive(Debug, Default)]
+pub struct Local {
+    table: Table,
+    deltas: Vec<(u32, i64)>,
+}
+
+impl Local {
+    /// Endpoint `id`'s count: the shared one as last read with this worker's requests since.
+    pub fn inflight(&self, id: u32) -> u32 {
+        let delta: i64 = self
+            .deltas
+            .iter()
+            .filter(|(d, _)| *d == id)
+            .map(|(_, n)| n)
+            .sum();
+        (i64::from(self.table.inflight(id)) + delta).clamp(0, i64::from(u32::MAX)) as u32
+    }
+
+    /// Every endpoint's count as [`Local::inflight`] gives it.
+    pub fn view(&self) -> Table {
+        let mut counts = self.table.counts.clone();
+        for &(id, delta) in &self.deltas {
+            if !counts.iter().any(|c| c.id == id) {
+                counts.push(Counts { id, inflight: 0 });
+            }
+            if let Some(c) = counts.iter_mut().find(|c| c.id == id) {
+                c.inflight = (i64::from(c.inflight) + delta).clamp(0, i64::from(u32::MAX)) as u32;
+            }
+        }
+        counts.retain(|c| c.inflight > 0);
+        Table { counts }
+    }
+
+    /// Counts a request more (`delta` 1) or fewer (-1) at endpoint `id`. Returns its count now.
+    pub fn add(&mut self, id: u32, delta: i64) -> u32 {
+        match self.deltas.iter_mut().find(|(d, _)| *d == id) {
+            Some((_, n)) => *n += delta,
+            None => self.deltas.push((id, delta)),
+        }
+        self.inflight(id)
+    }
+
+    /// Writes this worker's requests since the last flush to the shared table and reads what every
+    /// worker wrote (one call when there is nothing to write). Returns the endpoints whose count,
+    /// as this worker sees it, changed. What cannot be written now stays for the next flush.
+    pub fn flush<S: SharedStore + ?Sized>(&mut self, store: &S) -> Vec<u32> {
+        let before = self.view();
+        self.deltas.retain(|(_, n)| *n != 0);
+        let table = if self.deltas.is_empty() {
+            Some(read(store))
+        } else {
+            add_all(store, &self.deltas)
+        };
+        let Some(table) = table else {
+            return Vec::new();
+        };
+        self.deltas.clear();
+        self.table = table;
+        let after = &self.table;
+        let mut changed: Vec<u32> = before
+            .counts
+            .iter()
+            .chain(&after.counts)
+            .map(|c| c.id)
+            .filter(|&id| before.inflight(id) != after.inflight(id))
+            .collect();
+        changed.sort_unstable();
+        changed.dedup();
+        changed
     }
 }
 
@@ -212,6 +312,53 @@ mod tests {
         old[0] = 1;
         assert!(decode(&old).is_empty());
         assert!(decode(&[]).is_empty());
+    }
+
+    #[test]
+    fn a_worker_sees_its_own_requests_at_once_and_the_others_after_a_flush() {
+        let store = MemoryStore::new();
+        let (mut a, mut b) = (Local::default(), Local::default());
+        assert_eq!(a.add(1, 1), 1);
+        assert_eq!(a.add(1, 1), 2);
+        assert_eq!(b.add(1, 1), 1, "a has not flushed");
+        let calls = store.calls();
+        assert_eq!(a.inflight(1), 2);
+        assert_eq!(store.calls(), calls, "no host call on the request path");
+        assert_eq!(a.flush(&store), Vec::<u32>::new(), "a saw its own already");
+        assert_eq!(b.flush(&store), vec![1]);
+        assert_eq!(b.inflight(1), 3);
+        assert_eq!(a.flush(&store), vec![1], "b's request");
+        assert_eq!(a.inflight(1), 3);
+        // Requests end on either worker.
+        a.add(1, -1);
+        a.add(1, -1);
+        b.add(1, -1);
+        a.flush(&store);
+        b.flush(&store);
+        a.flush(&store);
+        assert_eq!((a.inflight(1), b.inflight(1)), (0, 0));
+        assert!(read(&store).counts.is_empty(), "entries at zero are dropped");
+    }
+
+    #[test]
+    fn a_flush_writes_every_endpoint_at_once_and_never_below_zero() {
+        let store = MemoryStore::new();
+        let mut a = Local::default();
+        a.add(1, 1);
+        a.add(2, 1);
+        a.add(3, -1);
+        assert_eq!(a.view().counts.len(), 2, "{:?}", a.view());
+        let calls = store.calls();
+        a.flush(&store);
+        assert_eq!(store.calls() - calls, 2, "one read, one write");
+        let t = read(&store);
+        assert_eq!((t.inflight(1), t.inflight(2), t.inflight(3)), (1, 1, 0));
+        // A correction lowered a count meanwhile: the worker's own end never takes it below zero.
+        correct(&store, &[(1, 0)]);
+        a.add(1, -1);
+        a.flush(&store);
+        assert_eq!(read(&store).inflight(1), 0);
+        assert_eq!(a.inflight(1), 0);
     }
 
     #[test]

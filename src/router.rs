@@ -112,7 +112,8 @@ pub struct RequestInfo<'a> {
 pub struct Routed {
     /// The chosen `ip:port` first, then fallbacks for retries.
     pub endpoints: Vec<String>,
-    /// Id of the chosen endpoint: pass it to [`finish`] when the stream ends.
+    /// Id of the chosen endpoint: pass it to [`finish`] (or the worker's [`counters::Local`]) when
+    /// the stream ends.
     pub endpoint_id: u32,
     pub decision: Decision,
     /// Share of the request's chunks found in the affinity map (cache_aware only).
@@ -139,10 +140,27 @@ impl Router {
         Router { config, policy }
     }
 
-    /// Routes one request whose body is complete. `hosts` are the hosts of the request's cluster.
+    /// Routes one request whose body is complete and counts it in flight in the shared table at
+    /// once (a lone worker: tests, benches). `hosts` are the hosts of the request's cluster.
     pub fn route(
         &self,
         store: &dyn SharedStore,
+        hosts: &[Host],
+        req: &RequestInfo,
+        now_ms: u64,
+    ) -> Result<Routed, Fallback> {
+        let (table, read) = counters::read_for_update(store);
+        let mut routed = self.route_with(store, &table, hosts, req, now_ms)?;
+        routed.inflight = counters::add_after(store, read, routed.endpoint_id, 1).unwrap_or(0);
+        Ok(routed)
+    }
+
+    /// Routes one request whose body is complete, given the requests in flight (`inflight`, a
+    /// worker's [`counters::Local`] view), which the caller then counts the request in.
+    pub fn route_with(
+        &self,
+        store: &dyn SharedStore,
+        inflight: &Table,
         hosts: &[Host],
         req: &RequestInfo,
         now_ms: u64,
@@ -166,8 +184,7 @@ impl Router {
             shape,
         )
         .opened_by(prompt.text.get(prompt.opener.clone()).unwrap_or_default());
-        let (table, read) = counters::read_for_update(store);
-        let candidates = candidates(&table, hosts);
+        let candidates = candidates(inflight, hosts);
         if candidates.is_empty() {
             return Err(Fallback::NoHealthyEndpoint);
         }
@@ -186,7 +203,7 @@ impl Router {
             .pick(&candidates, &input)
             .ok_or(Fallback::NoSession)?;
         let chosen = &candidates[pick.index];
-        let inflight = counters::add_after(store, read, chosen.id, 1).unwrap_or(0);
+        let inflight = inflight.inflight(chosen.id).saturating_add(1);
         let slots_created = self.policy.routed(&candidates, &input, &pick);
         let match_fraction = pick
             .matched

@@ -5,7 +5,9 @@
 
 mod common;
 
-use common::{ask, chat_body, debug_config, inflight_gauges, kv_stat, system_prompt, Fleet};
+use common::{
+    ask, chat_body, debug_config, inflight_gauges, kv_stat, system_prompt, wait_for_fresh_poll, Fleet,
+};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -74,8 +76,8 @@ async fn a_trapped_vm_is_reloaded_and_routes_again() {
 }
 
 /// Streams in flight when a VM traps are never settled by it (shared data outlives the VM, the
-/// reloaded VM never saw them): their counts are left behind, and the poll's correction against
-/// Envoy's `rq_active` is what removes them.
+/// reloaded VM never saw them): the counts it wrote to shared data are left behind, and the poll's
+/// correction against Envoy's `rq_active` is what removes them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counts_a_trapped_vm_left_behind_are_corrected_against_rq_active() {
     let mut config = debug_config();
@@ -83,7 +85,7 @@ async fn counts_a_trapped_vm_left_behind_are_corrected_against_rq_active() {
     let fleet = Arc::new(Fleet::kvroute(2, config, |o| o.concurrency = 1).await);
     fleet.wait_endpoints_known(2).await;
     for b in &fleet.backends {
-        b.set_delay(Duration::from_secs(3));
+        b.set_delay(Duration::from_secs(8));
     }
     let slow: Vec<_> = (0..4)
         .map(|i| {
@@ -105,6 +107,13 @@ async fn counts_a_trapped_vm_left_behind_are_corrected_against_rq_active() {
     tokio::time::timeout(Duration::from_secs(30), counted)
         .await
         .expect("the four slow requests were never all counted in flight");
+    // The worker writes its counts to shared data on its ticks, and polls on them after: two
+    // polls on, the counts are there to be left behind.
+    wait_for_fresh_poll(&fleet).await;
+    assert!(
+        fleet.backends.iter().map(|b| b.in_flight()).sum::<u64>() == 4,
+        "the slow requests ended before the trap: the test proves nothing"
+    );
 
     let _ = fleet
         .client

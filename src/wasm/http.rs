@@ -143,10 +143,16 @@ impl Stream {
             session: session.as_deref(),
             request_id: request_id.as_deref(),
         };
-        let result = shared.router.route(&HostStore, &hosts, &req, now);
+        let inflight = shared.inflight.view();
+        let result = shared
+            .router
+            .route_with(&HostStore, &inflight, &hosts, &req, now);
         drop(shared);
         match result {
-            Ok(routed) => self.apply(routed),
+            Ok(mut routed) => {
+                routed.inflight = self.shared.borrow_mut().inflight.add(routed.endpoint_id, 1);
+                self.apply(routed)
+            }
             Err(reason) => self.fallback(reason),
         }
     }
@@ -220,11 +226,9 @@ impl Stream {
     /// The stream is over, however it ended: one request fewer in flight.
     fn settle(&mut self) {
         if let Some((id, addr)) = self.routed.take() {
-            let left = router::finish(&HostStore, id).unwrap_or(0);
-            self.shared
-                .borrow_mut()
-                .metrics
-                .inflight(&addr, u64::from(left));
+            let mut shared = self.shared.borrow_mut();
+            let left = shared.inflight.add(id, -1);
+            shared.metrics.inflight(&addr, u64::from(left));
         }
     }
 }

@@ -124,7 +124,7 @@ impl Poller {
                 Some(metrics) => {
                     // What kvroute itself has in flight there as the engine answers: what it
                     // sends from now on comes on top of the engine's numbers.
-                    let own = counters::read(&HostStore).inflight(endpoint_id(&addr));
+                    let own = shared.inflight.inflight(endpoint_id(&addr));
                     self.reports.insert(addr, (metrics, own));
                     shared.metrics.count("kvroute.engine_poll.ok");
                 }

@@ -14,10 +14,9 @@ use super::host::{now_ms, HostStore};
 use super::root::Shared;
 use crate::affinity::AffinityMap;
 use crate::config::PolicyKind;
-use crate::counters;
 use crate::eviction::{self, Predicted};
 use crate::rendezvous::endpoint_id;
-use crate::router::{self, Routed};
+use crate::router::Routed;
 use crate::suspects::UPSTREAM_FAILURE_FLAGS;
 use crate::usage::Tail;
 
@@ -98,9 +97,9 @@ impl Response {
             return counted;
         }
         let served_id = endpoint_id(served);
-        let now_there = counters::add(&HostStore, served_id, 1).unwrap_or(0);
-        let left = router::finish(&HostStore, *id).unwrap_or(0);
         let mut s = shared.borrow_mut();
+        let now_there = s.inflight.add(served_id, 1);
+        let left = s.inflight.add(*id, -1);
         s.metrics.count("kvroute.served_elsewhere");
         s.metrics.inflight(addr, u64::from(left));
         s.metrics.inflight(served, u64::from(now_there));

@@ -16,6 +16,7 @@ use super::http::{route_from_headers, Stream};
 use super::poll::{self, Poller};
 use crate::body_access::{self, BodyWatch, WATCH_TICK_MS};
 use crate::config::Config;
+use crate::counters;
 use crate::endpoints::{self, Host, Snapshot};
 use crate::freshness::{self, Age, MonoClock, RoundLease};
 use crate::router::Router;
@@ -27,14 +28,17 @@ pub(super) const HOSTS_KEY: &str = "kvroute.hosts";
 const STARTUP_TICK_MS: u64 = 100;
 /// Endpoints that just failed a request, marked by any worker (see `suspects`).
 const SUSPECTS_KEY: &str = "kvroute.suspects";
-/// Longest tick, whatever `stats_interval_ms` says: how late another worker's suspect mark can
-/// reach this one. The poll itself still runs once per interval (the lease decides).
-const MAX_TICK_MS: u64 = 250;
+/// Longest tick, whatever `stats_interval_ms` says: how late another worker's suspect marks and
+/// requests in flight reach this one. The poll itself still runs once per interval (the lease
+/// decides).
+const MAX_TICK_MS: u64 = 100;
 
 /// What a worker VM's streams share: the configured router, the last host snapshot, metrics.
 pub struct Shared {
     pub router: Router,
     pub metrics: Metrics,
+    /// This worker's view of the requests in flight, written to shared data on each tick.
+    pub inflight: counters::Local,
     pub(super) snapshot: Snapshot,
     pub(super) snapshot_cas: Option<u32>,
     /// Whether Envoy delivers bodies during a pause, and the paused streams watched until known.
@@ -70,6 +74,26 @@ impl Shared {
                 .snapshot_age
                 .age(self.clock.now())
                 .is_some_and(|age| age > freshness::max_age_ms(config.stats_interval_ms))
+    }
+
+    /// Writes this worker's requests in flight to shared data, reads the other workers', and
+    /// sets the gauges of the endpoints whose count moved.
+    fn flush_inflight(&mut self) {
+        let changed = self.inflight.flush(&HostStore);
+        if changed.is_empty() {
+            return;
+        }
+        let hosts = self.snapshot.values().flatten();
+        let statics = self.router.config.endpoints.iter();
+        let addrs: Vec<String> = hosts
+            .map(|h| h.addr.clone())
+            .chain(statics.cloned())
+            .filter(|a| changed.contains(&crate::rendezvous::endpoint_id(a)))
+            .collect();
+        for addr in addrs {
+            let n = self.inflight.inflight(crate::rendezvous::endpoint_id(&addr));
+            self.metrics.inflight(&addr, u64::from(n));
+        }
     }
 
     /// A paused stream is now watched: tick at least every [`WATCH_TICK_MS`] until a verdict.
@@ -192,6 +216,7 @@ impl Root {
             let tick = s.tick_ms.max(1);
             let mono = s.clock.advance(now, tick);
             s.refresh_snapshot();
+            s.flush_inflight();
             let version = s.snapshot_cas;
             s.snapshot_age.observe(version, mono);
             s.refresh_suspects(now);
@@ -316,6 +341,7 @@ impl RootContext for Root {
         self.shared = Some(Rc::new(RefCell::new(Shared {
             router: Router::new(config),
             metrics,
+            inflight: counters::Local::default(),
             snapshot: Snapshot::new(),
             snapshot_cas: None,
             body: BodyWatch::default(),
