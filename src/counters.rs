@@ -337,7 +337,10 @@ mod tests {
         b.flush(&store);
         a.flush(&store);
         assert_eq!((a.inflight(1), b.inflight(1)), (0, 0));
-        assert!(read(&store).counts.is_empty(), "entries at zero are dropped");
+        assert!(
+            read(&store).counts.is_empty(),
+            "entries at zero are dropped"
+        );
     }
 
     #[test]

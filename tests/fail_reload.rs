@@ -6,7 +6,8 @@
 mod common;
 
 use common::{
-    ask, chat_body, debug_config, inflight_gauges, kv_stat, system_prompt, wait_for_fresh_poll, Fleet,
+    ask, chat_body, debug_config, inflight_gauges, kv_stat, system_prompt, wait_for_fresh_poll,
+    Fleet,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -104,7 +104,10 @@ pub async fn compare(
         .then(|| crate::ceiling::bounds(workload, fleet_spec, sent))
         .transpose()?;
     if let Some(b) = bounds {
-        eprintln!("   ceiling hit rate (unbounded cache, perfect routing): {:.4}", b.ceiling);
+        eprintln!(
+            "   ceiling hit rate (unbounded cache, perfect routing): {:.4}",
+            b.ceiling
+        );
         eprintln!(
             "   capacity bound (the fleet's KV blocks, the best eviction): {:.4}; the fleet's blocks as one LRU cache: {:.4}",
             b.capacity, b.fleet_lru

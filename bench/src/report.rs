@@ -418,7 +418,10 @@ mod tests {
         assert!(md.contains("| smg | skipped: not installed"));
         assert!(md.contains("Ratio to round_robin"));
         assert!(r.svg().contains(">round_robin</text>"));
-        assert!(!md.contains("What the workload allows"), "no bounds, no line");
+        assert!(
+            !md.contains("What the workload allows"),
+            "no bounds, no line"
+        );
     }
 
     #[test]
@@ -429,8 +432,14 @@ mod tests {
         r.fleet_lru_hit_rate = Some(0.7234);
         let md = r.markdown();
         assert!(md.contains("85.9% with an unbounded cache"), "{md}");
-        assert!(md.contains("83.2% with the fleet's KV blocks and the best eviction"), "{md}");
-        assert!(md.contains("72.3% with the fleet's KV blocks as one LRU cache"), "{md}");
+        assert!(
+            md.contains("83.2% with the fleet's KV blocks and the best eviction"),
+            "{md}"
+        );
+        assert!(
+            md.contains("72.3% with the fleet's KV blocks as one LRU cache"),
+            "{md}"
+        );
         let back: Results = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
         assert_eq!(back.capacity_bound_hit_rate, Some(0.8323));
     }

@@ -91,7 +91,9 @@ impl Shared {
             .filter(|a| changed.contains(&crate::rendezvous::endpoint_id(a)))
             .collect();
         for addr in addrs {
-            let n = self.inflight.inflight(crate::rendezvous::endpoint_id(&addr));
+            let n = self
+                .inflight
+                .inflight(crate::rendezvous::endpoint_id(&addr));
             self.metrics.inflight(&addr, u64::from(n));
         }
     }
