@@ -123,7 +123,7 @@ pub async fn compare(
             }
         }
     }
-    let round = |x: f64| (x * 1e4).round() / 1e4;
+    let round = |x: f64| (x * 1e5).round() / 1e5;
     Ok(Results {
         workload: serde_json::to_value(workload).map_err(|e| e.to_string())?,
         fleet: fleet_spec.clone(),
