@@ -120,35 +120,31 @@ pub struct Local {
 impl Local {
     /// Endpoint `id`'s count: the shared one as last read with this worker's requests since.
     pub fn inflight(&self, id: u32) -> u32 {
-        let delta: i64 = self
+        let delta = self
             .deltas
             .iter()
-            .filter(|(d, _)| *d == id)
-            .map(|(_, n)| n)
-            .sum();
-        (i64::from(self.table.inflight(id)) + delta).clamp(0, i64::from(u32::MAX)) as u32
+            .find(|(d, _)| *d == id)
+            .map_or(0, |d| d.1);
+        plus(self.table.inflight(id), delta)
     }
 
     /// Every endpoint's count as [`Local::inflight`] gives it.
     pub fn view(&self) -> Table {
         let mut counts = self.table.counts.clone();
         for &(id, delta) in &self.deltas {
-            if !counts.iter().any(|c| c.id == id) {
-                counts.push(Counts { id, inflight: 0 });
-            }
-            if let Some(c) = counts.iter_mut().find(|c| c.id == id) {
-                c.inflight = (i64::from(c.inflight) + delta).clamp(0, i64::from(u32::MAX)) as u32;
-            }
+            apply(&mut counts, id, delta);
         }
-        counts.retain(|c| c.inflight > 0);
         Table { counts }
     }
 
-    /// Counts a request more (`delta` 1) or fewer (-1) at endpoint `id`. Returns its count now.
+    /// Counts a request more (`delta` 1) or fewer (-1) at endpoint `id`. Returns its count now,
+    /// which, as in the shared table, never goes below zero: an end whose start a correction
+    /// already removed takes nothing from the next request.
     pub fn add(&mut self, id: u32, delta: i64) -> u32 {
+        let floor = -i64::from(self.table.inflight(id));
         match self.deltas.iter_mut().find(|(d, _)| *d == id) {
-            Some((_, n)) => *n += delta,
-            None => self.deltas.push((id, delta)),
+            Some((_, n)) => *n = (*n + delta).max(floor),
+            None => self.deltas.push((id, delta.max(floor))),
         }
         self.inflight(id)
     }
@@ -221,10 +217,15 @@ fn apply(counts: &mut Vec<Counts>, id: u32, delta: i64) -> u32 {
     // Saturating: a decrement whose increment was lost to a startup race heals instead of
     // leaving a negative (and forever wrong) count.
     let c = &mut counts[pos];
-    c.inflight = (i64::from(c.inflight) + delta).clamp(0, i64::from(u32::MAX)) as u32;
+    c.inflight = plus(c.inflight, delta);
     let now = c.inflight;
     counts.retain(|c| c.inflight > 0);
     now
+}
+
+/// `count` moved by `delta`, within 0..=u32::MAX.
+fn plus(count: u32, delta: i64) -> u32 {
+    (i64::from(count) + delta).clamp(0, i64::from(u32::MAX)) as u32
 }
 
 fn encode(counts: &[Counts]) -> Vec<u8> {
@@ -356,12 +357,15 @@ mod tests {
         assert_eq!(store.calls() - calls, 2, "one read, one write");
         let t = read(&store);
         assert_eq!((t.inflight(1), t.inflight(2), t.inflight(3)), (1, 1, 0));
-        // A correction lowered a count meanwhile: the worker's own end never takes it below zero.
+        // A correction lowered a count meanwhile: the worker's own end never takes it below zero,
+        // nor the next request's count with it.
         correct(&store, &[(1, 0)]);
-        a.add(1, -1);
         a.flush(&store);
-        assert_eq!(read(&store).inflight(1), 0);
-        assert_eq!(a.inflight(1), 0);
+        assert_eq!(a.add(1, -1), 0);
+        assert_eq!(a.add(1, 1), 1, "the next request counts");
+        a.flush(&store);
+        assert_eq!(read(&store).inflight(1), 1);
+        assert_eq!(a.inflight(1), 1);
     }
 
     #[test]
