@@ -64,8 +64,8 @@ pub fn bounds(workload: &Workload, fleet_spec: &Value, sent: usize) -> Result<Bo
 }
 
 /// Hit tokens over prompt tokens, the first prompt (the probe) not counted.
-fn rate(hit_blocks: impl Iterator<Item = usize>, lens: &[usize], bs: usize) -> f64 {
-    let hits: usize = hit_blocks.skip(1).map(|b| b * bs).sum();
+fn rate(hit_blocks: impl IntoIterator<Item = usize>, lens: &[usize], bs: usize) -> f64 {
+    let hits: usize = hit_blocks.into_iter().skip(1).map(|b| b * bs).sum();
     let queries: usize = lens.iter().skip(1).sum();
     hits as f64 / queries.max(1) as f64
 }
@@ -78,8 +78,7 @@ fn ceiling(hashes: &[Vec<BlockHash>], lens: &[usize], bs: usize) -> f64 {
         cached.extend(h);
         usable_hit_blocks(matched, len, bs)
     });
-    let hits: Vec<usize> = hits.collect();
-    rate(hits.into_iter(), lens, bs)
+    rate(hits, lens, bs)
 }
 
 /// One cache of `blocks` blocks under Belady's MIN, every block of every prompt an access. It
@@ -123,7 +122,7 @@ fn capacity_bound(hashes: &[Vec<BlockHash>], lens: &[usize], bs: usize, blocks: 
         }
         hits.push(hit.min(len.saturating_sub(1) / bs));
     }
-    rate(hits.into_iter(), lens, bs)
+    rate(hits, lens, bs)
 }
 
 /// One simulator cache of `tokens` tokens, each prompt admitted and released in turn.
@@ -137,9 +136,8 @@ fn fleet_lru(prompts: &[Vec<u32>], bs: usize, tokens: usize) -> f64 {
         }
         hit
     });
-    let hits: Vec<usize> = hits.collect();
     let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
-    rate(hits.into_iter(), &lens, bs)
+    rate(hits, &lens, bs)
 }
 
 #[cfg(test)]
