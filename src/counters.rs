@@ -78,23 +78,23 @@ fn add_from<S: SharedStore + ?Sized>(
     id: u32,
     delta: i64,
 ) -> Option<u32> {
-    let mut result = None;
-    let outcome = store::update_from(store, KEY, read, |current| {
-        let mut counts = current.map(decode).unwrap_or_default();
-        result = Some(apply(&mut counts, id, delta));
-        Some(encode(&counts))
-    });
-    match outcome {
-        Update::Created | Update::Written | Update::Declined => result,
-        Update::Failed => None,
-    }
+    add_all_from(store, read, &[(id, delta)]).map(|t| t.inflight(id))
 }
 
 /// Adds each endpoint's delta with one compare-and-swap (counts never going below zero). Returns
 /// the table as written, or `None` if the update lost too many races.
 pub fn add_all<S: SharedStore + ?Sized>(store: &S, deltas: &[(u32, i64)]) -> Option<Table> {
+    add_all_from(store, None, deltas)
+}
+
+/// [`add_all`], its first attempt starting from `read` when given.
+fn add_all_from<S: SharedStore + ?Sized>(
+    store: &S,
+    read: Option<(Option<Vec<u8>>, Option<u32>)>,
+    deltas: &[(u32, i64)],
+) -> Option<Table> {
     let mut result = None;
-    let outcome = store::update(store, KEY, |current| {
+    let outcome = store::update_from(store, KEY, read, |current| {
         let mut counts = current.map(decode).unwrap_or_default();
         for &(id, delta) in deltas {
             apply(&mut counts, id, delta);
@@ -206,7 +206,7 @@ pub fn correct<S: SharedStore + ?Sized>(store: &S, caps: &[(u32, u64)]) -> u64 {
     removed
 }
 
-fn apply(counts: &mut Vec<Counts>, id: u32, delta: i64) -> u32 {
+fn apply(counts: &mut Vec<Counts>, id: u32, delta: i64) {
     let pos = match counts.iter().position(|c| c.id == id) {
         Some(p) => p,
         None => {
@@ -218,9 +218,7 @@ fn apply(counts: &mut Vec<Counts>, id: u32, delta: i64) -> u32 {
     // leaving a negative (and forever wrong) count.
     let c = &mut counts[pos];
     c.inflight = plus(c.inflight, delta);
-    let now = c.inflight;
     counts.retain(|c| c.inflight > 0);
-    now
 }
 
 /// `count` moved by `delta`, within 0..=u32::MAX.
