@@ -83,18 +83,19 @@ impl Shared {
         if changed.is_empty() {
             return;
         }
-        let hosts = self.snapshot.values().flatten();
-        let statics = self.router.config.endpoints.iter();
-        let addrs: Vec<String> = hosts
-            .map(|h| h.addr.clone())
-            .chain(statics.cloned())
-            .filter(|a| changed.contains(&crate::rendezvous::endpoint_id(a)))
-            .collect();
-        for addr in addrs {
-            let n = self
-                .inflight
-                .inflight(crate::rendezvous::endpoint_id(&addr));
-            self.metrics.inflight(&addr, u64::from(n));
+        let Shared {
+            inflight,
+            metrics,
+            snapshot,
+            router,
+            ..
+        } = self;
+        let polled = snapshot.values().flatten().map(|h| h.addr.as_str());
+        for addr in polled.chain(router.config.endpoints.iter().map(String::as_str)) {
+            let id = crate::rendezvous::endpoint_id(addr);
+            if changed.contains(&id) {
+                metrics.inflight(addr, u64::from(inflight.inflight(id)));
+            }
         }
     }
 
