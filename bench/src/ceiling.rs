@@ -41,9 +41,9 @@ fn prompts(workload: &Workload, spec: &FleetSpec, sent: usize) -> Result<Vec<Vec
         }
         Api::Completions => json!({"model": spec.model, "prompt": "ping"}),
     };
-    std::iter::once(Ok(ping))
-        .chain(workload.stream(&spec.model).take(sent).map(|r| Ok(r.body)))
-        .map(|body: Result<Value, String>| tokens(&body?))
+    std::iter::once(ping)
+        .chain(workload.stream(&spec.model).take(sent).map(|r| r.body))
+        .map(|body| tokens(&body))
         .collect()
 }
 
@@ -59,7 +59,7 @@ pub fn bounds(workload: &Workload, fleet_spec: &Value, sent: usize) -> Result<Bo
     Ok(Bounds {
         ceiling: ceiling(&hashes, &lens, bs),
         capacity: capacity_bound(&hashes, &lens, bs, fleet_blocks),
-        fleet_lru: fleet_lru(&prompts, bs, fleet_blocks * bs),
+        fleet_lru: fleet_lru(&prompts, &lens, bs, fleet_blocks * bs),
     })
 }
 
@@ -126,7 +126,7 @@ fn capacity_bound(hashes: &[Vec<BlockHash>], lens: &[usize], bs: usize, blocks: 
 }
 
 /// One simulator cache of `tokens` tokens, each prompt admitted and released in turn.
-fn fleet_lru(prompts: &[Vec<u32>], bs: usize, tokens: usize) -> f64 {
+fn fleet_lru(prompts: &[Vec<u32>], lens: &[usize], bs: usize, tokens: usize) -> f64 {
     let mut cache = PrefixCache::new(bs, tokens);
     let hits = prompts.iter().map(|t| {
         let hit = cache.cached_tokens(t) / bs;
@@ -136,8 +136,7 @@ fn fleet_lru(prompts: &[Vec<u32>], bs: usize, tokens: usize) -> f64 {
         }
         hit
     });
-    let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
-    rate(hits, &lens, bs)
+    rate(hits, lens, bs)
 }
 
 #[cfg(test)]
