@@ -81,6 +81,13 @@ pub async fn compare(
                 "   group replica changes: {} ({} onto a replica without the group's prefix{why})",
                 moves.changes, moves.cold
             );
+            if let Some((across, within)) = moves.gateway_rates() {
+                eprintln!(
+                    "   instances agreeing: {:.1}% of a group's consecutive requests through different instances changed replica, {:.1}% through the same one",
+                    across * 100.0,
+                    within * 100.0
+                );
+            }
             eprintln!(
                 "   group requests without their prefix cached: {} on a replica new to the group, {} on one that had served it",
                 moves.misses_new_there, moves.misses_served_before
@@ -253,6 +260,20 @@ pub struct ReplicaChanges {
     /// ... and on one that had: it evicted the group's prefix since (or was still prefilling it).
     /// Under cache pressure these are what capacity-aware placement can win back.
     pub misses_served_before: u64,
+    /// For `NAME@N`: consecutive requests of a group through different instances, and how many
+    /// of those went to different replicas; then the same through one instance. Where the
+    /// instances agree on every group's home the two rates match (splits and spills move both).
+    pub across: (u64, u64),
+    pub within: (u64, u64),
+}
+
+impl ReplicaChanges {
+    /// The share of a group's consecutive requests through different instances, then through
+    /// the same one, that changed replica; `None` without instance names.
+    pub fn gateway_rates(&self) -> Option<(f64, f64)> {
+        let rate = |(pairs, changed): (u64, u64)| changed as f64 / pairs.max(1) as f64;
+        (self.across.0 + self.within.0 > 0).then(|| (rate(self.across), rate(self.within)))
+    }
 }
 
 /// How often a group's request went to another replica than the group's previous request (in
@@ -268,7 +289,8 @@ pub fn group_replica_changes(samples: &[Sample]) -> ReplicaChanges {
         .filter(|s| s.error.is_none() && !s.user.starts_with("u-"))
         .collect();
     sorted.sort_by(|a, b| a.sent_ms.total_cmp(&b.sent_ms));
-    let mut last: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    let mut last: std::collections::HashMap<&str, (usize, Option<&str>)> =
+        std::collections::HashMap::new();
     let mut served: std::collections::HashSet<(&str, usize)> = std::collections::HashSet::new();
     let mut out = ReplicaChanges::default();
     for s in sorted {
@@ -283,10 +305,17 @@ pub fn group_replica_changes(samples: &[Sample]) -> ReplicaChanges {
             }
         }
         served.insert((group, replica));
-        if last
-            .insert(group, replica)
-            .is_some_and(|before| before != replica)
-        {
+        let gateway = s.gateway.as_deref();
+        let before = last.insert(group, (replica, gateway));
+        if let Some((was, Some(through))) = before.filter(|_| gateway.is_some()) {
+            let pairs = match Some(through) == gateway {
+                true => &mut out.within,
+                false => &mut out.across,
+            };
+            pairs.0 += 1;
+            pairs.1 += u64::from(was != replica);
+        }
+        if before.is_some_and(|(was, _)| was != replica) {
             out.changes += 1;
             if cold {
                 out.cold += 1;
@@ -379,6 +408,29 @@ mod tests {
         let one = group_replica_changes(&[samples[1].clone(), failed]);
         assert_eq!((one.changes, one.cold), (0, 0), "one request moves nothing");
         assert_eq!((one.misses_new_there, one.misses_served_before), (1, 0));
+    }
+
+    #[test]
+    fn instances_that_disagree_change_replica_between_each_other() {
+        let through = |user, sent_ms, replica, gateway: &str| Sample {
+            gateway: Some(gateway.into()),
+            ..sample(user, sent_ms, replica, 90)
+        };
+        let samples = [
+            through("u0-0-0", 0.0, 0, "a"),
+            through("u0-1-0", 1.0, 1, "b"), // across, changed
+            through("u0-2-0", 2.0, 1, "b"), // within, same
+            through("u0-3-0", 3.0, 0, "a"), // across, changed
+            through("u1-0-0", 4.0, 2, "a"),
+            through("u1-1-0", 5.0, 2, "b"), // across, same
+        ];
+        let moves = group_replica_changes(&samples);
+        assert_eq!((moves.across, moves.within), ((3, 2), (1, 0)));
+        let (across, within) = moves.gateway_rates().unwrap();
+        assert!((across - 2.0 / 3.0).abs() < 1e-9 && within == 0.0);
+        let plain =
+            group_replica_changes(&[sample("u0-0-0", 0.0, 0, 0), sample("u0-1-0", 1.0, 1, 0)]);
+        assert_eq!(plain.gateway_rates(), None, "one router names no instance");
     }
 
     #[test]

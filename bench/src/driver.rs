@@ -36,6 +36,8 @@ pub struct Sample {
     /// kvroute's `x-kvroute-decision` response header (`home`, `spread`, `affinity`, ...): why
     /// it went to that replica. Other routers send none.
     pub decision: Option<String>,
+    /// For `NAME@N`, the instance that served it (the front's `x-bench-upstream` header).
+    pub gateway: Option<String>,
     /// The final usage chunk's `prompt_tokens` and `prompt_tokens_details.cached_tokens`.
     pub prompt_tokens: Option<u64>,
     pub cached_tokens: Option<u64>,
@@ -290,11 +292,14 @@ impl Client {
             .get("x-sim-replica")
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.trim().parse().ok());
-        sample.decision = resp
-            .headers()
-            .get("x-kvroute-decision")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
+        let text = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        sample.decision = text("x-kvroute-decision");
+        sample.gateway = text(kvroute_harness::bootstrap::UPSTREAM_HEADER);
         if !resp.status().is_success() {
             let status = resp.status();
             let text = resp.text().await.unwrap_or_default();

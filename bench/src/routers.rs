@@ -108,6 +108,8 @@ impl Router {
             lb: Lb::RoundRobin,
             concurrency: ENVOY_CONCURRENCY,
             active_health_checks: false,
+            // Which instance served each request: how far the instances agree.
+            name_upstream: true,
             ..EnvoyOptions::default()
         })
         .await

@@ -32,7 +32,13 @@ pub struct Patch<'a> {
     pub wasm_plugin_like: bool,
     /// Points the admin cluster here instead of at Envoy's own admin.
     pub admin_target: Option<SocketAddr>,
+    /// Names the upstream that answered in the [`UPSTREAM_HEADER`] response header (the front of
+    /// a scaled-out router: which instance served the request).
+    pub name_upstream: bool,
 }
+
+/// Response header naming the upstream address that answered, where [`Patch::name_upstream`].
+pub const UPSTREAM_HEADER: &str = "x-bench-upstream";
 
 /// Reads `shipped` (YAML text) and returns the patched bootstrap as YAML text.
 pub fn render(shipped: &str, patch: &Patch) -> Result<String, HarnessError> {
@@ -76,20 +82,17 @@ fn patch_filters(listener: &mut Value, patch: &Patch) -> Result<(), HarnessError
         .first_mut()
         .ok_or_else(|| cfg("no network filter".into()))?;
     let hcm = get_mut(hcm, &["typed_config"])?;
+    let yaml = |json: Json| serde_yaml::to_value(json).map_err(|e| cfg(e.to_string()));
     if let Lb::RingHash { header } = patch.lb {
         // ring_hash needs the route to say what to hash.
-        let route = get_mut(hcm, &["route_config", "virtual_hosts"])
-            .and_then(seq_mut)?
-            .first_mut()
-            .ok_or_else(|| cfg("no virtual host".into()))?;
-        let route = get_mut(route, &["routes"])
-            .and_then(seq_mut)?
-            .first_mut()
-            .ok_or_else(|| cfg("no route".into()))?;
-        let policy =
-            serde_yaml::to_value(serde_json::json!([{ "header": { "header_name": header } }]))
-                .map_err(|e| cfg(e.to_string()))?;
-        map_mut(get_mut(route, &["route"])?)?.insert("hash_policy".into(), policy);
+        let policy = yaml(serde_json::json!([{ "header": { "header_name": header } }]))?;
+        map_mut(get_mut(first_route(hcm)?, &["route"])?)?.insert("hash_policy".into(), policy);
+    }
+    if patch.name_upstream {
+        let header = yaml(serde_json::json!([{ "header": {
+            "key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"
+        } }]))?;
+        map_mut(first_route(hcm)?)?.insert("response_headers_to_add".into(), header);
     }
     let filters = seq_mut(get_mut(hcm, &["http_filters"])?)?;
     let wasm_at = filters
@@ -125,6 +128,18 @@ fn patch_filters(listener: &mut Value, patch: &Patch) -> Result<(), HarnessError
         as_wasm_plugin(config)?;
     }
     Ok(())
+}
+
+/// The first route of the first virtual host of the HTTP connection manager `hcm`.
+fn first_route(hcm: &mut Value) -> Result<&mut Value, HarnessError> {
+    let host = get_mut(hcm, &["route_config", "virtual_hosts"])
+        .and_then(seq_mut)?
+        .first_mut()
+        .ok_or_else(|| cfg("no virtual host".into()))?;
+    get_mut(host, &["routes"])
+        .and_then(seq_mut)?
+        .first_mut()
+        .ok_or_else(|| cfg("no route".into()))
 }
 
 /// Rewrites the Wasm `PluginConfig` into what istiod generates for a `WasmPlugin` (pilot's
@@ -261,8 +276,33 @@ mod tests {
             active_health_checks,
             wasm_plugin_like: false,
             admin_target: None,
+            name_upstream: false,
         };
         serde_yaml::from_str(&render(&shipped(), &patch).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn a_front_names_the_upstream_that_answered_only_when_asked() {
+        let backends = ["127.0.0.1:7001".parse().unwrap()];
+        let render_as = |name_upstream| {
+            let patch = Patch {
+                admin_port: 5001,
+                listener_port: 5002,
+                backends: &backends,
+                lb: &Lb::RoundRobin,
+                wasm: None,
+                health_check_interval: None,
+                active_health_checks: false,
+                wasm_plugin_like: false,
+                admin_target: None,
+                name_upstream,
+            };
+            render(&shipped(), &patch).unwrap()
+        };
+        let named = render_as(true);
+        assert!(named.contains(UPSTREAM_HEADER), "{named}");
+        assert!(named.contains("%UPSTREAM_REMOTE_ADDRESS%"));
+        assert!(!render_as(false).contains(UPSTREAM_HEADER));
     }
 
     #[test]
@@ -282,6 +322,7 @@ mod tests {
                 active_health_checks: true,
                 wasm_plugin_like,
                 admin_target: None,
+                name_upstream: false,
             };
             render(&shipped(), &patch).unwrap()
         };

@@ -55,6 +55,9 @@ pub struct EnvoyOptions {
     /// Where the `kvroute_admin` cluster points instead of Envoy's own admin: a fake admin, or a
     /// [`Gate`](crate::gate::Gate) that forwards to [`Envoy::admin_url`] until told to fail.
     pub admin_target: Option<SocketAddr>,
+    /// Name the upstream that answered each request in a response header
+    /// ([`bootstrap::UPSTREAM_HEADER`]): a front over router instances says which one served it.
+    pub name_upstream: bool,
 }
 
 impl Default for EnvoyOptions {
@@ -72,6 +75,7 @@ impl Default for EnvoyOptions {
             log_level: "warn".into(),
             wasm_plugin_like: false,
             admin_target: None,
+            name_upstream: false,
         }
     }
 }
@@ -110,6 +114,7 @@ impl Envoy {
                 active_health_checks: opts.active_health_checks,
                 wasm_plugin_like: opts.wasm_plugin_like,
                 admin_target: opts.admin_target,
+                name_upstream: opts.name_upstream,
             },
         )?;
         let dir = temp_dir()?;
