@@ -307,8 +307,8 @@ pub fn group_replica_changes(samples: &[Sample]) -> ReplicaChanges {
         served.insert((group, replica));
         let gateway = s.gateway.as_deref();
         let before = last.insert(group, (replica, gateway));
-        if let Some((was, Some(through))) = before.filter(|_| gateway.is_some()) {
-            let pairs = match Some(through) == gateway {
+        if let (Some((was, Some(then))), Some(now)) = (before, gateway) {
+            let pairs = match then == now {
                 true => &mut out.within,
                 false => &mut out.across,
             };
