@@ -1,6 +1,7 @@
 //! Replays a bench run's requests (`samples.jsonl` from `kvroute-bench compare`) through the
 //! groups table and the balanced assignment, as gateways with one worker each would see them, and
-//! prints how often a group's home moved, on what, and how even the homes' traffic was; with
+//! prints how often a group's home moved, on what, how even the homes' traffic was (over the run
+//! and after 25 s), and how much room the final weights give beyond the groups' traffic; with
 //! `--gateways N`, the requests are dealt round robin to N gateways, each counting its own share,
 //! and it also prints how often they would send a request to different replicas:
 //! `cargo run --release --example placement_replay -- .work/<run>/samples.jsonl [--moves] [--gateways N]`.
@@ -238,6 +239,7 @@ fn main() {
     let mut last: HashMap<u64, (u32, bool)> = HashMap::new();
     let (mut recomputes, mut moves, mut entry_moves, mut split_requests) = (0, 0, 0, 0);
     let mut per_endpoint: HashMap<u32, u64> = HashMap::new();
+    let mut per_endpoint_late: HashMap<u32, u64> = HashMap::new();
     let mut agreement = Agreement::default();
     for (i, r) in requests.iter().enumerate() {
         for (k, gw) in gws.iter_mut().enumerate() {
@@ -263,12 +265,27 @@ fn main() {
         }
         last.insert(r.group, (home, is_counted));
         *per_endpoint.entry(home).or_default() += 1;
+        if r.at_ms >= PHASES_MS[1] {
+            *per_endpoint_late.entry(home).or_default() += 1;
+        }
         gw.saw(r);
     }
-    let loads: Vec<u64> = eps
-        .iter()
-        .map(|e| per_endpoint.get(e).copied().unwrap_or(0))
-        .collect();
+    let loads_of = |counts: &HashMap<u32, u64>| -> Vec<u64> {
+        eps.iter()
+            .map(|e| counts.get(e).copied().unwrap_or(0))
+            .collect()
+    };
+    let (loads, late) = (loads_of(&per_endpoint), loads_of(&per_endpoint_late));
+    let spread = |l: &[u64]| {
+        let (max, min) = (l.iter().max(), l.iter().min());
+        max.zip(min)
+            .map_or(0.0, |(&a, &b)| a as f64 / b.max(1) as f64)
+    };
+    // Weights are in quarters of the mean group, so the groups' traffic is 4 per group: more
+    // than that is the room the band around the mean adds (rare groups weighed as the mean).
+    let counted = &gws[0].counted;
+    let weight: u64 = counted.iter().map(|&(_, w)| u64::from(w)).sum();
+    let traffic = groups::MEAN_WEIGHT * counted.len() as u64;
     let groups = requests
         .iter()
         .map(|r| r.group)
@@ -279,6 +296,13 @@ fn main() {
          moves of a counted group, {entry_moves} on being counted or dropped, {split_requests} \
          requests of split groups, requests per home {loads:?}",
         requests.len(),
+    );
+    println!(
+        "requests per home after 25 s {late:?} (busiest/idlest {:.2}); weights at the end \
+         (gateway 0): {weight} quarters over {} groups, {:.2}x their traffic's {traffic}",
+        spread(&late),
+        counted.len(),
+        weight as f64 / traffic.max(1) as f64
     );
     if gateways > 1 {
         println!(
