@@ -3,8 +3,10 @@
 //! prints how often a group's home moved, on what, how even the homes' traffic was (over the run
 //! and after 25 s), and how much room the final weights give beyond the groups' traffic; with
 //! `--gateways N`, the requests are dealt round robin to N gateways, each counting its own share,
-//! and it also prints how often they would send a request to different replicas:
-//! `cargo run --release --example placement_replay -- .work/<run>/samples.jsonl [--moves] [--gateways N]`.
+//! and it also prints how often they would send a request to different replicas; with
+//! `--endpoint-sets K`, the busiest/idlest after 25 s over K endpoint sets (which groups share a
+//! home depends on the endpoints' ids):
+//! `cargo run --release --example placement_replay -- .work/<run>/samples.jsonl [--moves] [--gateways N] [--endpoint-sets K]`.
 
 use hashbrown::HashMap;
 use kvroute::groups::{self, FleetVolume, Seen, Shares};
@@ -199,38 +201,37 @@ impl Agreement {
     }
 }
 
-fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let show_moves = args.iter().any(|a| a == "--moves");
-    let gateways: usize = match args.iter().position(|a| a == "--gateways") {
-        Some(at) => match args.get(at + 1).and_then(|n| n.parse().ok()) {
-            Some(n) if n >= 1 => n,
-            _ => {
-                eprintln!("placement_replay: --gateways needs a count of at least 1");
-                std::process::exit(2);
-            }
-        },
-        None => 1,
-    };
-    let path = args
-        .iter()
-        .enumerate()
-        .find(|(i, a)| !a.starts_with("--") && (*i == 0 || args[i - 1] != "--gateways"))
-        .map(|(_, a)| a);
-    let Some(path) = path else {
-        eprintln!("usage: placement_replay SAMPLES.jsonl [--moves] [--gateways N]");
-        std::process::exit(2);
-    };
-    let (requests, replicas) = match read(path) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("placement_replay: {e}");
-            std::process::exit(1);
-        }
-    };
-    let eps: Vec<u32> = (0..replicas)
-        .map(|i| endpoint_id(&format!("127.0.0.1:{}", 9001 + i)))
-        .collect();
+/// What a replay of one run's requests on one endpoint set found.
+struct Replay {
+    recomputes: u32,
+    moves: usize,
+    entry_moves: usize,
+    split_requests: usize,
+    /// Requests per home over the run, and after 25 s, in the order of the endpoints.
+    loads: Vec<u64>,
+    late: Vec<u64>,
+    /// Gateway 0's weights at the end: their sum and the groups they cover.
+    weight: u64,
+    counted: usize,
+    agreement: Agreement,
+}
+
+/// Busiest over idlest of `loads`.
+fn spread(loads: &[u64]) -> f64 {
+    let (max, min) = (loads.iter().max(), loads.iter().min());
+    max.zip(min)
+        .map_or(0.0, |(&a, &b)| a as f64 / b.max(1) as f64)
+}
+
+/// The endpoint ids of `replicas` replicas on 127.0.0.1 from `first_port` on.
+fn endpoint_set(replicas: usize, first_port: usize) -> Vec<u32> {
+    (0..replicas)
+        .map(|i| endpoint_id(&format!("127.0.0.1:{}", first_port + i)))
+        .collect()
+}
+
+/// Replays `requests` through `gateways` gateways homing groups on `eps`.
+fn replay(requests: &[Request], eps: &[u32], gateways: usize, show_moves: bool) -> Replay {
     // Gateways started a little apart: their ticks fall at different moments.
     let mut gws: Vec<Gateway> = (0..gateways)
         .map(|k| Gateway::new(k as u64 * TICK_MS / gateways as u64))
@@ -245,13 +246,13 @@ fn main() {
         for (k, gw) in gws.iter_mut().enumerate() {
             let label = format!("gateway {k}: ");
             let show = show_moves.then_some(if gateways > 1 { label.as_str() } else { "" });
-            recomputes += gw.tick_until(r.at_ms, i as f64, &eps, show);
+            recomputes += gw.tick_until(r.at_ms, i as f64, eps, show);
         }
-        let homes: Vec<u32> = gws.iter_mut().map(|gw| gw.home(r, &eps).0).collect();
+        let homes: Vec<u32> = gws.iter_mut().map(|gw| gw.home(r, eps).0).collect();
         agreement.add(r.at_ms, homes.iter().all(|&h| h == homes[0]));
         // The front balancer deals requests to the gateways in turn.
         let gw = &mut gws[i % gateways];
-        let (home, is_counted, split) = gw.home(r, &eps);
+        let (home, is_counted, split) = gw.home(r, eps);
         split_requests += usize::from(split);
         // A move: the group's previous request went elsewhere, and no split keeps them apart.
         if let Some(&(before, was_counted)) = last.get(&r.group) {
@@ -275,42 +276,117 @@ fn main() {
             .map(|e| counts.get(e).copied().unwrap_or(0))
             .collect()
     };
-    let (loads, late) = (loads_of(&per_endpoint), loads_of(&per_endpoint_late));
-    let spread = |l: &[u64]| {
-        let (max, min) = (l.iter().max(), l.iter().min());
-        max.zip(min)
-            .map_or(0.0, |(&a, &b)| a as f64 / b.max(1) as f64)
-    };
-    // Weights are in quarters of the mean group, so the groups' traffic is 4 per group: more
-    // than that is the room the band around the mean adds (rare groups weighed as the mean).
     let counted = &gws[0].counted;
-    let weight: u64 = counted.iter().map(|&(_, w)| u64::from(w)).sum();
-    let traffic = groups::MEAN_WEIGHT * counted.len() as u64;
+    Replay {
+        recomputes,
+        moves,
+        entry_moves,
+        split_requests,
+        loads: loads_of(&per_endpoint),
+        late: loads_of(&per_endpoint_late),
+        weight: counted.iter().map(|&(_, w)| u64::from(w)).sum(),
+        counted: counted.len(),
+        agreement,
+    }
+}
+
+/// The count after `flag` in `args`, at least 1; `default` without the flag.
+fn count_arg(args: &[String], flag: &str, default: usize) -> usize {
+    match args.iter().position(|a| a == flag) {
+        Some(at) => match args.get(at + 1).and_then(|n| n.parse().ok()) {
+            Some(n) if n >= 1 => n,
+            _ => {
+                eprintln!("placement_replay: {flag} needs a count of at least 1");
+                std::process::exit(2);
+            }
+        },
+        None => default,
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let show_moves = args.iter().any(|a| a == "--moves");
+    let gateways = count_arg(&args, "--gateways", 1);
+    let sets = count_arg(&args, "--endpoint-sets", 1);
+    let path = args
+        .iter()
+        .enumerate()
+        .find(|(i, a)| {
+            !a.starts_with("--")
+                && (*i == 0 || !["--gateways", "--endpoint-sets"].contains(&args[i - 1].as_str()))
+        })
+        .map(|(_, a)| a);
+    let Some(path) = path else {
+        eprintln!(
+            "usage: placement_replay SAMPLES.jsonl [--moves] [--gateways N] [--endpoint-sets K]"
+        );
+        std::process::exit(2);
+    };
+    let (requests, replicas) = match read(path) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("placement_replay: {e}");
+            std::process::exit(1);
+        }
+    };
+    let r = replay(
+        &requests,
+        &endpoint_set(replicas, 9001),
+        gateways,
+        show_moves,
+    );
     let groups = requests
         .iter()
         .map(|r| r.group)
         .collect::<hashbrown::HashSet<_>>()
         .len();
     println!(
-        "{} requests, {groups} groups, {gateways} gateway(s), {recomputes} recomputes, {moves} \
-         moves of a counted group, {entry_moves} on being counted or dropped, {split_requests} \
-         requests of split groups, requests per home {loads:?}",
+        "{} requests, {groups} groups, {gateways} gateway(s), {} recomputes, {} moves of a \
+         counted group, {} on being counted or dropped, {} requests of split groups, requests \
+         per home {:?}",
         requests.len(),
+        r.recomputes,
+        r.moves,
+        r.entry_moves,
+        r.split_requests,
+        r.loads
     );
+    // Weights are in quarters of the mean group, so the groups' traffic is 4 per group: more
+    // than that is the room the band around the mean adds (rare groups weighed as the mean).
+    let traffic = groups::MEAN_WEIGHT * r.counted as u64;
     println!(
-        "requests per home after 25 s {late:?} (busiest/idlest {:.2}); weights at the end \
-         (gateway 0): {weight} quarters over {} groups, {:.2}x their traffic's {traffic}",
-        spread(&late),
-        counted.len(),
-        weight as f64 / traffic.max(1) as f64
+        "requests per home after 25 s {:?} (busiest/idlest {:.2}); weights at the end \
+         (gateway 0): {} quarters over {} groups, {:.2}x their traffic's {traffic}",
+        r.late,
+        spread(&r.late),
+        r.weight,
+        r.counted,
+        r.weight as f64 / traffic.max(1) as f64
     );
     if gateways > 1 {
         println!(
             "requests the gateways would send to different replicas: 0-10 s {:.1}%, 10-25 s \
              {:.1}%, after 25 s {:.1}%",
-            agreement.percent(0),
-            agreement.percent(1),
-            agreement.percent(2)
+            r.agreement.percent(0),
+            r.agreement.percent(1),
+            r.agreement.percent(2)
+        );
+    }
+    if sets > 1 {
+        // Which groups share a home depends on the endpoints' ids: other sets, other luck.
+        let spreads: Vec<f64> = (0..sets)
+            .map(|k| {
+                let eps = endpoint_set(replicas, 9001 + 37 * k);
+                spread(&replay(&requests, &eps, gateways, false).late)
+            })
+            .collect();
+        let max = spreads.iter().copied().fold(0.0, f64::max);
+        let over = spreads.iter().filter(|&&s| s > 2.5).count();
+        println!(
+            "busiest/idlest after 25 s over {sets} endpoint sets: mean {:.2}, max {max:.2}, over \
+             2.5 in {over}",
+            spreads.iter().sum::<f64>() / sets as f64
         );
     }
 }
