@@ -49,6 +49,16 @@ pub const FLUSH_MS: u64 = 1_000;
 pub const MEAN_WEIGHT: u64 = 4;
 /// The heaviest weight a group can have, in quarters of the mean group.
 pub const MAX_WEIGHT: u32 = 256;
+/// Counts whose variance is at most this many times their mean spread as equally popular groups'
+/// do (a Poisson count's variance is its mean): chance may explain any one of them ([`weight`]).
+/// Beyond it the groups are unequal (zipf-pressure's spread is over 30 times its mean), and a
+/// group far below the mean is a rare one, though chance could explain it alone.
+pub const EQUAL_SPREAD: f64 = 2.0;
+/// Below this mean count per group a gateway takes every spread for chance: counts so small
+/// (behind three gateways, zipf-pressure's stay under it for the whole run) tell the rare groups
+/// of a skewed fleet apart so unreliably that weighing them by their counts made the gateways
+/// disagree on 27% of requests instead of 10% (`placement_replay --gateways 3`).
+pub const EQUAL_BELOW_MEAN: f64 = 6.0;
 
 const VERSION: u8 = 2;
 const RECORD_LEN: usize = 20;
@@ -215,10 +225,13 @@ pub fn weighted(seen: &[Seen], now_ms: u64, min_requests: f32) -> Vec<(u64, u32)
         .filter(|s| s.counts(now_ms, min_requests))
         .map(|s| (s.key, s.requests_at(now_ms)))
         .collect();
-    let mean = counted.iter().map(|(_, r)| r).sum::<f64>() / counted.len().max(1) as f64;
+    let n = counted.len().max(1) as f64;
+    let mean = counted.iter().map(|(_, r)| r).sum::<f64>() / n;
+    let variance = counted.iter().map(|(_, r)| (r - mean).powi(2)).sum::<f64>() / n;
+    let alike = mean < EQUAL_BELOW_MEAN || variance <= EQUAL_SPREAD * mean;
     let mut out: Vec<(u64, u32)> = counted
         .into_iter()
-        .map(|(g, r)| (g, weight(r, mean)))
+        .map(|(g, r)| (g, weight(r, mean, alike)))
         .collect();
     out.sort_unstable();
     out
@@ -244,9 +257,10 @@ pub fn steady(previous: &[(u64, u32)], mut next: Vec<(u64, u32)>) -> Vec<(u64, u
 }
 
 /// A group's recent requests `r`, against the mean group's, as a weight in quarters of the mean
-/// group. A group weighs 4 (the mean) while it is within 0.5–2× the mean, or within what chance
-/// alone moves a count by (3 standard deviations of a Poisson count with the mean's
-/// expectation) and seen more than once lately (a count above 1: one request never decays to
+/// group. A group weighs 4 (the mean) while it is within 0.5–2× the mean, or, while the counts
+/// spread `alike` (as equally popular groups' do, or are too few to tell: [`EQUAL_SPREAD`],
+/// [`EQUAL_BELOW_MEAN`]), within what chance alone moves a count by (3 standard deviations of a
+/// Poisson count with the mean's expectation) and seen more than once lately (a count above 1: one request never decays to
 /// more, and two seen a while ago may have decayed below [`MIN_REQUESTS`]) or at a mean so small
 /// that a mean group is often seen only once ([`once_is_chance`]): the ordinary ups and downs of
 /// equally popular groups, which each gateway counts a little differently, move nothing, and a
@@ -256,14 +270,16 @@ pub fn steady(previous: &[(u64, u32)], mut next: Vec<(u64, u32)>) -> Vec<(u64, u
 /// gateway alone.) Beyond both a group weighs what it is worth (a group with
 /// 9× the mean's traffic takes the room of nine, a rare one a quarter), so the endpoint that homes
 /// a hot group takes few others, the rare groups of a skewed fleet are not taken for average
-/// ones, and the traffic stays balanced. A hot group weighs whole means: its count grows and
+/// ones (on zipf-pressure, taking them so made the room 1.35× the traffic, and the hottest
+/// group's endpoint took a 3-mean group beside it), and the traffic stays balanced. A hot group weighs whole means: its count grows and
 /// decays a little between any two ticks, and each quarter it gained or lost would change the
 /// room it leaves to the others on its endpoint, and so move one of them, losing its prefix.
-fn weight(r: f64, mean: f64) -> u32 {
+fn weight(r: f64, mean: f64, alike: bool) -> u32 {
     let mean = mean.max(f64::MIN_POSITIVE);
     let popularity = r / mean;
     let mean_weight = MEAN_WEIGHT as f64;
-    let chance = (r > 1.0 || once_is_chance(mean)) && (r - mean).abs() <= 3.0 * mean.sqrt();
+    let chance =
+        alike && (r > 1.0 || once_is_chance(mean)) && (r - mean).abs() <= 3.0 * mean.sqrt();
     let w = if (0.5..2.0).contains(&popularity) || chance {
         mean_weight
     } else if popularity > 1.0 {
@@ -737,6 +753,55 @@ mod tests {
         );
     }
 
+    /// Each endpoint's requests, of the groups (or the shares of split groups) it homes, busiest
+    /// over idlest, averaged over 100 key sets: `counts` gives each group's recent requests.
+    fn mean_busiest_over_idlest(counts: &[f32]) -> f64 {
+        let eps = endpoints(4);
+        let mut sum = 0.0;
+        for salt in 0..100u64 {
+            let seen: Vec<Seen> = (0..counts.len() as u64)
+                .map(|i| Seen {
+                    key: (i + 1 + salt * 100).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                    last_ms: 1000,
+                    requests: counts[i as usize],
+                })
+                .collect();
+            let homes = shares(&weighted(&seen, 1000, MIN_REQUESTS), &eps);
+            let mut load = vec![0.0; eps.len()];
+            for s in &seen {
+                let parts = &homes[&s.key];
+                let total: u64 = parts.iter().map(|p| p.1).sum();
+                for &(e, share) in parts {
+                    if let Some(at) = eps.iter().position(|&x| x == e) {
+                        load[at] += f64::from(s.requests) * share as f64 / total as f64;
+                    }
+                }
+            }
+            let max = load.iter().cloned().fold(0.0, f64::max);
+            let min = load.iter().cloned().fold(f64::MAX, f64::min);
+            sum += max / min;
+        }
+        sum / 100.0
+    }
+
+    #[test]
+    fn on_zipf_counts_rare_groups_weigh_their_traffic_and_the_homes_stay_even() {
+        // zipf-pressure at one gateway after 25 s: 32 groups with Zipf(1.1) traffic, 13 requests
+        // per group lately. The hottest has 28% of the requests; half the groups have under half
+        // the mean's, which chance could explain one by one but not all together.
+        let norm: f64 = (1..=32).map(|k| f64::from(k).powf(-1.1)).sum();
+        let zipf: Vec<f32> = (1..=32)
+            .map(|k| (32.0 * 13.0 * f64::from(k).powf(-1.1) / norm) as f32)
+            .collect();
+        let zipf_ratio = mean_busiest_over_idlest(&zipf);
+        // 16 equally busy groups, 11 to 15 requests each: the band keeps them alike.
+        let equal: Vec<f32> = (0..16).map(|i| 11.0 + (i % 5) as f32).collect();
+        let equal_ratio = mean_busiest_over_idlest(&equal);
+        // Rare groups weighed as the mean (the band applied whatever the spread) gave 1.97.
+        assert!(zipf_ratio < 1.5, "zipf: busiest/idlest {zipf_ratio:.2}");
+        assert!(equal_ratio < 1.2, "equal: busiest/idlest {equal_ratio:.2}");
+    }
+
     #[test]
     fn a_hot_group_wandering_across_a_whole_mean_moves_no_other_group() {
         let eps = endpoints(4);
@@ -923,28 +988,29 @@ mod tests {
             vec![(1, 12), (2, 1), (3, 1), (5, 1)]
         );
         // Counts large enough that chance moves them little: the band alone decides.
-        let w = [0.01, 0.2, 0.4, 0.5, 1.4, 1.99, 2.0, 3.0, 9.2, 1e9].map(|p| weight(p * 1e6, 1e6));
+        let w = [0.01, 0.2, 0.4, 0.5, 1.4, 1.99, 2.0, 3.0, 9.2, 1e9]
+            .map(|p| weight(p * 1e6, 1e6, true));
         assert_eq!(w, [1, 1, 2, 4, 4, 4, 8, 12, 36, 256]);
         // A hot group weighs whole means: a few percent more or less is the same weight.
-        let w = [8.6, 9.0, 9.4, 9.6].map(|p| weight(p * 1e6, 1e6));
+        let w = [8.6, 9.0, 9.4, 9.6].map(|p| weight(p * 1e6, 1e6, true));
         assert_eq!(w, [36, 36, 36, 40]);
         // Few requests seen: counts within chance of the mean weigh alike, however far apart.
-        let w = [1.5, 2.0, 6.0, 11.0].map(|r| weight(r, 5.0));
+        let w = [1.5, 2.0, 6.0, 11.0].map(|r| weight(r, 5.0, true));
         assert_eq!(w, [4, 4, 4, 4]);
-        assert_eq!(weight(40.0, 5.0), 32, "far beyond chance");
+        assert_eq!(weight(40.0, 5.0, true), 32, "far beyond chance");
         // A group in a lull at this gateway (2 lately among groups of 10) is chance; a prompt
         // seen once among groups of 5 or more is not; among groups of 2-4 (a gateway with a
         // third of the traffic, early on), seeing an average group once is ordinary.
-        assert_eq!(weight(2.0, 10.0), 4);
-        assert_eq!(weight(1.0, 10.0), 1);
-        assert_eq!(weight(1.0, 6.0), 1);
-        assert_eq!(weight(1.0, 5.0), 1);
-        assert_eq!(weight(1.0, 4.0), 4);
-        assert_eq!(weight(1.0, 2.5), 4);
+        assert_eq!(weight(2.0, 10.0, true), 4);
+        assert_eq!(weight(1.0, 10.0, true), 1);
+        assert_eq!(weight(1.0, 6.0, true), 1);
+        assert_eq!(weight(1.0, 5.0, true), 1);
+        assert_eq!(weight(1.0, 4.0, true), 4);
+        assert_eq!(weight(1.0, 2.5, true), 4);
         assert!(once_is_chance(4.7) && !once_is_chance(4.8));
         // Two requests seen 20 s ago (1.26 now) are a group in a lull, not a one-off.
-        assert_eq!(weight(2.0 * 0.5f64.powf(20.0 / 30.0), 7.0), 4);
-        assert_eq!(weight(1.0, 7.0), 1);
+        assert_eq!(weight(2.0 * 0.5f64.powf(20.0 / 30.0), 7.0, true), 4);
+        assert_eq!(weight(1.0, 7.0, true), 1);
         let later = 1000 + HALF_LIFE_MS;
         assert!((seen[0].requests_at(later) - 50.0).abs() < 1e-6);
         assert!(
