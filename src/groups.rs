@@ -260,20 +260,21 @@ pub fn steady(previous: &[(u64, u32)], mut next: Vec<(u64, u32)>) -> Vec<(u64, u
 /// group. A group weighs 4 (the mean) while it is within 0.5–2× the mean, or, while the counts
 /// spread `alike` (as equally popular groups' do, or are too few to tell: [`EQUAL_SPREAD`],
 /// [`EQUAL_BELOW_MEAN`]), within what chance alone moves a count by (3 standard deviations of a
-/// Poisson count with the mean's expectation) and seen more than once lately (a count above 1: one request never decays to
-/// more, and two seen a while ago may have decayed below [`MIN_REQUESTS`]) or at a mean so small
-/// that a mean group is often seen only once ([`once_is_chance`]): the ordinary ups and downs of
-/// equally popular groups, which each gateway counts a little differently, move nothing, and a
-/// gateway that has seen few requests, whose counts are all noise, weighs every group alike. (A
-/// prompt seen once among groups of several requests each is no such chance: a one-off one
-/// gateway saw stays a rare group there, instead of changing the room of every endpoint at that
-/// gateway alone.) Beyond both a group weighs what it is worth (a group with
+/// Poisson count with the mean's expectation) and seen more than once lately (a count above 1: one
+/// request never decays to more, and two seen a while ago may have decayed below [`MIN_REQUESTS`])
+/// or at a mean so small that a mean group is often seen only once ([`once_is_chance`]): the
+/// ordinary ups and downs of equally popular groups, which each gateway counts a little
+/// differently, move nothing, and a gateway that has seen few requests, whose counts are all noise,
+/// weighs every group alike. (A prompt seen once among groups of several requests each is no such
+/// chance: a one-off one gateway saw stays a rare group there, instead of changing the room of
+/// every endpoint at that gateway alone.) Beyond both a group weighs what it is worth (a group with
 /// 9× the mean's traffic takes the room of nine, a rare one a quarter), so the endpoint that homes
-/// a hot group takes few others, the rare groups of a skewed fleet are not taken for average
-/// ones (on zipf-pressure, taking them so made the room 1.35× the traffic, and the hottest
-/// group's endpoint took a 3-mean group beside it), and the traffic stays balanced. A hot group weighs whole means: its count grows and
-/// decays a little between any two ticks, and each quarter it gained or lost would change the
-/// room it leaves to the others on its endpoint, and so move one of them, losing its prefix.
+/// a hot group takes few others, the rare groups of a skewed fleet are not taken for average ones
+/// (on zipf-pressure, taking them so made the room 1.35× the traffic, and the hottest group's
+/// endpoint took a 3-mean group beside it), and the traffic stays balanced. A hot group weighs
+/// whole means: its count grows and decays a little between any two ticks, and each quarter it
+/// gained or lost would change the room it leaves to the others on its endpoint, and so move one of
+/// them, losing its prefix.
 fn weight(r: f64, mean: f64, alike: bool) -> u32 {
     let mean = mean.max(f64::MIN_POSITIVE);
     let popularity = r / mean;
@@ -777,8 +778,8 @@ mod tests {
                     }
                 }
             }
-            let max = load.iter().cloned().fold(0.0, f64::max);
-            let min = load.iter().cloned().fold(f64::MAX, f64::min);
+            let max = load.iter().copied().fold(0.0, f64::max);
+            let min = load.iter().copied().fold(f64::MAX, f64::min);
             sum += max / min;
         }
         sum / 100.0
@@ -998,6 +999,10 @@ mod tests {
         let w = [1.5, 2.0, 6.0, 11.0].map(|r| weight(r, 5.0, true));
         assert_eq!(w, [4, 4, 4, 4]);
         assert_eq!(weight(40.0, 5.0, true), 32, "far beyond chance");
+        // Counts that spread beyond chance: a group at a quarter of the mean is a rare one.
+        assert_eq!(weight(3.0, 13.0, true), 4);
+        assert_eq!(weight(3.0, 13.0, false), 1);
+        assert_eq!(weight(8.0, 13.0, false), 4, "within the band");
         // A group in a lull at this gateway (2 lately among groups of 10) is chance; a prompt
         // seen once among groups of 5 or more is not; among groups of 2-4 (a gateway with a
         // third of the traffic, early on), seeing an average group once is ordinary.
