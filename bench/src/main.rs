@@ -63,6 +63,10 @@ enum Cmd {
         /// added_p99_us, ...) as JSON to FILE.
         #[arg(long, value_name = "FILE")]
         json: Option<PathBuf>,
+        /// Also measure this other build of the filter, as config `kvroute-b`, side by side with
+        /// `kvroute` (a change's cost: before and after).
+        #[arg(long, value_name = "WASM")]
+        compare_wasm: Option<PathBuf>,
     },
 }
 
@@ -90,9 +94,12 @@ fn main() {
                     plugin_config,
                     configs,
                     json,
+                    compare_wasm,
                 } => match serde_json::from_str(&plugin_config) {
                     Ok(config) => {
-                        overhead::overhead(seconds, config, &configs, json.as_deref()).await
+                        let json = json.as_deref();
+                        let b = compare_wasm.as_deref();
+                        overhead::overhead(seconds, config, &configs, json, b).await
                     }
                     Err(e) => Err(format!("--plugin-config: {e}")),
                 },

@@ -2,11 +2,13 @@
 //! plain Envoy, the floor (a filter that only pauses for the body and reads it), the floor that
 //! also writes the routing header for Envoy's `override_host` (`floor+header`: what honouring the
 //! header costs Envoy, whoever writes it), and the peer routers as a hop (smg, vllm-router).
+//! With `--compare-wasm`, another build of the filter runs as `kvroute-b` beside `kvroute`, so a
+//! change's cost is measured in one run rather than across runs on a noisy machine.
 //!
 //! Every config runs at once against the same in-process backends, and every client sends each
 //! body to every config in turn (rotating which goes first), so machine noise (this box is shared)
 //! hits all alike; the numbers that matter are differences and ratios, not absolute values.
-//! `floor`, `floor+header` and `kvroute` are measured over plain Envoy; `plain`, `smg` and
+//! `floor`, `floor+header`, `kvroute` and `kvroute-b` are measured over plain Envoy; `plain`, `smg` and
 //! `vllm-router` over going straight to a backend (the peers are a hop behind the gateway a user
 //! already has). Each process's CPU while idle is reported too: work that is not per request
 //! (kvroute's polls, health checks) is part of the CPU per request at a given rate.
@@ -37,11 +39,12 @@ const IDLE: Duration = Duration::from_secs(3);
 const VLLM_ROUTER_POLICY: &str = "cache_aware";
 
 /// The configs measured, in table order.
-const CONFIGS: [&str; 6] = [
+const CONFIGS: [&str; 7] = [
     "plain",
     "floor",
     "floor+header",
     "kvroute",
+    "kvroute-b",
     "smg",
     "vllm-router",
 ];
@@ -89,7 +92,7 @@ impl Target {
 
     fn over(&self) -> &'static str {
         match self.name {
-            "floor" | "floor+header" | "kvroute" => "plain",
+            "floor" | "floor+header" | "kvroute" | "kvroute-b" => "plain",
             _ => "backend",
         }
     }
@@ -100,6 +103,7 @@ pub async fn overhead(
     plugin_config: serde_json::Value,
     configs: &[String],
     json_out: Option<&Path>,
+    compare_wasm: Option<&Path>,
 ) -> Result<(), String> {
     if let Some(unknown) = configs.iter().find(|c| !CONFIGS.contains(&c.as_str())) {
         return Err(format!(
@@ -107,8 +111,13 @@ pub async fn overhead(
             CONFIGS.join(", ")
         ));
     }
-    let wanted =
-        |name: &str| name == "plain" || configs.is_empty() || configs.iter().any(|c| c == name);
+    if compare_wasm.is_none() && configs.iter().any(|c| c == "kvroute-b") {
+        return Err("--configs: kvroute-b is the build --compare-wasm names; give it".into());
+    }
+    let wanted = |name: &str| {
+        let b_ok = name != "kvroute-b" || compare_wasm.is_some();
+        b_ok && (name == "plain" || configs.is_empty() || configs.iter().any(|c| c == name))
+    };
     let load_before = load_average();
     let backends = Backend::start_many(4)
         .await
@@ -120,10 +129,11 @@ pub async fn overhead(
     }
     let addrs: Vec<_> = backends.iter().map(Backend::addr).collect();
     let workers: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
-    let start = |lb: Lb| {
+    let start = |lb: Lb, kvroute_wasm: Option<&Path>| {
         Envoy::start(EnvoyOptions {
             backends: addrs.clone(),
             lb,
+            kvroute_wasm: kvroute_wasm.map(Path::to_path_buf),
             ..EnvoyOptions::default()
         })
     };
@@ -147,12 +157,19 @@ pub async fn overhead(
                 plugin_config: json!({ "header_values": header_values }),
             },
         ),
-        ("kvroute", Lb::Kvroute { plugin_config }),
+        (
+            "kvroute",
+            Lb::Kvroute {
+                plugin_config: plugin_config.clone(),
+            },
+        ),
+        ("kvroute-b", Lb::Kvroute { plugin_config }),
     ] {
         if !wanted(name) {
             continue;
         }
-        let envoy = start(lb).await.map_err(|e| format!("{name}: {e}"))?;
+        let wasm = compare_wasm.filter(|_| name == "kvroute-b");
+        let envoy = start(lb, wasm).await.map_err(|e| format!("{name}: {e}"))?;
         targets.push(Target {
             name,
             url: envoy.url(),
@@ -331,6 +348,18 @@ fn print_ratios(rows: &[Row]) {
             rows.iter()
                 .find(|r| r.config == config && r.prompt_bytes == size)
         };
+        if let (Some(kv), Some(b)) = (get("kvroute"), get("kvroute-b")) {
+            let diff = |x: Option<f64>, y: Option<f64>| {
+                x.zip(y)
+                    .map_or("?".into(), |(x, y)| format!("{:+.0} µs", x - y))
+            };
+            println!(
+                "{} KB: kvroute-b − kvroute: CPU/request {}, added p50 {}",
+                size / 1024,
+                diff(b.cpu_us_per_request, kv.cpu_us_per_request),
+                diff(b.added_p50_us, kv.added_p50_us)
+            );
+        }
         let (Some(kv), Some(floor)) = (get("kvroute"), get("floor")) else {
             continue;
         };

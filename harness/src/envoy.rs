@@ -58,6 +58,9 @@ pub struct EnvoyOptions {
     /// Name the upstream that answered each request in a response header
     /// ([`bootstrap::UPSTREAM_HEADER`]): a front over router instances says which one served it.
     pub name_upstream: bool,
+    /// Another build of the filter to load instead of [`paths::kvroute_wasm`]'s (two builds
+    /// measured side by side).
+    pub kvroute_wasm: Option<PathBuf>,
 }
 
 impl Default for EnvoyOptions {
@@ -76,6 +79,7 @@ impl Default for EnvoyOptions {
             wasm_plugin_like: false,
             admin_target: None,
             name_upstream: false,
+            kvroute_wasm: None,
         }
     }
 }
@@ -96,7 +100,10 @@ impl Envoy {
     pub async fn start(opts: EnvoyOptions) -> Result<Envoy, HarnessError> {
         let envoy_bin = paths::envoy_bin()?;
         let wasm = match opts.lb {
-            Lb::Kvroute { .. } => Some(paths::kvroute_wasm()?),
+            Lb::Kvroute { .. } => match &opts.kvroute_wasm {
+                Some(path) => Some(path.clone()),
+                None => Some(paths::kvroute_wasm()?),
+            },
             Lb::Floor | Lb::FloorHeader { .. } => Some(paths::floor_wasm()?),
             _ => None,
         };
