@@ -8,10 +8,10 @@
 //! Every config runs at once against the same in-process backends, and every client sends each
 //! body to every config in turn (rotating which goes first), so machine noise (this box is shared)
 //! hits all alike; the numbers that matter are differences and ratios, not absolute values.
-//! `floor`, `floor+header`, `kvroute` and `kvroute-b` are measured over plain Envoy; `plain`, `smg` and
-//! `vllm-router` over going straight to a backend (the peers are a hop behind the gateway a user
-//! already has). Each process's CPU while idle is reported too: work that is not per request
-//! (kvroute's polls, health checks) is part of the CPU per request at a given rate.
+//! `floor`, `floor+header`, `kvroute` and `kvroute-b` are measured over plain Envoy; `plain`,
+//! `smg` and `vllm-router` over going straight to a backend (the peers are a hop behind the
+//! gateway a user already has). Each process's CPU while idle is reported too: work that is not
+//! per request (kvroute's polls, health checks) is part of the CPU per request at a given rate.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -115,8 +115,8 @@ pub async fn overhead(
         return Err("--configs: kvroute-b is the build --compare-wasm names; give it".into());
     }
     let wanted = |name: &str| {
-        let b_ok = name != "kvroute-b" || compare_wasm.is_some();
-        b_ok && (name == "plain" || configs.is_empty() || configs.iter().any(|c| c == name))
+        let given = name != "kvroute-b" || compare_wasm.is_some();
+        given && (name == "plain" || configs.is_empty() || configs.iter().any(|c| c == name))
     };
     let load_before = load_average();
     let backends = Backend::start_many(4)
@@ -341,7 +341,7 @@ fn print_table(rows: &[Row]) {
 }
 
 /// The two numbers the overhead target is stated in: kvroute's CPU over the floor's, and its
-/// added p50 as a share of smg's hop.
+/// added p50 as a share of smg's hop; with `kvroute-b`, its difference from `kvroute`.
 fn print_ratios(rows: &[Row]) {
     for size in SIZES {
         let get = |config: &str| {
