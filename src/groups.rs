@@ -758,6 +758,15 @@ mod tests {
         );
     }
 
+    /// zipf-pressure's groups at one gateway after 25 s: 32 with Zipf(1.1) traffic, hottest
+    /// first, 13 requests per group lately.
+    fn zipf_counts() -> Vec<f32> {
+        let norm: f64 = (1..=32).map(|k| f64::from(k).powf(-1.1)).sum();
+        (1..=32)
+            .map(|k| (32.0 * 13.0 * f64::from(k).powf(-1.1) / norm) as f32)
+            .collect()
+    }
+
     /// Each endpoint's requests, of the groups (or the shares of split groups) it homes, busiest
     /// over idlest, averaged over 100 key sets: `counts` gives each group's recent requests.
     fn mean_busiest_over_idlest(counts: &[f32]) -> f64 {
@@ -791,14 +800,10 @@ mod tests {
 
     #[test]
     fn on_zipf_counts_rare_groups_weigh_their_traffic_and_the_homes_stay_even() {
-        // zipf-pressure at one gateway after 25 s: 32 groups with Zipf(1.1) traffic, 13 requests
-        // per group lately. The hottest has 28% of the requests; half the groups have under half
-        // the mean's, which chance could explain one by one but not all together.
-        let norm: f64 = (1..=32).map(|k| f64::from(k).powf(-1.1)).sum();
-        let zipf: Vec<f32> = (1..=32)
-            .map(|k| (32.0 * 13.0 * f64::from(k).powf(-1.1) / norm) as f32)
-            .collect();
-        let zipf_ratio = mean_busiest_over_idlest(&zipf);
+        // zipf-pressure at one gateway after 25 s. The hottest group has 28% of the requests;
+        // half the groups have under half the mean's, which chance could explain one by one but
+        // not all together.
+        let zipf_ratio = mean_busiest_over_idlest(&zipf_counts());
         // 16 equally busy groups, 11 to 15 requests each: the band keeps them alike.
         let equal: Vec<f32> = (0..16).map(|i| 11.0 + (i % 5) as f32).collect();
         let equal_ratio = mean_busiest_over_idlest(&equal);
@@ -809,9 +814,9 @@ mod tests {
 
     #[test]
     fn a_zipf_tail_group_stepping_into_the_band_moves_few_others() {
-        // 32 groups with Zipf(1.1) traffic, 13 requests per group lately; the 15th hottest (about
-        // half the mean's) gains a request or two and steps from 2 quarters into the band (4).
-        let norm: f64 = (1..=32).map(|k| f64::from(k).powf(-1.1)).sum();
+        // zipf-pressure's groups; the 15th hottest (a little under half the mean's) gains a
+        // request or two and steps from 2 quarters into the band (4).
+        let counts = zipf_counts();
         let eps = endpoints(4);
         let mut moved = 0;
         for salt in 0..100u64 {
@@ -820,8 +825,7 @@ mod tests {
                     .map(|k| Seen {
                         key: (k + salt * 100).wrapping_mul(0x9e37_79b9_7f4a_7c15),
                         last_ms: 1000,
-                        requests: (32.0 * 13.0 * (k as f64).powf(-1.1) / norm) as f32
-                            + if k == 15 { extra } else { 0.0 },
+                        requests: counts[k as usize - 1] + if k == 15 { extra } else { 0.0 },
                     })
                     .collect()
             };
