@@ -302,8 +302,9 @@ fn once_is_chance(mean: f64) -> bool {
 
 /// Each group's home among `endpoints` (ids): groups (key, weight) fill endpoints up to
 /// ceil(total weight of the groups of at least the mean's weight, plus the rarer ones' in whole
-/// means, / endpoints) rounded up to whole mean groups, each as high in its rendezvous order as that allows; an endpoint always keeps the
-/// group that ranks it highest, however heavy. Independent of the order of `groups`.
+/// means, / endpoints) rounded up to whole mean groups, each as high in its rendezvous order as
+/// that allows; an endpoint always keeps the group that ranks it highest, however heavy.
+/// Independent of the order of `groups`.
 pub fn assign(groups: &[(u64, u32)], endpoints: &[u32]) -> HashMap<u64, u32> {
     let mut homes = HashMap::new();
     if endpoints.is_empty() {
