@@ -71,6 +71,9 @@ struct GroupView {
     /// Requests of known groups routed by this worker since it last wrote them to the table.
     pending: HashMap<u64, u32>,
     flushed_ms: u64,
+    /// When this worker last read the table: once per [`groups::FLUSH_MS`], the most often any
+    /// worker writes to it (each read is a host call per shard, the most of an idle tick's work).
+    read_ms: Option<u64>,
     /// The groups that take a place, with their weights, sorted; whether their assignment is
     /// computed for the current weights, and the homes requests go to ([`Held`]).
     counted: Vec<(u64, u32)>,
@@ -216,10 +219,16 @@ impl Policy for CacheAware {
             groups::record(store, &pending, now_ms);
             view.flushed_ms = now_ms;
         }
-        let (records, versions) = groups::read(store);
-        if versions != view.versions {
-            view.seen = records.into_iter().map(|r| (r.key, r)).collect();
-            view.versions = versions;
+        if view
+            .read_ms
+            .is_none_or(|at| now_ms.saturating_sub(at) >= groups::FLUSH_MS)
+        {
+            view.read_ms = Some(now_ms);
+            let (records, versions) = groups::read(store);
+            if versions != view.versions {
+                view.seen = records.into_iter().map(|r| (r.key, r)).collect();
+                view.versions = versions;
+            }
         }
         let seen: Vec<Seen> = view.seen.values().copied().collect();
         view.fleet.observe(completed.iter().copied(), now_ms);
