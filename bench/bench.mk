@@ -4,8 +4,10 @@
 #               (results.json, results.md, ttft.svg in $(BENCH_OUT))
 #   make bench-overhead  CPU and latency kvroute adds, next to plain Envoy, the floor filter, smg
 #               and vllm-router (kvroute-bench overhead; the rows in $(BENCH_OUT)/overhead.json)
+#   make bench-instructions  instructions per request of plain Envoy, the floor filter and
+#               kvroute, each Envoy under valgrind's callgrind (counts that ignore the machine's load)
 #   make peers  installs the peer routers (smg, vllm-router), each in its own venv
-.PHONY: run bench peers bench-all bench-overhead
+.PHONY: run bench peers bench-all bench-overhead bench-instructions
 
 BENCH := target/release/kvroute-bench
 PEERS := .work/peers
@@ -29,6 +31,10 @@ bench: deps build peers
 bench-overhead: deps build peers
 	@mkdir -p $(BENCH_OUT)
 	$(BENCH) overhead --json $(BENCH_OUT)/overhead.json
+
+bench-instructions: deps build
+	command -v valgrind >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind; }
+	$(BENCH) instructions
 
 # Every default workload in turn (takes much longer than `make bench`).
 bench-all: deps build peers

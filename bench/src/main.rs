@@ -5,6 +5,7 @@ mod ceiling;
 mod compare;
 mod demo;
 mod driver;
+mod instructions;
 mod oracle;
 mod overhead;
 mod paths;
@@ -68,6 +69,22 @@ enum Cmd {
         #[arg(long, value_name = "WASM")]
         compare_wasm: Option<PathBuf>,
     },
+    /// Instructions per request of plain Envoy, the floor filter and kvroute, each Envoy run
+    /// under valgrind's callgrind: counts that do not move with the machine's load (minutes).
+    Instructions {
+        /// Requests counted per config and prompt size.
+        #[arg(long, default_value_t = 200)]
+        requests: usize,
+        /// kvroute plugin config laid over the shipped one (JSON object).
+        #[arg(long, default_value = "{}")]
+        plugin_config: String,
+        /// The configs to count, comma-separated (plain, the baseline, always runs). Default: all.
+        #[arg(long, value_delimiter = ',')]
+        configs: Vec<String>,
+        /// Also count this other build of the filter, as config `kvroute-b`.
+        #[arg(long, value_name = "WASM")]
+        compare_wasm: Option<PathBuf>,
+    },
 }
 
 fn main() {
@@ -100,6 +117,18 @@ fn main() {
                         let json = json.as_deref();
                         let b = compare_wasm.as_deref();
                         overhead::overhead(seconds, config, &configs, json, b).await
+                    }
+                    Err(e) => Err(format!("--plugin-config: {e}")),
+                },
+                Cmd::Instructions {
+                    requests,
+                    plugin_config,
+                    configs,
+                    compare_wasm,
+                } => match serde_json::from_str(&plugin_config) {
+                    Ok(config) => {
+                        let b = compare_wasm.as_deref();
+                        instructions::instructions(requests, config, &configs, b).await
                     }
                     Err(e) => Err(format!("--plugin-config: {e}")),
                 },

@@ -13,13 +13,14 @@
 //! gateway a user already has). Each process's CPU while idle is reported too: work that is not
 //! per request (kvroute's polls, health checks) is part of the CPU per request at a given rate.
 
+use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kvroute_harness::backend::Backend;
 use kvroute_harness::{Envoy, EnvoyOptions, Lb};
 use serde::Serialize;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::peers::{self, PeerProcess};
 use crate::stats::percentile;
@@ -105,19 +106,7 @@ pub async fn overhead(
     json_out: Option<&Path>,
     compare_wasm: Option<&Path>,
 ) -> Result<(), String> {
-    if let Some(unknown) = configs.iter().find(|c| !CONFIGS.contains(&c.as_str())) {
-        return Err(format!(
-            "--configs: unknown config {unknown:?} (known: {})",
-            CONFIGS.join(", ")
-        ));
-    }
-    if compare_wasm.is_none() && configs.iter().any(|c| c == "kvroute-b") {
-        return Err("--configs: kvroute-b is the build --compare-wasm names; give it".into());
-    }
-    let wanted = |name: &str| {
-        let given = name != "kvroute-b" || compare_wasm.is_some();
-        given && (name == "plain" || configs.is_empty() || configs.iter().any(|c| c == name))
-    };
+    let wanted = wanted_configs(&CONFIGS, configs, compare_wasm.is_some())?;
     let load_before = load_average();
     let backends = Backend::start_many(4)
         .await
@@ -129,47 +118,22 @@ pub async fn overhead(
     }
     let addrs: Vec<_> = backends.iter().map(Backend::addr).collect();
     let workers: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
-    let start = |lb: Lb, kvroute_wasm: Option<&Path>| {
-        Envoy::start(EnvoyOptions {
-            backends: addrs.clone(),
-            lb,
-            kvroute_wasm: kvroute_wasm.map(Path::to_path_buf),
-            ..EnvoyOptions::default()
-        })
-    };
     let mut targets = Vec::new();
     let mut skipped: Vec<(&str, String)> = Vec::new();
-    // Like kvroute's list: each backend first in turn, then the next ones as fallbacks.
-    let header_values: Vec<String> = (0..addrs.len())
-        .map(|i| {
-            (0..FLOOR_HEADER_ADDRESSES.min(addrs.len()))
-                .map(|k| addrs[(i + k) % addrs.len()].to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        })
-        .collect();
-    for (name, lb) in [
-        ("plain", Lb::RoundRobin),
-        ("floor", Lb::Floor),
-        (
-            "floor+header",
-            Lb::FloorHeader {
-                plugin_config: json!({ "header_values": header_values }),
-            },
-        ),
-        (
-            "kvroute",
-            Lb::Kvroute {
-                plugin_config: plugin_config.clone(),
-            },
-        ),
-        ("kvroute-b", Lb::Kvroute { plugin_config }),
-    ] {
+    for (name, lb) in envoy_configs(&addrs, plugin_config) {
         if !wanted(name) {
             continue;
         }
-        let wasm = compare_wasm.filter(|_| name == "kvroute-b");
-        let envoy = start(lb, wasm).await.map_err(|e| format!("{name}: {e}"))?;
+        let envoy = Envoy::start(EnvoyOptions {
+            backends: addrs.clone(),
+            lb,
+            kvroute_wasm: compare_wasm
+                .filter(|_| name == "kvroute-b")
+                .map(Path::to_path_buf),
+            ..EnvoyOptions::default()
+        })
+        .await
+        .map_err(|e| format!("{name}: {e}"))?;
         targets.push(Target {
             name,
             url: envoy.url(),
@@ -314,6 +278,59 @@ pub async fn overhead(
     Ok(())
 }
 
+/// Checks `--configs` against `known` and says which configs run: those given (all when none is),
+/// `plain`, the baseline, always, and `kvroute-b` only when `--compare-wasm` gives its build.
+pub(crate) fn wanted_configs<'a>(
+    known: &[&str],
+    configs: &'a [String],
+    compare_wasm: bool,
+) -> Result<impl Fn(&str) -> bool + 'a, String> {
+    if let Some(unknown) = configs.iter().find(|c| !known.contains(&c.as_str())) {
+        return Err(format!(
+            "--configs: unknown config {unknown:?} (known: {})",
+            known.join(", ")
+        ));
+    }
+    if !compare_wasm && configs.iter().any(|c| c == "kvroute-b") {
+        return Err("--configs: kvroute-b is the build --compare-wasm names; give it".into());
+    }
+    Ok(move |name: &str| {
+        let given = name != "kvroute-b" || compare_wasm;
+        given && (name == "plain" || configs.is_empty() || configs.iter().any(|c| c == name))
+    })
+}
+
+/// The Envoy configs, by name, over the backends `addrs`: `kvroute` and `kvroute-b` with
+/// `plugin_config` (`kvroute-b` is given its other build by the caller).
+pub(crate) fn envoy_configs(addrs: &[SocketAddr], plugin_config: Value) -> Vec<(&'static str, Lb)> {
+    // Like kvroute's list: each backend first in turn, then the next ones as fallbacks.
+    let header_values: Vec<String> = (0..addrs.len())
+        .map(|i| {
+            (0..FLOOR_HEADER_ADDRESSES.min(addrs.len()))
+                .map(|k| addrs[(i + k) % addrs.len()].to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .collect();
+    vec![
+        ("plain", Lb::RoundRobin),
+        ("floor", Lb::Floor),
+        (
+            "floor+header",
+            Lb::FloorHeader {
+                plugin_config: json!({ "header_values": header_values }),
+            },
+        ),
+        (
+            "kvroute",
+            Lb::Kvroute {
+                plugin_config: plugin_config.clone(),
+            },
+        ),
+        ("kvroute-b", Lb::Kvroute { plugin_config }),
+    ]
+}
+
 fn print_table(rows: &[Row]) {
     let us = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.0} µs"));
     let added = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:+.0} µs"));
@@ -414,7 +431,7 @@ fn load_average() -> Option<f64> {
 /// `GROUPS` × 8 chat bodies of about `size` bytes: a shared system prompt per group and a short
 /// question, as OpenAI clients send them. The model is the one the test backends list (the
 /// peers route only to workers serving the requested model).
-fn bodies(size: usize) -> Vec<String> {
+pub(crate) fn bodies(size: usize) -> Vec<String> {
     (0..GROUPS * 8)
         .map(|i| {
             let group = i % GROUPS;
@@ -432,7 +449,11 @@ fn bodies(size: usize) -> Vec<String> {
         .collect()
 }
 
-async fn send(client: &reqwest::Client, base: &str, body: &str) -> Result<Duration, String> {
+pub(crate) async fn send(
+    client: &reqwest::Client,
+    base: &str,
+    body: &str,
+) -> Result<Duration, String> {
     let t = Instant::now();
     let resp = client
         .post(format!("{base}/v1/chat/completions"))

@@ -61,6 +61,9 @@ pub struct EnvoyOptions {
     /// Another build of the filter to load instead of [`paths::kvroute_wasm`]'s (two builds
     /// measured side by side).
     pub kvroute_wasm: Option<PathBuf>,
+    /// A command Envoy runs under, with its arguments (valgrind counting instructions, say);
+    /// empty: Envoy runs itself.
+    pub run_under: Vec<String>,
 }
 
 impl Default for EnvoyOptions {
@@ -80,6 +83,7 @@ impl Default for EnvoyOptions {
             admin_target: None,
             name_upstream: false,
             kvroute_wasm: None,
+            run_under: Vec::new(),
         }
     }
 }
@@ -152,7 +156,15 @@ impl Envoy {
         let config = dir.join("envoy.yaml");
         std::fs::write(&config, yaml)?;
         let log = std::fs::File::create(dir.join("envoy.log"))?;
-        let child = Command::new(envoy_bin)
+        let mut command = match opts.run_under.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(envoy_bin);
+                c
+            }
+            None => Command::new(envoy_bin),
+        };
+        let child = command
             .arg("-c")
             .arg(&config)
             .args(["--concurrency", &opts.concurrency.to_string()])
@@ -189,6 +201,12 @@ impl Envoy {
     /// Base URL of the admin interface.
     pub fn admin_url(&self) -> String {
         format!("http://127.0.0.1:{}", self.admin_port)
+    }
+
+    /// The Envoy process's id (also that of the command it runs under: valgrind runs it in its
+    /// own process).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
     }
 
     /// CPU time (user + system) the Envoy process has used so far, from `/proc` (Linux only).
