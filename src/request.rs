@@ -85,6 +85,10 @@ pub struct Prompt {
     /// vLLM's `cache_salt`: the engine shares no cached block between different salts, so it
     /// seeds the keys ([`PrefixKeys::salted`](crate::prefix::PrefixKeys::salted)).
     pub salt: Option<String>,
+    /// Whether the response will say what the engine used (`usage`): a whole response always
+    /// does; a stream only when it asks (`stream_options.include_usage`), as OpenAI servers
+    /// and vLLM stream it.
+    pub usage: bool,
 }
 
 /// Why a body cannot be routed. Each reason is a counter, so these names are stable.
@@ -133,6 +137,10 @@ struct ChatRequest<'a> {
     tools: Option<&'a RawValue>,
     #[serde(borrow)]
     cache_salt: Option<Field<'a, IgnoredAny>>,
+    #[serde(borrow)]
+    stream: Option<&'a RawValue>,
+    #[serde(borrow)]
+    stream_options: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -203,6 +211,10 @@ struct CompletionRequest<'a> {
     prompt: Option<Field<'a, &'a RawValue>>,
     #[serde(borrow)]
     cache_salt: Option<Field<'a, IgnoredAny>>,
+    #[serde(borrow)]
+    stream: Option<&'a RawValue>,
+    #[serde(borrow)]
+    stream_options: Option<&'a RawValue>,
 }
 
 /// A field that is a string or a list (message content, completion prompt). Deserialised in one
@@ -299,6 +311,22 @@ fn salt(salt: Option<Field<'_, IgnoredAny>>) -> Option<String> {
     }
 }
 
+/// Whether a request's response carries `usage` (see [`Prompt::usage`]). Read leniently: a
+/// `stream` or `stream_options` of another shape is the engine's to refuse, not a parse error.
+fn reports_usage(stream: Option<&RawValue>, options: Option<&RawValue>) -> bool {
+    #[derive(Deserialize)]
+    struct Options {
+        include_usage: Option<bool>,
+    }
+    if stream.map(RawValue::get) != Some("true") {
+        return true;
+    }
+    options
+        .and_then(|o| serde_json::from_str::<Options>(o.get()).ok())
+        .and_then(|o| o.include_usage)
+        == Some(true)
+}
+
 /// One rendered piece of a chat, in the template's order.
 #[derive(Clone, Copy, PartialEq)]
 enum Item {
@@ -311,6 +339,7 @@ fn parse_chat(body: &str, tools_at: ToolsAt) -> Result<Prompt, ParseError> {
     let model = model(req.model)?;
     let messages = req.messages.ok_or(ParseError::NoPrompt)?;
     let salt = salt(req.cache_salt);
+    let usage = reports_usage(req.stream, req.stream_options);
     let lead = messages
         .iter()
         .take_while(|m| matches!(m.role.as_deref(), Some("system" | "developer")))
@@ -374,6 +403,7 @@ fn parse_chat(body: &str, tools_at: ToolsAt) -> Result<Prompt, ParseError> {
         opener,
         history,
         salt,
+        usage,
     })
 }
 
@@ -439,6 +469,7 @@ fn parse_completion(body: &str) -> Result<Prompt, ParseError> {
     let req: CompletionRequest = serde_json::from_str(body).map_err(|_| ParseError::BadJson)?;
     let model = model(req.model)?;
     let salt = salt(req.cache_salt);
+    let usage = reports_usage(req.stream, req.stream_options);
     let text = match req.prompt.ok_or(ParseError::NoPrompt)? {
         Field::Text(t) => t.into_owned(),
         // A batch of strings, or token ids: equal leading elements give an equal leading text
@@ -464,6 +495,7 @@ fn parse_completion(body: &str) -> Result<Prompt, ParseError> {
         opener: head..head,
         history: false,
         salt,
+        usage,
     })
 }
 
@@ -704,6 +736,32 @@ mod tests {
         let t1 = parse(Api::Completions, br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
         let t2 = parse(Api::Completions, br#"{"model":"m","prompt":[1,2,4]}"#).unwrap();
         assert!(t2.text.starts_with(&t1.text[..4]));
+    }
+
+    #[test]
+    fn a_stream_reports_usage_only_when_it_asks() {
+        let usage = |extra: &str| {
+            chat(&format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}]{extra}}}"#
+            ))
+            .unwrap()
+            .usage
+        };
+        assert!(usage(""));
+        assert!(usage(r#","stream":false"#));
+        assert!(!usage(r#","stream":true"#));
+        assert!(!usage(
+            r#","stream":true,"stream_options":{"include_usage":false}"#
+        ));
+        assert!(usage(
+            r#","stream":true,"stream_options":{"include_usage":true}"#
+        ));
+        // Shapes the engine refuses are not kvroute's parse errors.
+        assert!(usage(r#","stream":"yes""#));
+        assert!(!usage(r#","stream":true,"stream_options":"x""#));
+        let completion = |body: &[u8]| parse(Api::Completions, body).unwrap().usage;
+        assert!(completion(br#"{"model":"m","prompt":"p"}"#));
+        assert!(!completion(br#"{"model":"m","prompt":"p","stream":true}"#));
     }
 
     #[test]

@@ -126,6 +126,8 @@ pub struct Routed {
     /// it: what to settle once the response says who served it, and what its engine cached.
     pub keys: Vec<u64>,
     pub predicted: Predicted,
+    /// Whether the response will carry `usage` ([`Prompt::usage`](crate::request::Prompt)).
+    pub usage: bool,
 }
 
 /// The configured pipeline: built once per VM, then used for every request.
@@ -235,6 +237,7 @@ impl Router {
             inflight,
             keys: keys.keys,
             predicted,
+            usage: prompt.usage,
         })
     }
 }

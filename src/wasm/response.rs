@@ -54,6 +54,11 @@ impl Response {
     }
 
     pub fn routed(&mut self, routed: &mut Routed) {
+        if !routed.usage {
+            // A stream that did not ask for usage carries none: reading the end of each of its
+            // chunks (a host call apiece) would find nothing.
+            self.tail = None;
+        }
         self.chosen = Some(Chosen {
             addr: routed.endpoints.first().cloned().unwrap_or_default(),
             keys: std::mem::take(&mut routed.keys),
