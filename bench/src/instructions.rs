@@ -18,12 +18,11 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use kvroute_harness::backend::Backend;
 use kvroute_harness::{Envoy, EnvoyOptions};
 use serde_json::Value;
 use tokio::process::Command;
 
-use crate::overhead::{bodies, envoy_configs, send, wanted_configs};
+use crate::overhead::{bodies, envoy_configs, quiet_backends, send, wanted_configs};
 
 /// Concurrent clients while a config is counted: the Envoy under valgrind is the bottleneck.
 const CLIENTS: usize = 4;
@@ -84,13 +83,7 @@ async fn count_all(
     compare_wasm: Option<&Path>,
     dir: &Path,
 ) -> Result<Vec<Count>, String> {
-    let backends = Backend::start_many(4)
-        .await
-        .map_err(|e| format!("backends: {e}"))?;
-    for b in &backends {
-        b.set_recording(false);
-    }
-    let addrs: Vec<_> = backends.iter().map(Backend::addr).collect();
+    let (_backends, addrs) = quiet_backends().await?;
     let run_under: Vec<String> = [
         "valgrind",
         "--tool=callgrind",
@@ -113,22 +106,17 @@ async fn count_all(
         .map(|&(label, size, streamed)| (label, kind_bodies(size, streamed)))
         .collect();
     let mut counts = Vec::new();
-    for (name, lb) in envoy_configs(&addrs, plugin_config) {
+    for (name, opts) in envoy_configs(&addrs, plugin_config, compare_wasm) {
         if !wanted(name) {
             continue;
         }
         eprintln!("instructions: {name} (Envoy under callgrind)");
         let envoy = Envoy::start(EnvoyOptions {
-            backends: addrs.clone(),
-            lb,
-            kvroute_wasm: compare_wasm
-                .filter(|_| name == "kvroute-b")
-                .map(Path::to_path_buf),
             run_under: run_under.clone(),
             ready_timeout: READY,
             // Hosts are healthy from the start, so kvroute's one poll sees them so.
             active_health_checks: false,
-            ..EnvoyOptions::default()
+            ..opts
         })
         .await
         .map_err(|e| format!("{name}: {e}"))?;

@@ -112,26 +112,21 @@ fn main() {
                     configs,
                     json,
                     compare_wasm,
-                } => match serde_json::from_str(&plugin_config) {
-                    Ok(config) => {
-                        let json = json.as_deref();
-                        let b = compare_wasm.as_deref();
-                        overhead::overhead(seconds, config, &configs, json, b).await
-                    }
-                    Err(e) => Err(format!("--plugin-config: {e}")),
-                },
+                } => {
+                    let config = parse_plugin_config(&plugin_config)?;
+                    let (json, b) = (json.as_deref(), compare_wasm.as_deref());
+                    overhead::overhead(seconds, config, &configs, json, b).await
+                }
                 Cmd::Instructions {
                     requests,
                     plugin_config,
                     configs,
                     compare_wasm,
-                } => match serde_json::from_str(&plugin_config) {
-                    Ok(config) => {
-                        let b = compare_wasm.as_deref();
-                        instructions::instructions(requests, config, &configs, b).await
-                    }
-                    Err(e) => Err(format!("--plugin-config: {e}")),
-                },
+                } => {
+                    let config = parse_plugin_config(&plugin_config)?;
+                    let b = compare_wasm.as_deref();
+                    instructions::instructions(requests, config, &configs, b).await
+                }
             }
         };
         // Stopped by a signal, the run's future is dropped, and with it the Envoys, sims and peer
@@ -146,6 +141,11 @@ fn main() {
     if let Err(e) = outcome {
         fail(e);
     }
+}
+
+/// `--plugin-config`: a JSON object laid over the shipped plugin config.
+fn parse_plugin_config(text: &str) -> Result<serde_json::Value, String> {
+    serde_json::from_str(text).map_err(|e| format!("--plugin-config: {e}"))
 }
 
 /// The first SIGINT or SIGTERM, by name; never, where signals cannot be watched.

@@ -108,32 +108,17 @@ pub async fn overhead(
 ) -> Result<(), String> {
     let wanted = wanted_configs(&CONFIGS, configs, compare_wasm.is_some())?;
     let load_before = load_average();
-    let backends = Backend::start_many(4)
-        .await
-        .map_err(|e| format!("backends: {e}"))?;
-    // Hundreds of thousands of requests: a backend that kept each one (24 KB bodies) grew the
-    // bench to tens of GB, and the machine's paging then measured itself.
-    for b in &backends {
-        b.set_recording(false);
-    }
-    let addrs: Vec<_> = backends.iter().map(Backend::addr).collect();
+    let (_backends, addrs) = quiet_backends().await?;
     let workers: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
     let mut targets = Vec::new();
     let mut skipped: Vec<(&str, String)> = Vec::new();
-    for (name, lb) in envoy_configs(&addrs, plugin_config) {
+    for (name, opts) in envoy_configs(&addrs, plugin_config, compare_wasm) {
         if !wanted(name) {
             continue;
         }
-        let envoy = Envoy::start(EnvoyOptions {
-            backends: addrs.clone(),
-            lb,
-            kvroute_wasm: compare_wasm
-                .filter(|_| name == "kvroute-b")
-                .map(Path::to_path_buf),
-            ..EnvoyOptions::default()
-        })
-        .await
-        .map_err(|e| format!("{name}: {e}"))?;
+        let envoy = Envoy::start(opts)
+            .await
+            .map_err(|e| format!("{name}: {e}"))?;
         targets.push(Target {
             name,
             url: envoy.url(),
@@ -278,6 +263,20 @@ pub async fn overhead(
     Ok(())
 }
 
+/// The four in-process backends every config goes to, and their addresses. They keep no copy
+/// of the requests: hundreds of thousands of 24 KB bodies grew the bench to tens of GB, and the
+/// machine's paging then measured itself.
+pub(crate) async fn quiet_backends() -> Result<(Vec<Backend>, Vec<SocketAddr>), String> {
+    let backends = Backend::start_many(4)
+        .await
+        .map_err(|e| format!("backends: {e}"))?;
+    for b in &backends {
+        b.set_recording(false);
+    }
+    let addrs = backends.iter().map(Backend::addr).collect();
+    Ok((backends, addrs))
+}
+
 /// Checks `--configs` against `known` and says which configs run: those given (all when none is),
 /// `plain`, the baseline, always, and `kvroute-b` only when `--compare-wasm` gives its build.
 pub(crate) fn wanted_configs<'a>(
@@ -301,8 +300,12 @@ pub(crate) fn wanted_configs<'a>(
 }
 
 /// The Envoy configs, by name, over the backends `addrs`: `kvroute` and `kvroute-b` with
-/// `plugin_config` (`kvroute-b` is given its other build by the caller).
-pub(crate) fn envoy_configs(addrs: &[SocketAddr], plugin_config: Value) -> Vec<(&'static str, Lb)> {
+/// `plugin_config`, `kvroute-b` with the build `compare_wasm` names.
+pub(crate) fn envoy_configs(
+    addrs: &[SocketAddr],
+    plugin_config: Value,
+    compare_wasm: Option<&Path>,
+) -> Vec<(&'static str, EnvoyOptions)> {
     // Like kvroute's list: each backend first in turn, then the next ones as fallbacks.
     let header_values: Vec<String> = (0..addrs.len())
         .map(|i| {
@@ -312,7 +315,7 @@ pub(crate) fn envoy_configs(addrs: &[SocketAddr], plugin_config: Value) -> Vec<(
                 .join(",")
         })
         .collect();
-    vec![
+    [
         ("plain", Lb::RoundRobin),
         ("floor", Lb::Floor),
         (
@@ -329,6 +332,19 @@ pub(crate) fn envoy_configs(addrs: &[SocketAddr], plugin_config: Value) -> Vec<(
         ),
         ("kvroute-b", Lb::Kvroute { plugin_config }),
     ]
+    .into_iter()
+    .map(|(name, lb)| {
+        let opts = EnvoyOptions {
+            backends: addrs.to_vec(),
+            lb,
+            kvroute_wasm: compare_wasm
+                .filter(|_| name == "kvroute-b")
+                .map(Path::to_path_buf),
+            ..EnvoyOptions::default()
+        };
+        (name, opts)
+    })
+    .collect()
 }
 
 fn print_table(rows: &[Row]) {
