@@ -71,8 +71,9 @@ struct GroupView {
     /// Requests of known groups routed by this worker since it last wrote them to the table.
     pending: HashMap<u64, u32>,
     flushed_ms: u64,
-    /// When this worker last read the table: once per [`groups::FLUSH_MS`], the most often any
-    /// worker writes to it (each read is a host call per shard, the most of an idle tick's work).
+    /// When this worker last read the table: right after writing its own counts, else once per
+    /// [`groups::FLUSH_MS`], the most often any worker writes to it (each read is a host call
+    /// per shard, the most of an idle tick's work).
     read_ms: Option<u64>,
     /// The groups that take a place, with their weights, sorted; whether their assignment is
     /// computed for the current weights, and the homes requests go to ([`Held`]).
@@ -214,15 +215,18 @@ impl Policy for CacheAware {
     fn tick(&self, store: &dyn SharedStore, now_ms: u64, completed: &[(&str, f64)]) -> usize {
         let mut view = self.view.borrow_mut();
         let born = *view.born_ms.get_or_insert(now_ms);
+        let mut flushed = false;
         if now_ms.saturating_sub(view.flushed_ms) >= groups::FLUSH_MS && !view.pending.is_empty() {
             let pending: Vec<(u64, u32)> = view.pending.drain().collect();
             groups::record(store, &pending, now_ms);
             view.flushed_ms = now_ms;
+            flushed = true;
         }
-        if view
+        // Its own counts count at once; the other workers' at the pace they write them.
+        let due = view
             .read_ms
-            .is_none_or(|at| now_ms.saturating_sub(at) >= groups::FLUSH_MS)
-        {
+            .is_none_or(|at| now_ms.saturating_sub(at) >= groups::FLUSH_MS);
+        if flushed || due {
             view.read_ms = Some(now_ms);
             let (records, versions) = groups::read(store);
             if versions != view.versions {
