@@ -607,21 +607,29 @@ mod tests {
         );
     }
 
-    /// 32 groups with Zipf(1.1) popularity, as the bench's zipf-pressure workload sends them (the
-    /// hottest has 28% of the traffic, more than a quarter of a 4-endpoint fleet), 1000 requests
-    /// in all; `salt` varies the keys.
-    fn zipf_groups(salt: u64) -> Vec<Seen> {
+    /// The recent requests of 32 groups with Zipf(1.1) popularity, hottest first, as the bench's
+    /// zipf-pressure workload sends them (the hottest has 28% of the traffic, more than a quarter
+    /// of a 4-endpoint fleet), `total` requests in all.
+    fn zipf_counts(total: f64) -> Vec<f32> {
         let share: Vec<f64> = (1..=32).map(|k| 1.0 / f64::from(k).powf(1.1)).collect();
-        let total: f64 = share.iter().sum();
-        share
-            .iter()
-            .enumerate()
-            .map(|(i, s)| Seen {
+        let sum: f64 = share.iter().sum();
+        share.iter().map(|s| (total * s / sum) as f32).collect()
+    }
+
+    /// Groups with these recent request counts, last seen at 1000 ms; `salt` varies the keys.
+    fn seen_of(counts: &[f32], salt: u64) -> Vec<Seen> {
+        (0..counts.len())
+            .map(|i| Seen {
                 key: (i as u64 + 1 + salt * 100).wrapping_mul(0x9e37_79b9_7f4a_7c15),
                 last_ms: 1000,
-                requests: (1000.0 * s / total) as f32,
+                requests: counts[i],
             })
             .collect()
+    }
+
+    /// zipf-pressure's 32 groups, 1000 requests in all; `salt` varies the keys.
+    fn zipf_groups(salt: u64) -> Vec<Seen> {
+        seen_of(&zipf_counts(1000.0), salt)
     }
 
     #[test]
@@ -759,14 +767,8 @@ mod tests {
         );
     }
 
-    /// zipf-pressure's groups at one gateway after 25 s: 32 with Zipf(1.1) traffic, hottest
-    /// first, 13 requests per group lately.
-    fn zipf_counts() -> Vec<f32> {
-        let norm: f64 = (1..=32).map(|k| f64::from(k).powf(-1.1)).sum();
-        (1..=32)
-            .map(|k| (32.0 * 13.0 * f64::from(k).powf(-1.1) / norm) as f32)
-            .collect()
-    }
+    /// zipf-pressure's groups at one gateway after 25 s: 13 requests per group lately.
+    const ZIPF_AT_ONE_GATEWAY: f64 = 32.0 * 13.0;
 
     /// Each endpoint's requests, of the groups (or the shares of split groups) it homes, busiest
     /// over idlest, averaged over 100 key sets: `counts` gives each group's recent requests.
@@ -774,13 +776,7 @@ mod tests {
         let eps = endpoints(4);
         let mut sum = 0.0;
         for salt in 0..100u64 {
-            let seen: Vec<Seen> = (0..counts.len() as u64)
-                .map(|i| Seen {
-                    key: (i + 1 + salt * 100).wrapping_mul(0x9e37_79b9_7f4a_7c15),
-                    last_ms: 1000,
-                    requests: counts[i as usize],
-                })
-                .collect();
+            let seen = seen_of(counts, salt);
             let homes = shares(&weighted(&seen, 1000, MIN_REQUESTS), &eps);
             let mut load = vec![0.0; eps.len()];
             for s in &seen {
@@ -804,7 +800,7 @@ mod tests {
         // zipf-pressure at one gateway after 25 s. The hottest group has 28% of the requests;
         // half the groups have under half the mean's, which chance could explain one by one but
         // not all together.
-        let zipf_ratio = mean_busiest_over_idlest(&zipf_counts());
+        let zipf_ratio = mean_busiest_over_idlest(&zipf_counts(ZIPF_AT_ONE_GATEWAY));
         // 16 equally busy groups, 11 to 15 requests each: the band keeps them alike.
         let equal: Vec<f32> = (0..16).map(|i| 11.0 + (i % 5) as f32).collect();
         let equal_ratio = mean_busiest_over_idlest(&equal);
@@ -817,20 +813,13 @@ mod tests {
     fn a_zipf_tail_group_stepping_into_the_band_moves_few_others() {
         // zipf-pressure's groups; the 15th hottest (a little under half the mean's) gains a
         // request or two and steps from 2 quarters into the band (4).
-        let counts = zipf_counts();
+        let counts = zipf_counts(ZIPF_AT_ONE_GATEWAY);
+        let mut stepped = counts.clone();
+        stepped[14] += 1.5;
         let eps = endpoints(4);
         let mut moved = 0;
         for salt in 0..100u64 {
-            let seen = |extra: f32| -> Vec<Seen> {
-                (1..=32u64)
-                    .map(|k| Seen {
-                        key: (k + salt * 100).wrapping_mul(0x9e37_79b9_7f4a_7c15),
-                        last_ms: 1000,
-                        requests: counts[k as usize - 1] + if k == 15 { extra } else { 0.0 },
-                    })
-                    .collect()
-            };
-            let (before, after) = (seen(0.0), seen(1.5));
+            let (before, after) = (seen_of(&counts, salt), seen_of(&stepped, salt));
             let (wb, wa) = (
                 weighted(&before, 1000, MIN_REQUESTS),
                 weighted(&after, 1000, MIN_REQUESTS),
