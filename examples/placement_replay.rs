@@ -1,12 +1,17 @@
 //! Replays a bench run's requests (`samples.jsonl` from `kvroute-bench compare`) through the
-//! groups table and the balanced assignment, as gateways with one worker each would see them, and
-//! prints how often a group's home moved, on what, how even the homes' traffic was (over the run
-//! and after 25 s), and how much room the final weights give beyond the groups' traffic; with
-//! `--gateways N`, the requests are dealt round robin to N gateways, each counting its own share,
-//! and it also prints how often they would send a request to different replicas; with
+//! groups table and the balanced assignment, as gateways' workers would see them (each worker
+//! writes its counts to its gateway's table and reads the table back once a second, as
+//! `cache_aware` does), and prints how often a group's home moved, on what, how even the homes'
+//! traffic was (over the run and after 25 s), how much room the final weights give beyond the
+//! groups' traffic, and how many requests after 25 s went to a replica serving more than an even
+//! share of the groups; with `--gateways N`, the requests are dealt round robin to N gateways,
+//! each counting its own share, and with `--workers W` to each gateway's W workers in turn, and it
+//! also prints how often they would send a request to different replicas; `--tick-ms` is
+//! `stats_interval_ms` (the shipped 500 unless given; the bench runs kvroute with 1000); with
 //! `--endpoint-sets K`, the busiest/idlest after 25 s over K endpoint sets (which groups share a
 //! home depends on the endpoints' ids):
-//! `cargo run --release --example placement_replay -- .work/<run>/samples.jsonl [--moves] [--gateways N] [--endpoint-sets K]`.
+//! `cargo run --release --example placement_replay -- .work/<run>/samples.jsonl [--moves]
+//! [--gateways N] [--workers W] [--tick-ms MS] [--endpoint-sets K]`.
 
 use hashbrown::HashMap;
 use kvroute::groups::{self, FleetVolume, Seen, Shares};
@@ -14,8 +19,10 @@ use kvroute::homes::Held;
 use kvroute::policy::cache_aware::{HOLD_POLLS, WARMUP_POLLS};
 use kvroute::rendezvous::{self, endpoint_id};
 
-/// How often a gateway reads its table and recomputes the homes: the shipped `stats_interval_ms`.
+/// How often a worker ticks unless `--tick-ms` says otherwise: the shipped `stats_interval_ms`.
 const TICK_MS: u64 = 500;
+/// How far back [`Replay::crowded`] looks at the groups an endpoint served.
+const CROWDED_WINDOW_MS: u64 = 8_000;
 /// Phases of a run by send time, as the bench reports hit rates: 0-10 s, 10-25 s, after 25 s.
 const PHASES_MS: [u64; 2] = [10_000, 25_000];
 
@@ -77,11 +84,48 @@ fn moved(before: &Shares, after: &Shares, counted: &[(u64, u32)]) -> Vec<String>
         .collect()
 }
 
-/// One gateway: its groups table, its share of the traffic, and the homes it computed, as
-/// `cache_aware` keeps them (first rendezvous choice while warming up or for an uncounted group;
-/// a new home once it held).
+/// One gateway: its groups table (shared data, which its workers write their counts to) and its
+/// workers.
 struct Gateway {
+    table: HashMap<u64, Seen>,
+    workers: Vec<Worker>,
+    /// The worker the next request goes to.
+    next_worker: usize,
+}
+
+impl Gateway {
+    fn new(phase_ms: u64, workers: usize, tick_ms: u64) -> Gateway {
+        Gateway {
+            table: HashMap::new(),
+            workers: (0..workers)
+                .map(|w| {
+                    Worker::new(
+                        phase_ms + w as u64 * tick_ms / (2 * workers as u64),
+                        tick_ms,
+                    )
+                })
+                .collect(),
+            next_worker: 0,
+        }
+    }
+
+    fn tick_until(&mut self, at_ms: u64, finished: f64, eps: &[u32], show: Option<&str>) -> u32 {
+        let table = &mut self.table;
+        self.workers
+            .iter_mut()
+            .map(|w| w.tick_until(table, at_ms, finished, eps, show))
+            .sum()
+    }
+}
+
+/// One worker of a gateway, as `cache_aware` keeps it: its copy of the table, the requests it
+/// counted and has not written yet, its share of the traffic, and the homes it computed (first
+/// rendezvous choice while warming up or for an uncounted group; a new home once it held).
+struct Worker {
     seen: HashMap<u64, Seen>,
+    pending: HashMap<u64, u32>,
+    flushed_ms: u64,
+    read_ms: Option<u64>,
     fleet: FleetVolume,
     counted: Vec<(u64, u32)>,
     shares: Shares,
@@ -89,33 +133,62 @@ struct Gateway {
     /// `held` has taken in `shares`, computed at `shares_ms`.
     assigned: bool,
     shares_ms: u64,
-    /// Its ticks fall at `phase_ms` past each [`TICK_MS`]: gateways started at different moments.
+    /// Its ticks fall at `phase_ms` past each tick: gateways started at different moments.
     phase_ms: u64,
+    tick_ms: u64,
     next_tick: u64,
 }
 
-impl Gateway {
-    fn new(phase_ms: u64) -> Gateway {
-        Gateway {
+impl Worker {
+    fn new(phase_ms: u64, tick_ms: u64) -> Worker {
+        Worker {
             seen: HashMap::new(),
+            pending: HashMap::new(),
+            flushed_ms: 0,
+            read_ms: None,
             fleet: FleetVolume::default(),
             counted: Vec::new(),
             shares: Shares::new(),
-            held: Held::new(HOLD_POLLS * TICK_MS),
+            held: Held::new(HOLD_POLLS * tick_ms),
             assigned: false,
             shares_ms: 0,
             phase_ms,
+            tick_ms,
             next_tick: phase_ms,
         }
     }
 
-    /// Runs the ticks due by `at_ms`, the fleet having finished `finished` requests. Returns how
-    /// many recomputed the homes; prints what moved if `show` (named `label`).
-    fn tick_until(&mut self, at_ms: u64, finished: f64, eps: &[u32], show: Option<&str>) -> u32 {
+    /// Runs the ticks due by `at_ms`, the fleet having finished `finished` requests: writes its
+    /// counts to `table` and reads it as `cache_aware`'s tick does. Returns how many recomputed
+    /// the homes; prints what moved if `show` (named `label`).
+    fn tick_until(
+        &mut self,
+        table: &mut HashMap<u64, Seen>,
+        at_ms: u64,
+        finished: f64,
+        eps: &[u32],
+        show: Option<&str>,
+    ) -> u32 {
         let mut recomputes = 0;
         while self.next_tick <= at_ms {
             let now = self.next_tick;
-            self.next_tick += TICK_MS;
+            self.next_tick += self.tick_ms;
+            let mut flushed = false;
+            if now.saturating_sub(self.flushed_ms) >= groups::FLUSH_MS && !self.pending.is_empty() {
+                for (group, count) in self.pending.drain() {
+                    add(table, group, count, now);
+                }
+                self.flushed_ms = now;
+                flushed = true;
+            }
+            if flushed
+                || self
+                    .read_ms
+                    .is_none_or(|at| now.saturating_sub(at) >= groups::FLUSH_MS)
+            {
+                self.read_ms = Some(now);
+                self.seen = table.clone();
+            }
             self.fleet.observe([("engines", finished)], now);
             let all: Vec<Seen> = self.seen.values().copied().collect();
             let min_requests = self.fleet.min_requests(groups::own_volume(&all, now));
@@ -152,9 +225,9 @@ impl Gateway {
         recomputes
     }
 
-    /// Where this gateway sends `r` at `r.at_ms`, and whether the group is counted and split.
+    /// Where this worker sends `r` at `r.at_ms`, and whether the group is counted and split.
     fn home(&mut self, r: &Request, eps: &[u32]) -> (u32, bool, bool) {
-        let warm_ms = self.phase_ms + WARMUP_POLLS * TICK_MS;
+        let warm_ms = self.phase_ms + WARMUP_POLLS * self.tick_ms;
         let warm = r.at_ms >= warm_ms;
         let first = eps[rendezvous::order(r.group, eps)[0]];
         let parts = self.shares.get(&r.group).filter(|_| warm);
@@ -171,15 +244,27 @@ impl Gateway {
         (home, counted, split)
     }
 
-    fn saw(&mut self, r: &Request) {
-        let entry = self.seen.entry(r.group).or_insert(Seen {
-            key: r.group,
-            last_ms: r.at_ms,
-            requests: 0.0,
-        });
-        entry.requests = (entry.requests_at(r.at_ms) + 1.0) as f32;
-        entry.last_ms = r.at_ms;
+    /// Counts `r`, routed by this worker: a group new to it goes into `table` at once.
+    fn saw(&mut self, table: &mut HashMap<u64, Seen>, r: &Request) {
+        if self.seen.contains_key(&r.group) {
+            *self.pending.entry(r.group).or_default() += 1;
+        } else {
+            let seen = add(table, r.group, 1, r.at_ms);
+            self.seen.insert(r.group, seen);
+        }
     }
+}
+
+/// Adds `count` requests of `group` at `now_ms` to a gateway's table, as [`groups::record`] does.
+fn add(table: &mut HashMap<u64, Seen>, group: u64, count: u32, now_ms: u64) -> Seen {
+    let entry = table.entry(group).or_insert(Seen {
+        key: group,
+        last_ms: now_ms,
+        requests: 0.0,
+    });
+    entry.requests = (entry.requests_at(now_ms) + f64::from(count)) as f32;
+    entry.last_ms = entry.last_ms.max(now_ms);
+    *entry
 }
 
 /// Requests per phase, and how many of them the gateways would have sent to different replicas.
@@ -214,6 +299,18 @@ struct Replay {
     weight: u64,
     counted: usize,
     agreement: Agreement,
+    /// Requests after 25 s sent to an endpoint that served more groups over the last
+    /// [`CROWDED_WINDOW_MS`] than an even share of them: under cache pressure, its cache holds
+    /// more prompts than it has room for.
+    crowded: usize,
+}
+
+/// How a replay deals the requests: to `gateways` gateways in turn, each to its `workers` in
+/// turn, which tick every `tick_ms` (`stats_interval_ms`).
+struct Setup {
+    gateways: usize,
+    workers: usize,
+    tick_ms: u64,
 }
 
 /// Busiest over idlest of `loads`.
@@ -231,11 +328,25 @@ fn endpoint_set(replicas: usize, first_port: usize) -> Vec<u32> {
 }
 
 /// Replays `requests` through `gateways` gateways homing groups on `eps`.
-fn replay(requests: &[Request], eps: &[u32], gateways: usize, show_moves: bool) -> Replay {
+fn replay(requests: &[Request], eps: &[u32], setup: &Setup, show_moves: bool) -> Replay {
+    let Setup {
+        gateways,
+        workers,
+        tick_ms,
+    } = *setup;
     // Gateways started a little apart: their ticks fall at different moments.
     let mut gws: Vec<Gateway> = (0..gateways)
-        .map(|k| Gateway::new(k as u64 * TICK_MS / gateways as u64))
+        .map(|k| Gateway::new(k as u64 * tick_ms / gateways as u64, workers, tick_ms))
         .collect();
+    let groups_total = requests
+        .iter()
+        .map(|r| r.group)
+        .collect::<hashbrown::HashSet<_>>()
+        .len();
+    let even = groups_total.div_ceil(eps.len());
+    // Each endpoint's groups and when each last went there: how many it served lately.
+    let mut served: HashMap<u32, HashMap<u64, u64>> = HashMap::new();
+    let mut crowded = 0;
     // Each group's home for its previous request, and whether it was counted then.
     let mut last: HashMap<u64, (u32, bool)> = HashMap::new();
     let (mut recomputes, mut moves, mut entry_moves, mut split_requests) = (0, 0, 0, 0);
@@ -248,11 +359,16 @@ fn replay(requests: &[Request], eps: &[u32], gateways: usize, show_moves: bool) 
             let show = show_moves.then_some(if gateways > 1 { label.as_str() } else { "" });
             recomputes += gw.tick_until(r.at_ms, i as f64, eps, show);
         }
-        let homes: Vec<u32> = gws.iter_mut().map(|gw| gw.home(r, eps).0).collect();
+        let homes: Vec<u32> = gws
+            .iter_mut()
+            .flat_map(|gw| gw.workers.iter_mut().map(|w| w.home(r, eps).0))
+            .collect();
         agreement.add(r.at_ms, homes.iter().all(|&h| h == homes[0]));
-        // The front balancer deals requests to the gateways in turn.
+        // The front balancer deals requests to the gateways in turn, each to its workers in turn.
         let gw = &mut gws[i % gateways];
-        let (home, is_counted, split) = gw.home(r, eps);
+        let at = gw.next_worker;
+        gw.next_worker = (at + 1) % workers;
+        let (home, is_counted, split) = gw.workers[at].home(r, eps);
         split_requests += usize::from(split);
         // A move: the group's previous request went elsewhere, and no split keeps them apart.
         if let Some(&(before, was_counted)) = last.get(&r.group) {
@@ -266,17 +382,21 @@ fn replay(requests: &[Request], eps: &[u32], gateways: usize, show_moves: bool) 
         }
         last.insert(r.group, (home, is_counted));
         *per_endpoint.entry(home).or_default() += 1;
+        let lately = served.entry(home).or_default();
+        lately.insert(r.group, r.at_ms);
+        lately.retain(|_, &mut at| r.at_ms.saturating_sub(at) < CROWDED_WINDOW_MS);
         if r.at_ms >= PHASES_MS[1] {
             *per_endpoint_late.entry(home).or_default() += 1;
+            crowded += usize::from(lately.len() > even);
         }
-        gw.saw(r);
+        gw.workers[at].saw(&mut gw.table, r);
     }
     let loads_of = |counts: &HashMap<u32, u64>| -> Vec<u64> {
         eps.iter()
             .map(|e| counts.get(e).copied().unwrap_or(0))
             .collect()
     };
-    let counted = &gws[0].counted;
+    let counted = &gws[0].workers[0].counted;
     Replay {
         recomputes,
         moves,
@@ -287,6 +407,7 @@ fn replay(requests: &[Request], eps: &[u32], gateways: usize, show_moves: bool) 
         weight: counted.iter().map(|&(_, w)| u64::from(w)).sum(),
         counted: counted.len(),
         agreement,
+        crowded,
     }
 }
 
@@ -308,18 +429,26 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let show_moves = args.iter().any(|a| a == "--moves");
     let gateways = count_arg(&args, "--gateways", 1);
+    let setup = Setup {
+        gateways,
+        workers: count_arg(&args, "--workers", 1),
+        tick_ms: count_arg(&args, "--tick-ms", TICK_MS as usize) as u64,
+    };
     let sets = count_arg(&args, "--endpoint-sets", 1);
     let path = args
         .iter()
         .enumerate()
         .find(|(i, a)| {
             !a.starts_with("--")
-                && (*i == 0 || !["--gateways", "--endpoint-sets"].contains(&args[i - 1].as_str()))
+                && (*i == 0
+                    || !["--gateways", "--workers", "--tick-ms", "--endpoint-sets"]
+                        .contains(&args[i - 1].as_str()))
         })
         .map(|(_, a)| a);
     let Some(path) = path else {
         eprintln!(
-            "usage: placement_replay SAMPLES.jsonl [--moves] [--gateways N] [--endpoint-sets K]"
+            "usage: placement_replay SAMPLES.jsonl [--moves] [--gateways N] [--workers W] \
+             [--tick-ms MS] [--endpoint-sets K]"
         );
         std::process::exit(2);
     };
@@ -330,12 +459,7 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let r = replay(
-        &requests,
-        &endpoint_set(replicas, 9001),
-        gateways,
-        show_moves,
-    );
+    let r = replay(&requests, &endpoint_set(replicas, 9001), &setup, show_moves);
     let groups = requests
         .iter()
         .map(|r| r.group)
@@ -364,21 +488,27 @@ fn main() {
         r.counted,
         r.weight as f64 / traffic.max(1) as f64
     );
-    if gateways > 1 {
+    if gateways * setup.workers > 1 {
         println!(
-            "requests the gateways would send to different replicas: 0-10 s {:.1}%, 10-25 s \
-             {:.1}%, after 25 s {:.1}%",
+            "requests the gateways' workers would send to different replicas: 0-10 s {:.1}%, \
+             10-25 s {:.1}%, after 25 s {:.1}%",
             r.agreement.percent(0),
             r.agreement.percent(1),
             r.agreement.percent(2)
         );
     }
+    println!(
+        "requests after 25 s sent to a replica that served more than an even share of the \
+         groups in the {} s before: {}",
+        CROWDED_WINDOW_MS / 1000,
+        r.crowded
+    );
     if sets > 1 {
         // Which groups share a home depends on the endpoints' ids: other sets, other luck.
         let spreads: Vec<f64> = (0..sets)
             .map(|k| {
                 let eps = endpoint_set(replicas, 9001 + 37 * k);
-                spread(&replay(&requests, &eps, gateways, false).late)
+                spread(&replay(&requests, &eps, &setup, false).late)
             })
             .collect();
         let max = spreads.iter().copied().fold(0.0, f64::max);
