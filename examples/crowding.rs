@@ -2,7 +2,7 @@
 //! cold prefills came from: requests whose replica had under a quarter of the prompt cached, split
 //! into a group's first request on that replica and a group that was served there before (the
 //! replica evicted it), and how many requests after 25 s went to a replica that had served more
-//! than an even share of the groups in the 8 s before (under cache pressure, one group more than
+//! than an even share of the groups (sent more than once) in the 8 s before (under cache pressure, one group more than
 //! its cache has room for):
 //! `cargo run --release --example crowding -- .work/<run>/samples.jsonl`.
 
@@ -30,9 +30,18 @@ struct Crowding {
 
 fn measure(samples: &mut [Sample]) -> Crowding {
     samples.sort_by(|a, b| a.sent_ms.total_cmp(&b.sent_ms));
-    let groups: HashSet<&str> = samples.iter().map(|s| s.group.as_str()).collect();
+    // Groups sent more than once (a unique prompt takes no room in a cache for long).
+    let mut sent: HashMap<&str, usize> = HashMap::new();
+    for s in samples.iter() {
+        *sent.entry(s.group.as_str()).or_default() += 1;
+    }
+    let recurring = |g: &str| sent.get(g).is_some_and(|&n| n > 1);
     let replicas: HashSet<u64> = samples.iter().map(|s| s.replica).collect();
-    let even = groups.len().div_ceil(replicas.len().max(1));
+    let even = sent
+        .keys()
+        .filter(|g| recurring(g))
+        .count()
+        .div_ceil(replicas.len().max(1));
     let mut served: HashSet<(&str, u64)> = HashSet::new();
     let mut lately: HashMap<u64, HashMap<&str, f64>> = HashMap::new();
     let mut c = Crowding {
@@ -50,7 +59,9 @@ fn measure(samples: &mut [Sample]) -> Crowding {
         }
         served.insert(key);
         let recent = lately.entry(s.replica).or_default();
-        recent.insert(s.group.as_str(), s.sent_ms);
+        if recurring(&s.group) {
+            recent.insert(s.group.as_str(), s.sent_ms);
+        }
         recent.retain(|_, at| s.sent_ms - *at < WINDOW_MS);
         if s.sent_ms >= LATE_MS {
             c.late += 1;
@@ -70,14 +81,18 @@ fn read(path: &str) -> Result<BTreeMap<String, Vec<Sample>>, String> {
             continue; // an error, or a router that does not say which replica served it
         };
         let cached = v["cached_tokens"].as_u64().unwrap_or(0);
-        // `u<group>-<member>-<episode>`: the group is the first part.
+        // `u<group>-<member>-<episode>`: the group is the first part; `u-unique-<n>` is its own.
         let user = v["user"].as_str().unwrap_or_default();
+        let group = match user.strip_prefix("u-unique-") {
+            Some(_) => user,
+            None => user.split('-').next().unwrap_or_default(),
+        };
         routers
             .entry(v["router"].as_str().unwrap_or_default().to_string())
             .or_default()
             .push(Sample {
                 sent_ms: v["sent_ms"].as_f64().unwrap_or_default(),
-                group: user.split('-').next().unwrap_or_default().to_string(),
+                group: group.to_string(),
                 replica,
                 cold: cached * 4 < prompt,
             });

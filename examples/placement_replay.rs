@@ -3,15 +3,17 @@
 //! writes its counts to its gateway's table and reads the table back once a second, as
 //! `cache_aware` does), and prints how often a group's home moved, on what, how even the homes'
 //! traffic was (over the run and after 25 s), how much room the final weights give beyond the
-//! groups' traffic, and how many requests after 25 s went to a replica serving more than an even
-//! share of the groups; with `--gateways N`, the requests are dealt round robin to N gateways,
-//! each counting its own share, and with `--workers W` to each gateway's W workers in turn, and it
-//! also prints how often they would send a request to different replicas; `--tick-ms` is
-//! `stats_interval_ms` (the shipped 500 unless given; the bench runs kvroute with 1000); with
-//! `--endpoint-sets K`, the busiest/idlest after 25 s over K endpoint sets (which groups share a
-//! home depends on the endpoints' ids):
+//! groups' traffic, and how many requests went to a replica serving more than an even share of
+//! the groups (10-25 s, after 25 s). With `--gateways N`, the requests are dealt round robin to N
+//! gateways, each counting its own share, and with `--workers W` to each gateway's W workers in
+//! turn, and it also prints how often they would send a request to different replicas;
+//! `--deals D` also replays D random deals (a real balancer's) and prints their means; `--ping`
+//! adds the bench's first request (a one-off, before the run, at one gateway), `--ping-each` one
+//! at every gateway; `--tick-ms` is `stats_interval_ms` (the shipped 500 unless given; the bench
+//! runs kvroute with 1000); with `--endpoint-sets K`, the busiest/idlest after 25 s over K endpoint
+//! sets (which groups share a home depends on the endpoints' ids):
 //! `cargo run --release --example placement_replay -- .work/<run>/samples.jsonl [--moves]
-//! [--gateways N] [--workers W] [--tick-ms MS] [--endpoint-sets K]`.
+//! [--gateways N] [--workers W] [--tick-ms MS] [--endpoint-sets K] [--deals D] [--ping]`.
 
 use hashbrown::HashMap;
 use kvroute::groups::{self, FleetVolume, Seen, Shares};
@@ -50,7 +52,12 @@ fn read(path: &str) -> Result<(Vec<Request>, usize), String> {
         }
         // `u<group>-<member>-<episode>`: the group is the first part, the conversation all of it.
         let user = v["user"].as_str().unwrap_or_default();
-        let group = user.split('-').next().unwrap_or_default();
+        // A unique prompt (`u-unique-<n>`) is a group of its own.
+        let group = if user.starts_with("u-unique-") {
+            user
+        } else {
+            user.split('-').next().unwrap_or_default()
+        };
         out.push(Request {
             at_ms: v["sent_ms"].as_f64().unwrap_or_default() as u64,
             group: xxhash_rust::xxh3::xxh3_64(group.as_bytes()),
@@ -192,7 +199,9 @@ impl Worker {
             self.fleet.observe([("engines", finished)], now);
             let all: Vec<Seen> = self.seen.values().copied().collect();
             let min_requests = self.fleet.min_requests(groups::own_volume(&all, now));
-            let counted = groups::steady(&self.counted, groups::weighted(&all, now, min_requests));
+            let seeing_ms = now.saturating_sub(self.phase_ms);
+            let weighted = groups::weighted(&all, now, min_requests, seeing_ms);
+            let counted = groups::steady(&self.counted, weighted);
             if counted == self.counted {
                 continue;
             }
@@ -299,18 +308,34 @@ struct Replay {
     weight: u64,
     counted: usize,
     agreement: Agreement,
-    /// Requests after 25 s sent to an endpoint that served more groups over the last
-    /// [`CROWDED_WINDOW_MS`] than an even share of them: under cache pressure, its cache holds
-    /// more prompts than it has room for.
+    /// Requests sent to an endpoint that served more groups over the last [`CROWDED_WINDOW_MS`]
+    /// than an even share of the groups sent more than once (under cache pressure, its cache
+    /// holds more prompts than it has room for): 10-25 s, and after 25 s.
+    early_crowded: usize,
     crowded: usize,
 }
 
+#[derive(Clone, Copy)]
 /// How a replay deals the requests: to `gateways` gateways in turn, each to its `workers` in
 /// turn, which tick every `tick_ms` (`stats_interval_ms`).
 struct Setup {
     gateways: usize,
     workers: usize,
     tick_ms: u64,
+    /// Deal each request to a gateway and worker drawn by this seed instead of in turn.
+    deal: Option<u64>,
+    /// Every gateway first serves one request of its own ([`ping`]).
+    ping_each: bool,
+}
+
+/// The bench's first request, sent to see a router answer before the run: a one-off prompt.
+fn ping() -> Request {
+    let key = xxhash_rust::xxh3::xxh3_64(b"ping");
+    Request {
+        at_ms: 0,
+        group: key,
+        conversation: key,
+    }
 }
 
 /// Busiest over idlest of `loads`.
@@ -333,20 +358,32 @@ fn replay(requests: &[Request], eps: &[u32], setup: &Setup, show_moves: bool) ->
         gateways,
         workers,
         tick_ms,
+        deal,
+        ping_each,
     } = *setup;
     // Gateways started a little apart: their ticks fall at different moments.
     let mut gws: Vec<Gateway> = (0..gateways)
         .map(|k| Gateway::new(k as u64 * tick_ms / gateways as u64, workers, tick_ms))
         .collect();
-    let groups_total = requests
-        .iter()
-        .map(|r| r.group)
-        .collect::<hashbrown::HashSet<_>>()
-        .len();
-    let even = groups_total.div_ceil(eps.len());
+    // Groups sent more than once (a unique prompt takes no room in a cache for long).
+    let mut sent: HashMap<u64, usize> = HashMap::new();
+    for r in requests {
+        *sent.entry(r.group).or_default() += 1;
+    }
+    let recurring = |g: u64| sent.get(&g).is_some_and(|&n| n > 1);
+    let even = sent
+        .keys()
+        .filter(|&&g| recurring(g))
+        .count()
+        .div_ceil(eps.len());
+    if ping_each {
+        for gw in gws.iter_mut() {
+            gw.workers[0].saw(&mut gw.table, &ping());
+        }
+    }
     // Each endpoint's groups and when each last went there: how many it served lately.
     let mut served: HashMap<u32, HashMap<u64, u64>> = HashMap::new();
-    let mut crowded = 0;
+    let (mut early_crowded, mut crowded) = (0, 0);
     // Each group's home for its previous request, and whether it was counted then.
     let mut last: HashMap<u64, (u32, bool)> = HashMap::new();
     let (mut recomputes, mut moves, mut entry_moves, mut split_requests) = (0, 0, 0, 0);
@@ -365,9 +402,18 @@ fn replay(requests: &[Request], eps: &[u32], setup: &Setup, show_moves: bool) ->
             .collect();
         agreement.add(r.at_ms, homes.iter().all(|&h| h == homes[0]));
         // The front balancer deals requests to the gateways in turn, each to its workers in turn.
-        let gw = &mut gws[i % gateways];
-        let at = gw.next_worker;
-        gw.next_worker = (at + 1) % workers;
+        let (gw, at) = match deal {
+            Some(seed) => {
+                let draw = xxhash_rust::xxh3::xxh3_64_with_seed(&i.to_le_bytes(), seed) as usize;
+                (&mut gws[draw % gateways], draw / gateways % workers)
+            }
+            None => {
+                let gw = &mut gws[i % gateways];
+                let at = gw.next_worker;
+                gw.next_worker = (at + 1) % workers;
+                (gw, at)
+            }
+        };
         let (home, is_counted, split) = gw.workers[at].home(r, eps);
         split_requests += usize::from(split);
         // A move: the group's previous request went elsewhere, and no split keeps them apart.
@@ -383,11 +429,16 @@ fn replay(requests: &[Request], eps: &[u32], setup: &Setup, show_moves: bool) ->
         last.insert(r.group, (home, is_counted));
         *per_endpoint.entry(home).or_default() += 1;
         let lately = served.entry(home).or_default();
-        lately.insert(r.group, r.at_ms);
+        if recurring(r.group) {
+            lately.insert(r.group, r.at_ms);
+        }
         lately.retain(|_, &mut at| r.at_ms.saturating_sub(at) < CROWDED_WINDOW_MS);
+        let over = usize::from(lately.len() > even);
         if r.at_ms >= PHASES_MS[1] {
             *per_endpoint_late.entry(home).or_default() += 1;
-            crowded += usize::from(lately.len() > even);
+            crowded += over;
+        } else if r.at_ms >= PHASES_MS[0] {
+            early_crowded += over;
         }
         gw.workers[at].saw(&mut gw.table, r);
     }
@@ -407,6 +458,7 @@ fn replay(requests: &[Request], eps: &[u32], setup: &Setup, show_moves: bool) ->
         weight: counted.iter().map(|&(_, w)| u64::from(w)).sum(),
         counted: counted.len(),
         agreement,
+        early_crowded,
         crowded,
     }
 }
@@ -433,7 +485,10 @@ fn main() {
         gateways,
         workers: count_arg(&args, "--workers", 1),
         tick_ms: count_arg(&args, "--tick-ms", TICK_MS as usize) as u64,
+        deal: None,
+        ping_each: args.iter().any(|a| a == "--ping-each"),
     };
+    let deals = count_arg(&args, "--deals", 1);
     let sets = count_arg(&args, "--endpoint-sets", 1);
     let path = args
         .iter()
@@ -441,24 +496,33 @@ fn main() {
         .find(|(i, a)| {
             !a.starts_with("--")
                 && (*i == 0
-                    || !["--gateways", "--workers", "--tick-ms", "--endpoint-sets"]
-                        .contains(&args[i - 1].as_str()))
+                    || ![
+                        "--gateways",
+                        "--workers",
+                        "--tick-ms",
+                        "--endpoint-sets",
+                        "--deals",
+                    ]
+                    .contains(&args[i - 1].as_str()))
         })
         .map(|(_, a)| a);
     let Some(path) = path else {
         eprintln!(
             "usage: placement_replay SAMPLES.jsonl [--moves] [--gateways N] [--workers W] \
-             [--tick-ms MS] [--endpoint-sets K]"
+             [--tick-ms MS] [--endpoint-sets K] [--deals D] [--ping | --ping-each]"
         );
         std::process::exit(2);
     };
-    let (requests, replicas) = match read(path) {
+    let (mut requests, replicas) = match read(path) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("placement_replay: {e}");
             std::process::exit(1);
         }
     };
+    if args.iter().any(|a| a == "--ping") {
+        requests.insert(0, ping());
+    }
     let r = replay(&requests, &endpoint_set(replicas, 9001), &setup, show_moves);
     let groups = requests
         .iter()
@@ -498,9 +562,10 @@ fn main() {
         );
     }
     println!(
-        "requests after 25 s sent to a replica that served more than an even share of the \
-         groups in the {} s before: {}",
+        "requests sent to a replica that served more than an even share of the groups in the {} \
+         s before: 10-25 s {}, after 25 s {}",
         CROWDED_WINDOW_MS / 1000,
+        r.early_crowded,
         r.crowded
     );
     if sets > 1 {
@@ -517,6 +582,31 @@ fn main() {
             "busiest/idlest after 25 s over {sets} endpoint sets: mean {:.2}, max {max:.2}, over \
              2.5 in {over}",
             spreads.iter().sum::<f64>() / sets as f64
+        );
+    }
+    if deals > 1 {
+        // Which gateway and worker each request reaches is chance behind a real balancer: other
+        // deals, other groups each gateway has yet to see.
+        let runs: Vec<Replay> = (1..=deals as u64)
+            .map(|seed| {
+                let dealt = Setup {
+                    deal: Some(seed),
+                    ..setup
+                };
+                replay(&requests, &endpoint_set(replicas, 9001), &dealt, false)
+            })
+            .collect();
+        let mean = |f: &dyn Fn(&Replay) -> f64| runs.iter().map(f).sum::<f64>() / deals as f64;
+        let most = runs.iter().map(|r| r.crowded).max().unwrap_or(0);
+        println!(
+            "over {deals} random deals: requests to a crowded replica 10-25 s mean {:.1}, after \
+             25 s mean {:.1} (most {most}), moves of a counted group {:.1}, requests the gateways' \
+             workers would send to different replicas 10-25 s {:.1}%, after 25 s {:.1}%",
+            mean(&|r| r.early_crowded as f64),
+            mean(&|r| r.crowded as f64),
+            mean(&|r| r.moves as f64),
+            mean(&|r| r.agreement.percent(1)),
+            mean(&|r| r.agreement.percent(2))
         );
     }
 }
