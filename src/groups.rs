@@ -59,6 +59,9 @@ pub const EQUAL_SPREAD: f64 = 2.0;
 /// of a skewed fleet apart so unreliably that weighing them by their counts made the gateways
 /// disagree on 27% of requests instead of 10% (`placement_replay --gateways 3`).
 pub const EQUAL_BELOW_MEAN: f64 = 6.0;
+/// Requests per group this gateway sees, on average, after a group's only request before it
+/// takes that group for a one-off ([`one_offs`]).
+pub const ONE_OFF_REPEATS: f64 = 3.0;
 
 const VERSION: u8 = 2;
 const RECORD_LEN: usize = 20;
@@ -219,10 +222,20 @@ pub fn own_volume(seen: &[Seen], now_ms: u64) -> f64 {
 /// The groups that take a place at `now_ms` (seen at least `min_requests` times), sorted by key,
 /// each with its weight: its recent requests over the mean group's, in quarters of the mean (see
 /// [`weight`]).
-pub fn weighted(seen: &[Seen], now_ms: u64, min_requests: f32) -> Vec<(u64, u32)> {
-    let counted: Vec<(u64, f64)> = seen
+///
+/// A prompt sent once (a one-off) is no group, but a gateway with a share of the traffic counts a
+/// group from its first request, so it cannot tell a one-off from an average group it has seen
+/// once so far; it drops such a group once it is more likely a one-off ([`one_offs`]).
+/// `seeing_ms` is how long this gateway has been counting.
+pub fn weighted(seen: &[Seen], now_ms: u64, min_requests: f32, seeing_ms: u64) -> Vec<(u64, u32)> {
+    let mut counted: Vec<&Seen> = seen
         .iter()
         .filter(|s| s.counts(now_ms, min_requests))
+        .collect();
+    let dropped = one_offs(&counted, now_ms, seeing_ms);
+    counted.retain(|s| !dropped.contains(&s.key));
+    let counted: Vec<(u64, f64)> = counted
+        .iter()
         .map(|s| (s.key, s.requests_at(now_ms)))
         .collect();
     let n = counted.len().max(1) as f64;
@@ -235,6 +248,44 @@ pub fn weighted(seen: &[Seen], now_ms: u64, min_requests: f32) -> Vec<(u64, u32)
         .collect();
     out.sort_unstable();
     out
+}
+
+/// The groups among `counted` seen only once that are taken for one-offs: each one this gateway
+/// has since seen [`ONE_OFF_REPEATS`] requests per group without seeing it again (an average group
+/// goes that long unseen one time in 20), and all of them where there are more of them than
+/// groups as popular as the mean would leave seen once by chance (a fleet with many one-offs).
+/// Counted as average groups, the bench's first request alone (one prompt before the run, at one
+/// of three gateways) made that gateway place a phantom seventeenth group among sixteen, with
+/// room for five on each endpoint, for its first 25 s.
+fn one_offs(counted: &[&Seen], now_ms: u64, seeing_ms: u64) -> Vec<u64> {
+    let once = |s: &&&Seen| s.requests <= 1.0;
+    let n = counted.len().max(1) as f64;
+    let volume: f64 = counted.iter().map(|s| s.requests_at(now_ms)).sum();
+    // Requests per ms lately: the decayed volume over the time it covers.
+    let window = (seeing_ms.max(1) as f64).min(HALF_LIFE_MS as f64 / std::f64::consts::LN_2);
+    let per_group = volume / window / n;
+    let stale: Vec<u64> = counted
+        .iter()
+        .filter(once)
+        .filter(|s| per_group * now_ms.saturating_sub(s.last_ms) as f64 >= ONE_OFF_REPEATS)
+        .map(|s| s.key)
+        .collect();
+    let more: Vec<f64> = counted
+        .iter()
+        .filter(|s| !once(s))
+        .map(|s| s.requests_at(now_ms))
+        .collect();
+    let singles = counted.iter().filter(once).count() - stale.len();
+    if more.is_empty() || singles == 0 {
+        return stale;
+    }
+    let mean = more.iter().sum::<f64>() / more.len() as f64;
+    let chance = (counted.len() - stale.len()) as f64 * (-mean).exp() * (1.0 + mean);
+    if singles as f64 > chance + 2.0 * chance.sqrt() + 1.0 {
+        counted.iter().filter(once).map(|s| s.key).collect()
+    } else {
+        stale
+    }
 }
 
 /// The weights `next`, except that a group which weighed at least the mean in `previous` and
@@ -636,7 +687,7 @@ mod tests {
     fn zipf_skewed_groups_leave_no_endpoint_with_twice_the_traffic_of_another() {
         let eps = endpoints(4);
         let seen = zipf_groups(0);
-        let homes = assign(&weighted(&seen, 1000, MIN_REQUESTS), &eps);
+        let homes = assign(&weighted(&seen, 1000, MIN_REQUESTS, 0), &eps);
         let traffic: Vec<f64> = eps
             .iter()
             .map(|e| {
@@ -666,7 +717,7 @@ mod tests {
                 -6.0f32, -4.0, -2.0, 0.0, 2.0, 4.0, 6.0, 4.0, 2.0, 0.0, -2.0, -4.0,
             ] {
                 seen[hot].requests = count * (1.0 + step / 100.0);
-                let weights = weighted(&seen, 1000, MIN_REQUESTS);
+                let weights = weighted(&seen, 1000, MIN_REQUESTS, 0);
                 let homes = shares(&weights, &eps);
                 // Where only the hot group's weight changed (the mean moves a little too, and a
                 // group on the edge of the band may cross it: such steps are skipped), every
@@ -714,8 +765,8 @@ mod tests {
                 requests: one_off,
             });
             let min_requests = 0.5;
-            let homes = shares(&weighted(&seen, 1000, min_requests), &eps);
-            let other = shares(&weighted(&with_one_off, 1000, min_requests), &eps);
+            let homes = shares(&weighted(&seen, 1000, min_requests, 0), &eps);
+            let other = shares(&weighted(&with_one_off, 1000, min_requests, 0), &eps);
             for s in &seen {
                 assert_eq!(homes[&s.key], other[&s.key], "salt {salt}");
             }
@@ -734,6 +785,48 @@ mod tests {
         // gateway, so a single request lies within 3 standard deviations of the mean's count.
         // It is still a rare group, not an average one.
         assert_a_one_off_moves_no_other_group(5.0, 1.0);
+    }
+
+    /// 16 groups seen `requests` times each lately (last at `last_ms`), and `singles` prompts seen
+    /// once each, at `single_ms`.
+    fn with_singles(requests: f32, last_ms: u64, singles: u64, single_ms: u64) -> Vec<Seen> {
+        let mut seen = seen_of(&[requests; 16], 0);
+        for s in seen.iter_mut() {
+            s.last_ms = last_ms;
+        }
+        seen.extend((0..singles).map(|i| Seen {
+            key: (i + 7).wrapping_mul(0xc2b2_ae3d_27d4_eb4f),
+            last_ms: single_ms,
+            requests: 1.0,
+        }));
+        seen
+    }
+
+    #[test]
+    fn a_prompt_seen_once_long_before_is_a_one_off_and_moves_no_group() {
+        // The bench's first request, at one of three gateways, 20 s before: since, that gateway
+        // saw about 7 requests of each group.
+        let eps = endpoints(4);
+        let (now, seeing) = (20_000, 20_000);
+        let ping = with_singles(8.0, now, 1, 0);
+        let weights = weighted(&ping, now, 0.5, seeing);
+        assert_eq!(weights.len(), 16, "the one-off takes no place");
+        let without = weighted(&with_singles(8.0, now, 0, 0), now, 0.5, seeing);
+        assert_eq!(shares(&weights, &eps), shares(&without, &eps));
+        // Seen a second ago, it may be an average group this gateway has seen once so far.
+        let lately = with_singles(8.0, now, 1, now - 1000);
+        assert_eq!(weighted(&lately, now, 0.5, seeing).len(), 17);
+    }
+
+    #[test]
+    fn many_prompts_seen_once_are_one_offs_but_not_while_counts_are_small() {
+        // Ten prompts seen once lately among groups of 8: far more than chance leaves seen once.
+        let (now, seeing) = (20_000, 20_000);
+        let many = with_singles(8.0, now, 10, now - 500);
+        assert_eq!(weighted(&many, now, 0.5, seeing).len(), 16);
+        // Early, with 2 requests per group, four groups seen once are what chance does.
+        let early = with_singles(2.0, 3000, 4, 3000);
+        assert_eq!(weighted(&early, 3000, 0.5, 3000).len(), 20);
     }
 
     #[test]
@@ -777,7 +870,7 @@ mod tests {
         let mut sum = 0.0;
         for salt in 0..100u64 {
             let seen = seen_of(counts, salt);
-            let homes = shares(&weighted(&seen, 1000, MIN_REQUESTS), &eps);
+            let homes = shares(&weighted(&seen, 1000, MIN_REQUESTS, 0), &eps);
             let mut load = vec![0.0; eps.len()];
             for s in &seen {
                 let parts = &homes[&s.key];
@@ -821,8 +914,8 @@ mod tests {
         for salt in 0..100u64 {
             let (before, after) = (seen_of(&counts, salt), seen_of(&stepped, salt));
             let (wb, wa) = (
-                weighted(&before, 1000, MIN_REQUESTS),
-                weighted(&after, 1000, MIN_REQUESTS),
+                weighted(&before, 1000, MIN_REQUESTS, 0),
+                weighted(&after, 1000, MIN_REQUESTS, 0),
             );
             let (hb, ha) = (shares(&wb, &eps), shares(&wa, &eps));
             let stepper = before[14].key;
@@ -855,7 +948,7 @@ mod tests {
             let mut counted = Vec::new();
             let mut first = None;
             for hot in [100.0, 110.0, 100.0, 110.0, 105.0] {
-                counted = steady(&counted, weighted(&seen(salt, hot), 1000, MIN_REQUESTS));
+                counted = steady(&counted, weighted(&seen(salt, hot), 1000, MIN_REQUESTS, 0));
                 let homes = shares(&counted, &eps);
                 let before = first.get_or_insert_with(|| homes.clone());
                 moved += usize::from(*before != homes);
@@ -863,7 +956,10 @@ mod tests {
             let hot_key = seen(salt, 0.0)[0].key;
             let hot_weight = |c: &[(u64, u32)]| c.iter().find(|g| g.0 == hot_key).map(|g| g.1);
             assert_eq!(hot_weight(&counted), Some(16), "salt {salt}");
-            counted = steady(&counted, weighted(&seen(salt, 140.0), 1000, MIN_REQUESTS));
+            counted = steady(
+                &counted,
+                weighted(&seen(salt, 140.0), 1000, MIN_REQUESTS, 0),
+            );
             assert_eq!(
                 hot_weight(&counted),
                 Some(24),
@@ -1018,7 +1114,7 @@ mod tests {
         ];
         // Mean 32.5: the first is 3.1× the mean, the others under a third of it.
         assert_eq!(
-            weighted(&seen, 1000, MIN_REQUESTS),
+            weighted(&seen, 1000, MIN_REQUESTS, 0),
             vec![(1, 12), (2, 1), (3, 1), (5, 1)]
         );
         // Counts large enough that chance moves them little: the band alone decides.
@@ -1052,7 +1148,7 @@ mod tests {
         let later = 1000 + HALF_LIFE_MS;
         assert!((seen[0].requests_at(later) - 50.0).abs() < 1e-6);
         assert!(
-            weighted(&seen, 1000 + TTL_MS, MIN_REQUESTS).is_empty(),
+            weighted(&seen, 1000 + TTL_MS, MIN_REQUESTS, 0).is_empty(),
             "all expired"
         );
     }
@@ -1081,8 +1177,8 @@ mod tests {
                 requests: 2.0,
             },
         ];
-        assert_eq!(weighted(&seen, 1000, MIN_REQUESTS).len(), 1);
-        assert_eq!(weighted(&seen, 1000, fleet.min_requests(20.0)).len(), 2);
+        assert_eq!(weighted(&seen, 1000, MIN_REQUESTS, 0).len(), 1);
+        assert_eq!(weighted(&seen, 1000, fleet.min_requests(20.0), 0).len(), 2);
         // A lone gateway, or one that sees more than the engines report, keeps the full bar; a
         // tiny share is bounded.
         assert_eq!(fleet.share(500.0), 1.0);

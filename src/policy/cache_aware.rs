@@ -237,7 +237,9 @@ impl Policy for CacheAware {
         let seen: Vec<Seen> = view.seen.values().copied().collect();
         view.fleet.observe(completed.iter().copied(), now_ms);
         let min_requests = view.fleet.min_requests(groups::own_volume(&seen, now_ms));
-        let counted = groups::steady(&view.counted, groups::weighted(&seen, now_ms, min_requests));
+        let seeing_ms = view.born_ms.map_or(0, |born| now_ms.saturating_sub(born));
+        let weighted = groups::weighted(&seen, now_ms, min_requests, seeing_ms);
+        let counted = groups::steady(&view.counted, weighted);
         if counted != view.counted {
             view.counted = counted;
             view.counted_ms = now_ms;
