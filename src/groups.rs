@@ -22,7 +22,7 @@
 
 use std::collections::VecDeque;
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 
 use crate::rendezvous;
 use crate::store::{self, SharedStore, Update};
@@ -257,14 +257,14 @@ pub fn weighted(seen: &[Seen], now_ms: u64, min_requests: f32, seeing_ms: u64) -
 /// Counted as average groups, the bench's first request alone (one prompt before the run, at one
 /// of three gateways) made that gateway place a phantom seventeenth group among sixteen, with
 /// room for five on each endpoint, for its first 25 s.
-fn one_offs(counted: &[&Seen], now_ms: u64, seeing_ms: u64) -> Vec<u64> {
+fn one_offs(counted: &[&Seen], now_ms: u64, seeing_ms: u64) -> HashSet<u64> {
     let once = |s: &&&Seen| s.requests <= 1.0;
     let n = counted.len().max(1) as f64;
     let volume: f64 = counted.iter().map(|s| s.requests_at(now_ms)).sum();
-    // Requests per ms lately: the decayed volume over the time it covers.
-    let window = (seeing_ms.max(1) as f64).min(HALF_LIFE_MS as f64 / std::f64::consts::LN_2);
+    // Requests per ms lately: the decayed volume over the time it covers (a second at least).
+    let window = (seeing_ms.max(FLUSH_MS) as f64).min(HALF_LIFE_MS as f64 / std::f64::consts::LN_2);
     let per_group = volume / window / n;
-    let stale: Vec<u64> = counted
+    let stale: HashSet<u64> = counted
         .iter()
         .filter(once)
         .filter(|s| per_group * now_ms.saturating_sub(s.last_ms) as f64 >= ONE_OFF_REPEATS)
