@@ -2,11 +2,13 @@
 //! cold prefills came from: requests whose replica had under a quarter of the prompt cached, split
 //! into a group's first request on that replica and a group that was served there before (the
 //! replica evicted it), and how many requests after 25 s went to a replica that had served more
-//! than an even share of the groups (sent more than once) in the 8 s before (under cache pressure, one group more than
-//! its cache has room for):
+//! than an even share of the groups (sent more than once) in the 8 s before (under cache pressure,
+//! one group more than its cache has room for):
 //! `cargo run --release --example crowding -- .work/<run>/samples.jsonl`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+
+mod support;
 
 /// How far back a replica's groups count, and from when requests are counted as crowded.
 const WINDOW_MS: f64 = 8_000.0;
@@ -37,13 +39,9 @@ fn measure(samples: &mut [Sample]) -> Crowding {
     }
     let recurring = |g: &str| sent.get(g).is_some_and(|&n| n > 1);
     let replicas: HashSet<u64> = samples.iter().map(|s| s.replica).collect();
-    let even = sent
-        .keys()
-        .filter(|g| recurring(g))
-        .count()
-        .div_ceil(replicas.len().max(1));
+    let groups = sent.keys().filter(|g| recurring(g)).count();
+    let mut crowding = support::Crowding::new(WINDOW_MS, groups, replicas.len());
     let mut served: HashSet<(&str, u64)> = HashSet::new();
-    let mut lately: HashMap<u64, HashMap<&str, f64>> = HashMap::new();
     let mut c = Crowding {
         requests: samples.len(),
         ..Crowding::default()
@@ -58,14 +56,11 @@ fn measure(samples: &mut [Sample]) -> Crowding {
             }
         }
         served.insert(key);
-        let recent = lately.entry(s.replica).or_default();
-        if recurring(&s.group) {
-            recent.insert(s.group.as_str(), s.sent_ms);
-        }
-        recent.retain(|_, at| s.sent_ms - *at < WINDOW_MS);
+        let group = Some(s.group.as_str()).filter(|g| recurring(g));
+        let crowded = crowding.served(s.replica, group, s.sent_ms);
         if s.sent_ms >= LATE_MS {
             c.late += 1;
-            c.crowded += usize::from(recent.len() > even);
+            c.crowded += usize::from(crowded);
         }
     }
     c
@@ -81,12 +76,7 @@ fn read(path: &str) -> Result<BTreeMap<String, Vec<Sample>>, String> {
             continue; // an error, or a router that does not say which replica served it
         };
         let cached = v["cached_tokens"].as_u64().unwrap_or(0);
-        // `u<group>-<member>-<episode>`: the group is the first part; `u-unique-<n>` is its own.
-        let user = v["user"].as_str().unwrap_or_default();
-        let group = match user.strip_prefix("u-unique-") {
-            Some(_) => user,
-            None => user.split('-').next().unwrap_or_default(),
-        };
+        let group = support::group_of(v["user"].as_str().unwrap_or_default());
         routers
             .entry(v["router"].as_str().unwrap_or_default().to_string())
             .or_default()

@@ -21,6 +21,8 @@ use kvroute::homes::Held;
 use kvroute::policy::cache_aware::{HOLD_POLLS, WARMUP_POLLS};
 use kvroute::rendezvous::{self, endpoint_id};
 
+mod support;
+
 /// How often a worker ticks unless `--tick-ms` says otherwise: the shipped `stats_interval_ms`.
 const TICK_MS: u64 = 500;
 /// How far back [`Replay::crowded`] looks at the groups an endpoint served.
@@ -50,14 +52,9 @@ fn read(path: &str) -> Result<(Vec<Request>, usize), String> {
         if let Some(r) = v["replica"].as_u64() {
             replicas = replicas.max(r as usize + 1);
         }
-        // `u<group>-<member>-<episode>`: the group is the first part, the conversation all of it.
+        // The conversation is the whole user (`u<group>-<member>-<episode>`).
         let user = v["user"].as_str().unwrap_or_default();
-        // A unique prompt (`u-unique-<n>`) is a group of its own.
-        let group = if user.starts_with("u-unique-") {
-            user
-        } else {
-            user.split('-').next().unwrap_or_default()
-        };
+        let group = support::group_of(user);
         out.push(Request {
             at_ms: v["sent_ms"].as_f64().unwrap_or_default() as u64,
             group: xxhash_rust::xxh3::xxh3_64(group.as_bytes()),
@@ -371,18 +368,13 @@ fn replay(requests: &[Request], eps: &[u32], setup: &Setup, show_moves: bool) ->
         *sent.entry(r.group).or_default() += 1;
     }
     let recurring = |g: u64| sent.get(&g).is_some_and(|&n| n > 1);
-    let even = sent
-        .keys()
-        .filter(|&&g| recurring(g))
-        .count()
-        .div_ceil(eps.len());
+    let groups = sent.keys().filter(|&&g| recurring(g)).count();
+    let mut crowding = support::Crowding::new(CROWDED_WINDOW_MS as f64, groups, eps.len());
     if ping_each {
         for gw in gws.iter_mut() {
             gw.workers[0].saw(&mut gw.table, &ping());
         }
     }
-    // Each endpoint's groups and when each last went there: how many it served lately.
-    let mut served: HashMap<u32, HashMap<u64, u64>> = HashMap::new();
     let (mut early_crowded, mut crowded) = (0, 0);
     // Each group's home for its previous request, and whether it was counted then.
     let mut last: HashMap<u64, (u32, bool)> = HashMap::new();
@@ -428,12 +420,8 @@ fn replay(requests: &[Request], eps: &[u32], setup: &Setup, show_moves: bool) ->
         }
         last.insert(r.group, (home, is_counted));
         *per_endpoint.entry(home).or_default() += 1;
-        let lately = served.entry(home).or_default();
-        if recurring(r.group) {
-            lately.insert(r.group, r.at_ms);
-        }
-        lately.retain(|_, &mut at| r.at_ms.saturating_sub(at) < CROWDED_WINDOW_MS);
-        let over = usize::from(lately.len() > even);
+        let group = Some(r.group).filter(|&g| recurring(g));
+        let over = usize::from(crowding.served(u64::from(home), group, r.at_ms as f64));
         if r.at_ms >= PHASES_MS[1] {
             *per_endpoint_late.entry(home).or_default() += 1;
             crowded += over;
