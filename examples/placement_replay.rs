@@ -20,6 +20,7 @@ use kvroute::groups::{self, FleetVolume, Seen, Shares};
 use kvroute::homes::Held;
 use kvroute::policy::cache_aware::{HOLD_POLLS, WARMUP_POLLS};
 use kvroute::rendezvous::{self, endpoint_id};
+use kvroute::store::MemoryStore;
 
 mod support;
 
@@ -88,10 +89,10 @@ fn moved(before: &Shares, after: &Shares, counted: &[(u64, u32)]) -> Vec<String>
         .collect()
 }
 
-/// One gateway: its groups table (shared data, which its workers write their counts to) and its
+/// One gateway: its shared data (the groups table its workers write their counts to) and its
 /// workers.
 struct Gateway {
-    table: HashMap<u64, Seen>,
+    table: MemoryStore,
     workers: Vec<Worker>,
     /// The worker the next request goes to.
     next_worker: usize,
@@ -100,7 +101,7 @@ struct Gateway {
 impl Gateway {
     fn new(phase_ms: u64, workers: usize, tick_ms: u64) -> Gateway {
         Gateway {
-            table: HashMap::new(),
+            table: MemoryStore::new(),
             workers: (0..workers)
                 .map(|w| {
                     Worker::new(
@@ -114,7 +115,7 @@ impl Gateway {
     }
 
     fn tick_until(&mut self, at_ms: u64, finished: f64, eps: &[u32], show: Option<&str>) -> u32 {
-        let table = &mut self.table;
+        let table = &self.table;
         self.workers
             .iter_mut()
             .map(|w| w.tick_until(table, at_ms, finished, eps, show))
@@ -167,7 +168,7 @@ impl Worker {
     /// the homes; prints what moved if `show` (named `label`).
     fn tick_until(
         &mut self,
-        table: &mut HashMap<u64, Seen>,
+        table: &MemoryStore,
         at_ms: u64,
         finished: f64,
         eps: &[u32],
@@ -179,9 +180,8 @@ impl Worker {
             self.next_tick += self.tick_ms;
             let mut flushed = false;
             if now.saturating_sub(self.flushed_ms) >= groups::FLUSH_MS && !self.pending.is_empty() {
-                for (group, count) in self.pending.drain() {
-                    add(table, group, count, now);
-                }
+                let pending: Vec<(u64, u32)> = self.pending.drain().collect();
+                groups::record(table, &pending, now);
                 self.flushed_ms = now;
                 flushed = true;
             }
@@ -191,7 +191,8 @@ impl Worker {
                     .is_none_or(|at| now.saturating_sub(at) >= groups::FLUSH_MS)
             {
                 self.read_ms = Some(now);
-                self.seen = table.clone();
+                let (records, _) = groups::read(table);
+                self.seen = records.into_iter().map(|r| (r.key, r)).collect();
             }
             self.fleet.observe([("engines", finished)], now);
             let all: Vec<Seen> = self.seen.values().copied().collect();
@@ -251,26 +252,15 @@ impl Worker {
     }
 
     /// Counts `r`, routed by this worker: a group new to it goes into `table` at once.
-    fn saw(&mut self, table: &mut HashMap<u64, Seen>, r: &Request) {
+    fn saw(&mut self, table: &MemoryStore, r: &Request) {
         if self.seen.contains_key(&r.group) {
             *self.pending.entry(r.group).or_default() += 1;
         } else {
-            let seen = add(table, r.group, 1, r.at_ms);
-            self.seen.insert(r.group, seen);
+            for seen in groups::record(table, &[(r.group, 1)], r.at_ms) {
+                self.seen.insert(seen.key, seen);
+            }
         }
     }
-}
-
-/// Adds `count` requests of `group` at `now_ms` to a gateway's table, as [`groups::record`] does.
-fn add(table: &mut HashMap<u64, Seen>, group: u64, count: u32, now_ms: u64) -> Seen {
-    let entry = table.entry(group).or_insert(Seen {
-        key: group,
-        last_ms: now_ms,
-        requests: 0.0,
-    });
-    entry.requests = (entry.requests_at(now_ms) + f64::from(count)) as f32;
-    entry.last_ms = entry.last_ms.max(now_ms);
-    *entry
 }
 
 /// Requests per phase, and how many of them the gateways would have sent to different replicas.
@@ -372,7 +362,7 @@ fn replay(requests: &[Request], eps: &[u32], setup: &Setup, show_moves: bool) ->
     let mut crowding = support::Crowding::new(CROWDED_WINDOW_MS as f64, groups, eps.len());
     if ping_each {
         for gw in gws.iter_mut() {
-            gw.workers[0].saw(&mut gw.table, &ping());
+            gw.workers[0].saw(&gw.table, &ping());
         }
     }
     let (mut early_crowded, mut crowded) = (0, 0);
@@ -428,7 +418,7 @@ fn replay(requests: &[Request], eps: &[u32], setup: &Setup, show_moves: bool) ->
         } else if r.at_ms >= PHASES_MS[0] {
             early_crowded += over;
         }
-        gw.workers[at].saw(&mut gw.table, r);
+        gw.workers[at].saw(&gw.table, r);
     }
     let loads_of = |counts: &HashMap<u32, u64>| -> Vec<u64> {
         eps.iter()
