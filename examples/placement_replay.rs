@@ -16,7 +16,7 @@
 //! [--gateways N] [--workers W] [--tick-ms MS] [--endpoint-sets K] [--deals D] [--ping]`.
 
 use hashbrown::HashMap;
-use kvroute::groups::{self, FleetVolume, Seen, Shares};
+use kvroute::groups::{self, FleetVolume, Shares, Tally};
 use kvroute::homes::Held;
 use kvroute::policy::cache_aware::{HOLD_POLLS, WARMUP_POLLS};
 use kvroute::rendezvous::{self, endpoint_id};
@@ -127,10 +127,7 @@ impl Gateway {
 /// counted and has not written yet, its share of the traffic, and the homes it computed (first
 /// rendezvous choice while warming up or for an uncounted group; a new home once it held).
 struct Worker {
-    seen: HashMap<u64, Seen>,
-    pending: HashMap<u64, u32>,
-    flushed_ms: u64,
-    read_ms: Option<u64>,
+    tally: Tally,
     fleet: FleetVolume,
     counted: Vec<(u64, u32)>,
     shares: Shares,
@@ -147,10 +144,7 @@ struct Worker {
 impl Worker {
     fn new(phase_ms: u64, tick_ms: u64) -> Worker {
         Worker {
-            seen: HashMap::new(),
-            pending: HashMap::new(),
-            flushed_ms: 0,
-            read_ms: None,
+            tally: Tally::default(),
             fleet: FleetVolume::default(),
             counted: Vec::new(),
             shares: Shares::new(),
@@ -178,24 +172,9 @@ impl Worker {
         while self.next_tick <= at_ms {
             let now = self.next_tick;
             self.next_tick += self.tick_ms;
-            let mut flushed = false;
-            if now.saturating_sub(self.flushed_ms) >= groups::FLUSH_MS && !self.pending.is_empty() {
-                let pending: Vec<(u64, u32)> = self.pending.drain().collect();
-                groups::record(table, &pending, now);
-                self.flushed_ms = now;
-                flushed = true;
-            }
-            if flushed
-                || self
-                    .read_ms
-                    .is_none_or(|at| now.saturating_sub(at) >= groups::FLUSH_MS)
-            {
-                self.read_ms = Some(now);
-                let (records, _) = groups::read(table);
-                self.seen = records.into_iter().map(|r| (r.key, r)).collect();
-            }
+            self.tally.sync(table, now);
             self.fleet.observe([("engines", finished)], now);
-            let all: Vec<Seen> = self.seen.values().copied().collect();
+            let all = self.tally.seen();
             let min_requests = self.fleet.min_requests(groups::own_volume(&all, now));
             let seeing_ms = now.saturating_sub(self.phase_ms);
             let weighted = groups::weighted(&all, now, min_requests, seeing_ms);
@@ -253,13 +232,7 @@ impl Worker {
 
     /// Counts `r`, routed by this worker: a group new to it goes into `table` at once.
     fn saw(&mut self, table: &MemoryStore, r: &Request) {
-        if self.seen.contains_key(&r.group) {
-            *self.pending.entry(r.group).or_default() += 1;
-        } else {
-            for seen in groups::record(table, &[(r.group, 1)], r.at_ms) {
-                self.seen.insert(seen.key, seen);
-            }
-        }
+        self.tally.count(table, r.group, r.at_ms);
     }
 }
 

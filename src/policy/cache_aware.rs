@@ -35,7 +35,7 @@ use super::load::{first_not_overloaded, least_loaded, mean_load, rendezvous_orde
 use super::{Candidate, Decision, Input, Pick, Policy};
 use crate::affinity::{AffinityMap, Match};
 use crate::eviction;
-use crate::groups::{self, FleetVolume, Seen};
+use crate::groups::{self, FleetVolume, Tally};
 use crate::homes::Held;
 use crate::prefix::PrefixKeys;
 use crate::store::SharedStore;
@@ -66,15 +66,8 @@ pub struct CacheAware {
 struct GroupView {
     /// When this gateway's first tick ran.
     born_ms: Option<u64>,
-    seen: HashMap<u64, Seen>,
-    versions: Vec<Option<u32>>,
-    /// Requests of known groups routed by this worker since it last wrote them to the table.
-    pending: HashMap<u64, u32>,
-    flushed_ms: u64,
-    /// When this worker last read the table: right after writing its own counts, else once per
-    /// [`groups::FLUSH_MS`], the most often any worker writes to it (each read is a host call
-    /// per shard, the most of an idle tick's work).
-    read_ms: Option<u64>,
+    /// This worker's copy of the groups table and the requests it counted.
+    tally: Tally,
     /// The groups that take a place, with their weights, sorted; whether their assignment is
     /// computed for the current weights, and the homes requests go to ([`Held`]).
     counted: Vec<(u64, u32)>,
@@ -189,18 +182,8 @@ impl Policy for CacheAware {
     }
 
     fn routed(&self, candidates: &[Candidate], input: &Input, pick: &Pick) -> usize {
-        // A group new to this worker goes into the table at once; the requests of known ones
-        // are counted here and written on the tick.
         let group = input.keys.group;
-        let mut view = self.view.borrow_mut();
-        if view.seen.contains_key(&group) {
-            *view.pending.entry(group).or_default() += 1;
-        } else {
-            for seen in groups::record(input.store, &[(group, 1)], input.now_ms) {
-                view.seen.insert(seen.key, seen);
-            }
-        }
-        drop(view);
+        (self.view.borrow_mut().tally).count(input.store, group, input.now_ms);
         let chosen = candidates[pick.index].id;
         let from = first_to_record(input.keys, pick.matched.as_ref(), chosen, input.now_ms);
         let view = self.view.borrow();
@@ -215,26 +198,8 @@ impl Policy for CacheAware {
     fn tick(&self, store: &dyn SharedStore, now_ms: u64, completed: &[(&str, f64)]) -> usize {
         let mut view = self.view.borrow_mut();
         let born = *view.born_ms.get_or_insert(now_ms);
-        let mut flushed = false;
-        if now_ms.saturating_sub(view.flushed_ms) >= groups::FLUSH_MS && !view.pending.is_empty() {
-            let pending: Vec<(u64, u32)> = view.pending.drain().collect();
-            groups::record(store, &pending, now_ms);
-            view.flushed_ms = now_ms;
-            flushed = true;
-        }
-        // Its own counts count at once; the other workers' at the pace they write them.
-        let due = view
-            .read_ms
-            .is_none_or(|at| now_ms.saturating_sub(at) >= groups::FLUSH_MS);
-        if flushed || due {
-            view.read_ms = Some(now_ms);
-            let (records, versions) = groups::read(store);
-            if versions != view.versions {
-                view.seen = records.into_iter().map(|r| (r.key, r)).collect();
-                view.versions = versions;
-            }
-        }
-        let seen: Vec<Seen> = view.seen.values().copied().collect();
+        view.tally.sync(store, now_ms);
+        let seen = view.tally.seen();
         view.fleet.observe(completed.iter().copied(), now_ms);
         let min_requests = view.fleet.min_requests(groups::own_volume(&seen, now_ms));
         let seeing_ms = view.born_ms.map_or(0, |born| now_ms.saturating_sub(born));
