@@ -47,7 +47,13 @@ impl PrefixKeys {
     /// Splits `text` into chunks (the last may be shorter) and chains their hashes; the group
     /// key hashes the first `head` bytes (capped at `group_bytes`). `history`: earlier turns
     /// follow the head.
-    pub fn new(model: &str, text: &str, head: usize, history: bool, shape: Shape) -> PrefixKeys {
+    pub fn new(
+        model: &str,
+        text: &(impl AsRef<[u8]> + ?Sized),
+        head: usize,
+        history: bool,
+        shape: Shape,
+    ) -> PrefixKeys {
         Self::salted(None, model, text, head, history, shape)
     }
 
@@ -57,19 +63,20 @@ impl PrefixKeys {
     pub fn salted(
         salt: Option<&str>,
         model: &str,
-        text: &str,
+        text: &(impl AsRef<[u8]> + ?Sized),
         head: usize,
         history: bool,
         shape: Shape,
     ) -> PrefixKeys {
+        let text = text.as_ref();
         let model = xxh3_64(model.as_bytes());
         let model = salt.map_or(model, |s| xxh3_64_with_seed(s.as_bytes(), model));
         let chunk_size = shape.chunk_size.max(1);
         let head = head.min(text.len());
-        let group = xxh3_64_with_seed(&text.as_bytes()[..head.min(shape.group_bytes)], model);
+        let group = xxh3_64_with_seed(&text[..head.min(shape.group_bytes)], model);
         let mut keys = Vec::with_capacity(text.len().div_ceil(chunk_size).min(shape.max_chunks));
         let mut previous = model;
-        for chunk in text.as_bytes().chunks(chunk_size).take(shape.max_chunks) {
+        for chunk in text.chunks(chunk_size).take(shape.max_chunks) {
             previous = xxh3_64_with_seed(chunk, previous);
             keys.push(previous);
         }
@@ -91,9 +98,10 @@ impl PrefixKeys {
 
     /// The conversation is the one `opener` (the first message after the head) starts, told
     /// apart by its first [`OPENER_BYTES`]; nothing after the head leaves it the whole prompt's.
-    pub fn opened_by(mut self, opener: &str) -> PrefixKeys {
+    pub fn opened_by(mut self, opener: &(impl AsRef<[u8]> + ?Sized)) -> PrefixKeys {
+        let opener = opener.as_ref();
         if !opener.is_empty() {
-            let opener = &opener.as_bytes()[..opener.len().min(OPENER_BYTES)];
+            let opener = &opener[..opener.len().min(OPENER_BYTES)];
             self.conversation = xxh3_64_with_seed(opener, self.group);
         }
         self

@@ -18,7 +18,7 @@
 use std::borrow::Cow;
 use std::marker::PhantomData;
 
-use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 use serde_json::value::RawValue;
 use xxhash_rust::xxh3::xxh3_64;
@@ -70,7 +70,9 @@ impl ToolsAt {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Prompt {
     pub model: String,
-    pub text: String,
+    /// The rendered prompt, as bytes: it is only hashed. UTF-8, but for a lone surrogate a client
+    /// escaped (`\ud800`), which stays in it as the three bytes JSON parsers give it (WTF-8).
+    pub text: Vec<u8>,
     /// Bytes of `text` that make the request's head: the tools and the system (or developer)
     /// messages that open a chat, or its first message when there are neither; a whole completion
     /// prompt. Requests of one group (one app, one document, one conversation) share it; it keys
@@ -115,17 +117,17 @@ impl ParseError {
 
 // Separators that cannot appear unescaped in JSON strings' decoded text by accident often enough to
 // matter; they keep "ab"+"c" and "a"+"bc" apart.
-const FIELD: char = '\u{1f}';
-const RECORD: char = '\u{1e}';
+const FIELD: u8 = 0x1f;
+const RECORD: u8 = 0x1e;
 /// Opens a media placeholder: `MEDIA` kind, then the media's hash in hex, repeated to
 /// [`MEDIA_BYTES`].
-const MEDIA: char = '\u{1d}';
+const MEDIA: u8 = 0x1d;
 /// What an image weighs in the text: about the text of the few hundred tokens an engine spends on
 /// one (Qwen2-VL: 256 for 448×448 pixels, more for larger ones), so an image's share of a prompt's
 /// keys is of the order of its share of the engine's tokens.
 pub const MEDIA_BYTES: usize = 1024;
 /// Joins content parts, as vLLM joins text parts for string-content templates.
-const PART_JOIN: char = '\n';
+const PART_JOIN: u8 = b'\n';
 
 #[derive(Deserialize)]
 struct ChatRequest<'a> {
@@ -136,7 +138,7 @@ struct ChatRequest<'a> {
     #[serde(borrow)]
     tools: Option<&'a RawValue>,
     #[serde(borrow)]
-    cache_salt: Option<Field<'a, IgnoredAny>>,
+    cache_salt: Option<&'a RawValue>,
     #[serde(borrow)]
     stream: Option<&'a RawValue>,
     #[serde(borrow)]
@@ -173,7 +175,7 @@ struct Function<'a> {
 #[derive(Deserialize)]
 struct Part<'a> {
     #[serde(borrow)]
-    text: Option<Cow<'a, str>>,
+    text: Option<Text<'a>>,
     #[serde(borrow)]
     image_url: Option<Media<'a>>,
     #[serde(borrow)]
@@ -186,19 +188,19 @@ struct Part<'a> {
 
 /// A media reference: `{"url": ...}` is keyed by its URL alone (a `detail` hint does not change
 /// the image); any other shape by its JSON text.
-struct Media<'a>(Cow<'a, str>);
+struct Media<'a>(Cow<'a, [u8]>);
 
 impl<'de: 'a, 'a> Deserialize<'de> for Media<'a> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         #[derive(Deserialize)]
         struct Url<'a> {
             #[serde(borrow)]
-            url: Cow<'a, str>,
+            url: Text<'a>,
         }
         let raw: &'de RawValue = Deserialize::deserialize(d)?;
         Ok(match serde_json::from_str::<Url>(raw.get()) {
-            Ok(u) => Media(u.url),
-            Err(_) => Media(Cow::Borrowed(raw.get())),
+            Ok(u) => Media(u.url.0),
+            Err(_) => Media(Cow::Borrowed(raw.get().as_bytes())),
         })
     }
 }
@@ -210,20 +212,50 @@ struct CompletionRequest<'a> {
     #[serde(borrow)]
     prompt: Option<Field<'a, &'a RawValue>>,
     #[serde(borrow)]
-    cache_salt: Option<Field<'a, IgnoredAny>>,
+    cache_salt: Option<&'a RawValue>,
     #[serde(borrow)]
     stream: Option<&'a RawValue>,
     #[serde(borrow)]
     stream_options: Option<&'a RawValue>,
 }
 
-/// A field that is a string or a list (message content, completion prompt). Deserialised in one
-/// pass over the body: a string without escapes is borrowed, never scanned or copied again. This
-/// is most of the bytes of a request, so it is most of kvroute's time.
+/// A JSON string's text, as its bytes. serde_json hands a string over as bytes after a SIMD search
+/// for its closing quote (`memchr`, 16 bytes a step in wasm), where a `str` costs a scan of 8 bytes a
+/// step for control characters too; the body was already checked to be UTF-8 as a whole. This is
+/// most of the bytes of a request, so it is most of kvroute's time. A string without escapes is
+/// borrowed, never copied.
+struct Text<'a>(Cow<'a, [u8]>);
+
+struct TextVisitor;
+
+impl<'de> Visitor<'de> for TextVisitor {
+    type Value = Text<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a string")
+    }
+    fn visit_borrowed_bytes<E: de::Error>(self, v: &'de [u8]) -> Result<Self::Value, E> {
+        Ok(Text(Cow::Borrowed(v)))
+    }
+    fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Self::Value, E> {
+        Ok(Text(Cow::Owned(v.to_vec())))
+    }
+    fn visit_byte_buf<E: de::Error>(self, v: Vec<u8>) -> Result<Self::Value, E> {
+        Ok(Text(Cow::Owned(v)))
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_bytes(TextVisitor)
+    }
+}
+
+/// A field that is a string or a list (message content, completion prompt), read in one pass over
+/// the body. Anything else is not an OpenAI request (`bad_json`).
 enum Field<'a, T> {
-    Text(Cow<'a, str>),
+    Text(Text<'a>),
     List(Vec<T>),
-    Other,
 }
 
 impl<'de: 'a, 'a, T: Deserialize<'de>> Deserialize<'de> for Field<'a, T> {
@@ -236,14 +268,14 @@ impl<'de: 'a, 'a, T: Deserialize<'de>> Deserialize<'de> for Field<'a, T> {
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("a string or a list")
             }
-            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(Field::Text(Cow::Borrowed(v)))
+            fn visit_borrowed_bytes<E: de::Error>(self, v: &'de [u8]) -> Result<Self::Value, E> {
+                TextVisitor.visit_borrowed_bytes(v).map(Field::Text)
             }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(Field::Text(Cow::Owned(v.to_string())))
+            fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Self::Value, E> {
+                TextVisitor.visit_bytes(v).map(Field::Text)
             }
-            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
-                Ok(Field::Text(Cow::Owned(v)))
+            fn visit_byte_buf<E: de::Error>(self, v: Vec<u8>) -> Result<Self::Value, E> {
+                TextVisitor.visit_byte_buf(v).map(Field::Text)
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
                 let mut items = Vec::new();
@@ -252,28 +284,9 @@ impl<'de: 'a, 'a, T: Deserialize<'de>> Deserialize<'de> for Field<'a, T> {
                 }
                 Ok(Field::List(items))
             }
-            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-                IgnoredAny::deserialize(de::value::MapAccessDeserializer::new(map))?;
-                Ok(Field::Other)
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-                Ok(Field::Other)
-            }
-            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-                Ok(Field::Other)
-            }
-            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-                Ok(Field::Other)
-            }
-            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-                Ok(Field::Other)
-            }
-            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-                Ok(Field::Other)
-            }
         }
 
-        d.deserialize_any(FieldVisitor(PhantomData))
+        d.deserialize_bytes(FieldVisitor(PhantomData))
     }
 }
 
@@ -287,8 +300,8 @@ pub fn parse_with(api: Api, body: &[u8], tools: ToolsAt) -> Result<Prompt, Parse
     if body.iter().all(u8::is_ascii_whitespace) {
         return Err(ParseError::Empty);
     }
-    // One check of the whole body, 16 bytes a step where the target has SIMD; the JSON parser
-    // then reads text it need not check again (it would check each string byte by byte).
+    // One check of the whole body, 16 bytes a step where the target has SIMD; the strings kvroute
+    // keeps are then taken as bytes ([`Text`]) and never checked again.
     let body = simdutf8::basic::from_utf8(body).map_err(|_| ParseError::BadUtf8)?;
     match api {
         Api::Chat => parse_chat(body, tools),
@@ -304,11 +317,10 @@ fn model(model: Option<Cow<'_, str>>) -> Result<String, ParseError> {
 }
 
 /// vLLM refuses a salt that is not a non-empty string; such a request is not worth keying apart.
-fn salt(salt: Option<Field<'_, IgnoredAny>>) -> Option<String> {
-    match salt {
-        Some(Field::Text(s)) if !s.is_empty() => Some(s.into_owned()),
-        _ => None,
-    }
+fn salt(salt: Option<&RawValue>) -> Option<String> {
+    salt.and_then(|s| serde_json::from_str::<Cow<str>>(s.get()).ok())
+        .filter(|s| !s.is_empty())
+        .map(Cow::into_owned)
 }
 
 /// Whether a request's response carries `usage` (see [`Prompt::usage`]). Read leniently: a
@@ -371,13 +383,13 @@ fn parse_chat(body: &str, tools_at: ToolsAt) -> Result<Prompt, ParseError> {
         .iter()
         .filter(|i| matches!(i, Item::Message(_)))
         .count();
-    let mut text = String::with_capacity(body.len());
+    let mut text = Vec::with_capacity(body.len());
     let (mut head, mut opener) = (None, None);
     for (n, item) in items.iter().enumerate() {
         match *item {
             Item::Tools => {
                 if let Some(tools) = tools {
-                    text.push_str(tools.get());
+                    text.extend_from_slice(tools.get().as_bytes());
                     text.push(RECORD);
                 }
             }
@@ -407,17 +419,17 @@ fn parse_chat(body: &str, tools_at: ToolsAt) -> Result<Prompt, ParseError> {
     })
 }
 
-fn push_message(text: &mut String, m: &Message) {
+fn push_message(text: &mut Vec<u8>, m: &Message) {
     // A developer message is the system prompt of newer APIs; templates render it as one.
     let role = match m.role.as_deref() {
         Some("developer") => "system",
         Some(role) => role,
         None => "",
     };
-    text.push_str(role);
+    text.extend_from_slice(role.as_bytes());
     text.push(FIELD);
     match &m.content {
-        Some(Field::Text(t)) => text.push_str(t),
+        Some(Field::Text(t)) => text.extend_from_slice(&t.0),
         Some(Field::List(parts)) => {
             for (i, part) in parts.iter().enumerate() {
                 if i > 0 {
@@ -426,22 +438,22 @@ fn push_message(text: &mut String, m: &Message) {
                 push_part(text, part);
             }
         }
-        Some(Field::Other) | None => {}
+        None => {}
     }
     for call in m.tool_calls.iter().flatten() {
         text.push(FIELD);
         if let Some(f) = &call.function {
-            text.push_str(f.name.as_deref().unwrap_or(""));
+            text.extend_from_slice(f.name.as_deref().unwrap_or("").as_bytes());
             text.push(FIELD);
-            text.push_str(f.arguments.map_or("", RawValue::get));
+            text.extend_from_slice(f.arguments.map_or("", RawValue::get).as_bytes());
         }
     }
     text.push(RECORD);
 }
 
-fn push_part(text: &mut String, part: &Part) {
+fn push_part(text: &mut Vec<u8>, part: &Part) {
     if let Some(t) = &part.text {
-        text.push_str(t);
+        text.extend_from_slice(&t.0);
     }
     let media = [
         ("image", &part.image_url),
@@ -455,10 +467,10 @@ fn push_part(text: &mut String, part: &Part) {
             // its base64 length says nothing about either.
             let start = text.len();
             text.push(MEDIA);
-            text.push_str(kind);
-            let hash = format!("{:016x}", xxh3_64(data.as_bytes()));
+            text.extend_from_slice(kind.as_bytes());
+            let hash = format!("{:016x}", xxh3_64(data));
             while text.len() - start < MEDIA_BYTES {
-                text.push_str(&hash);
+                text.extend_from_slice(hash.as_bytes());
             }
             text.truncate(start + MEDIA_BYTES);
         }
@@ -471,21 +483,20 @@ fn parse_completion(body: &str) -> Result<Prompt, ParseError> {
     let salt = salt(req.cache_salt);
     let usage = reports_usage(req.stream, req.stream_options);
     let text = match req.prompt.ok_or(ParseError::NoPrompt)? {
-        Field::Text(t) => t.into_owned(),
+        Field::Text(t) => t.0.into_owned(),
         // A batch of strings, or token ids: equal leading elements give an equal leading text
         // because each element is closed by a separator.
         Field::List(items) => {
-            let mut text = String::with_capacity(body.len());
+            let mut text = Vec::with_capacity(body.len());
             for item in items {
-                match serde_json::from_str::<Cow<str>>(item.get()) {
-                    Ok(s) => text.push_str(&s),
-                    Err(_) => text.push_str(item.get()),
+                match serde_json::from_str::<Text>(item.get()) {
+                    Ok(s) => text.extend_from_slice(&s.0),
+                    Err(_) => text.extend_from_slice(item.get().as_bytes()),
                 }
                 text.push(FIELD);
             }
             text
         }
-        Field::Other => return Err(ParseError::NoPrompt),
     };
     let head = text.len();
     Ok(Prompt {
@@ -507,6 +518,13 @@ mod tests {
         parse(Api::Chat, body.as_bytes())
     }
 
+    impl Prompt {
+        /// The text as a string, for the tests' searches (their prompts are UTF-8).
+        fn text(&self) -> &str {
+            std::str::from_utf8(&self.text).expect("UTF-8 text")
+        }
+    }
+
     #[test]
     fn paths_select_the_api_and_ignore_the_query() {
         assert_eq!(Api::from_path("/v1/chat/completions"), Some(Api::Chat));
@@ -523,29 +541,29 @@ mod tests {
         let a = chat(r#"{"model":"m","messages":[{"role":"system","content":"You are kind."},{"role":"user","content":"Hi"}]}"#).unwrap();
         let b = chat(r#"{"model":"m","messages":[{"role":"system","content":"You are kind."},{"role":"user","content":"Bye"}]}"#).unwrap();
         let common = a
-            .text
+            .text()
             .bytes()
-            .zip(b.text.bytes())
+            .zip(b.text().bytes())
             .take_while(|(x, y)| x == y)
             .count();
-        assert!(a.text[..common].contains("You are kind."));
-        assert_ne!(a.text, b.text);
+        assert!(a.text()[..common].contains("You are kind."));
+        assert_ne!(a.text(), b.text());
         assert_eq!(a.model, "m");
     }
 
     #[test]
     fn the_head_is_the_leading_instructions_or_else_the_first_message() {
         let with_system = chat(r#"{"model":"m","messages":[{"role":"system","content":"S1"},{"role":"developer","content":"S2"},{"role":"user","content":"question"}]}"#).unwrap();
-        let head = &with_system.text[..with_system.head];
+        let head = &with_system.text()[..with_system.head];
         assert!(head.contains("S1") && head.contains("S2") && !head.contains("question"));
         let later_turn = chat(r#"{"model":"m","messages":[{"role":"system","content":"S1"},{"role":"developer","content":"S2"},{"role":"user","content":"other"},{"role":"assistant","content":"a"},{"role":"user","content":"b"}]}"#).unwrap();
-        assert_eq!(later_turn.text[..later_turn.head], *head);
+        assert_eq!(later_turn.text()[..later_turn.head], *head);
         assert!(later_turn.history && !with_system.history);
         let no_system = chat(r#"{"model":"m","messages":[{"role":"user","content":"first"},{"role":"assistant","content":"reply"}]}"#).unwrap();
-        let head = &no_system.text[..no_system.head];
+        let head = &no_system.text()[..no_system.head];
         assert!(head.contains("first") && !head.contains("reply"));
         let completion = parse(Api::Completions, br#"{"model":"m","prompt":"all of it"}"#).unwrap();
-        assert_eq!(completion.head, completion.text.len());
+        assert_eq!(completion.head, completion.text().len());
     }
 
     #[test]
@@ -554,9 +572,10 @@ mod tests {
             chat(r#"{"model":"m","messages":[{"role":"user","content":"hello\nworld"}]}"#).unwrap();
         let one = chat(r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hello\nworld"}]}]}"#).unwrap();
         let two = chat(r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hello"},{"type":"text","text":"world"}]}]}"#).unwrap();
-        assert_eq!(one.text, string.text);
+        assert_eq!(one.text(), string.text());
         assert_eq!(
-            two.text, string.text,
+            two.text(),
+            string.text(),
             "text parts join like vLLM joins them"
         );
     }
@@ -577,21 +596,22 @@ mod tests {
         .unwrap();
         let other = chat(&image("data:image/png;base64,AAAB")).unwrap();
         assert_eq!(
-            small.text.len(),
-            big.text.len(),
+            small.text().len(),
+            big.text().len(),
             "cost does not grow with the image"
         );
-        assert!(big.text.len() < MEDIA_BYTES + 32, "{}", big.text.len());
+        assert!(big.text().len() < MEDIA_BYTES + 32, "{}", big.text().len());
         assert_ne!(
-            small.text, other.text,
+            small.text(),
+            other.text(),
             "different images are different prompts"
         );
         assert_eq!(
-            small.text,
-            chat(&image("data:image/png;base64,AAAA")).unwrap().text
+            small.text(),
+            chat(&image("data:image/png;base64,AAAA")).unwrap().text()
         );
         assert!(
-            !small.text.contains("AAAA"),
+            !small.text().contains("AAAA"),
             "the image's data is hashed, not copied"
         );
     }
@@ -605,20 +625,20 @@ mod tests {
         };
         let p = chat(&body("TOOL", "SYS")).unwrap();
         let (sys, tool, user) = (
-            p.text.find("SYS").unwrap(),
-            p.text.find("TOOL").unwrap(),
-            p.text.find("x").unwrap(),
+            p.text().find("SYS").unwrap(),
+            p.text().find("TOOL").unwrap(),
+            p.text().find("x").unwrap(),
         );
-        assert!(sys < tool && tool < user, "{:?}", p.text);
-        assert!(p.text[..p.head].contains("SYS") && p.text[..p.head].contains("TOOL"));
-        assert!(!p.text[..p.head].contains('x'));
+        assert!(sys < tool && tool < user, "{:?}", p.text());
+        assert!(p.text()[..p.head].contains("SYS") && p.text()[..p.head].contains("TOOL"));
+        assert!(!p.text()[..p.head].contains('x'));
         let before = parse_with(
             Api::Chat,
             body("TOOL", "SYS").as_bytes(),
             ToolsAt::BeforeSystem,
         )
         .unwrap();
-        assert!(before.text.find("TOOL") < before.text.find("SYS"));
+        assert!(before.text().find("TOOL") < before.text().find("SYS"));
         assert_eq!(before.head, p.head);
         let last = parse_with(
             Api::Chat,
@@ -626,15 +646,15 @@ mod tests {
             ToolsAt::BeforeLastUser,
         )
         .unwrap();
-        let tool = last.text.find("TOOL").unwrap();
-        assert!(last.text.find('y').unwrap() < tool && tool < last.text.find('z').unwrap());
+        let tool = last.text().find("TOOL").unwrap();
+        assert!(last.text().find('y').unwrap() < tool && tool < last.text().find('z').unwrap());
         assert!(
-            !last.text[..last.head].contains("TOOL"),
+            !last.text()[..last.head].contains("TOOL"),
             "tools that move are not the head"
         );
         // Same system prompt, other tools: the system prompt is a shared prefix.
         let other_tools = chat(&body("OTHER", "SYS")).unwrap();
-        assert!(other_tools.text.starts_with(&p.text[..sys + 3]));
+        assert!(other_tools.text().starts_with(&p.text()[..sys + 3]));
     }
 
     #[test]
@@ -646,9 +666,9 @@ mod tests {
         };
         let a = chat(&step("call_1", "ann")).unwrap();
         let b = chat(&step("call_2", "bob")).unwrap();
-        assert_eq!(a.text, b.text, "call ids and names do not render");
-        assert!(a.text.contains("search") && a.text.contains(r#"{\"q\":1}"#));
-        assert!(a.text.find("search") < a.text.find("RESULT"));
+        assert_eq!(a.text(), b.text(), "call ids and names do not render");
+        assert!(a.text().contains("search") && a.text().contains(r#"{\"q\":1}"#));
+        assert!(a.text().find("search") < a.text().find("RESULT"));
         assert!(a.history, "a tool result after a call is history");
     }
 
@@ -657,7 +677,7 @@ mod tests {
         let turn1 = chat(r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"q1"}]}"#).unwrap();
         let turn2 = chat(r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"q1"},{"role":"assistant","content":"a1"},{"role":"user","content":"q2"}]}"#).unwrap();
         let other = chat(r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"q9"}]}"#).unwrap();
-        let opener = |p: &Prompt| p.text[p.opener.clone()].to_string();
+        let opener = |p: &Prompt| p.text()[p.opener.clone()].to_string();
         assert!(opener(&turn1).contains("q1") && !opener(&turn2).contains("a1"));
         assert_eq!(opener(&turn1), opener(&turn2));
         assert_ne!(opener(&turn1), opener(&other));
@@ -685,11 +705,12 @@ mod tests {
     fn tools_without_a_system_prompt_are_the_head() {
         let first = chat(r#"{"model":"m","tools":[{"type":"function","function":{"name":"f"}}],"messages":[{"role":"user","content":"task"}]}"#).unwrap();
         assert!(
-            first.text[..first.head].contains('f') && !first.text[..first.head].contains("task")
+            first.text()[..first.head].contains('f')
+                && !first.text()[..first.head].contains("task")
         );
         assert!(!first.history);
         let step = chat(r#"{"model":"m","tools":[{"type":"function","function":{"name":"f"}}],"messages":[{"role":"user","content":"task"},{"role":"assistant","tool_calls":[{"function":{"name":"f","arguments":"{}"}}]},{"role":"tool","content":"r"}]}"#).unwrap();
-        assert_eq!(step.text[..step.head], first.text[..first.head]);
+        assert_eq!(step.text()[..step.head], first.text()[..first.head]);
         assert!(step.history);
     }
 
@@ -701,7 +722,7 @@ mod tests {
         .unwrap();
         let plain = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#).unwrap();
         assert_eq!(salted.salt.as_deref(), Some("tenant-a"));
-        assert_eq!(salted.text, plain.text);
+        assert_eq!(salted.text(), plain.text());
         assert_eq!(plain.salt, None);
         let empty =
             chat(r#"{"model":"m","cache_salt":"","messages":[{"role":"user","content":"x"}]}"#)
@@ -724,18 +745,18 @@ mod tests {
     fn escaped_strings_are_decoded() {
         let p =
             chat(r#"{"model":"m","messages":[{"role":"user","content":"a\"b\u00e9"}]}"#).unwrap();
-        assert!(p.text.contains("a\"bé"));
+        assert!(p.text().contains("a\"bé"));
     }
 
     #[test]
     fn completions_accept_string_and_array_prompts() {
         let s = parse(Api::Completions, br#"{"model":"m","prompt":"once upon"}"#).unwrap();
-        assert_eq!(s.text, "once upon");
+        assert_eq!(s.text(), "once upon");
         let a = parse(Api::Completions, br#"{"model":"m","prompt":["one","two"]}"#).unwrap();
-        assert!(a.text.starts_with("one"));
+        assert!(a.text().starts_with("one"));
         let t1 = parse(Api::Completions, br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
         let t2 = parse(Api::Completions, br#"{"model":"m","prompt":[1,2,4]}"#).unwrap();
-        assert!(t2.text.starts_with(&t1.text[..4]));
+        assert!(t2.text().starts_with(&t1.text()[..4]));
     }
 
     #[test]
@@ -791,9 +812,23 @@ mod tests {
             chat(&format!(r#"{{"model":"m","messages":{deep}}}"#)),
             Err(ParseError::BadJson)
         );
+        // Content or a prompt that is neither a string nor a list is no OpenAI request.
         assert_eq!(
             parse(Api::Completions, br#"{"model":"m","prompt":5}"#),
-            Err(ParseError::NoPrompt)
+            Err(ParseError::BadJson)
         );
+        assert_eq!(
+            chat(r#"{"model":"m","messages":[{"role":"user","content":{"a":1}}]}"#),
+            Err(ParseError::BadJson)
+        );
+    }
+
+    #[test]
+    fn an_escaped_lone_surrogate_is_hashed_as_its_bytes() {
+        let lone = chat(r#"{"model":"m","messages":[{"role":"user","content":"a\ud800b"}]}"#);
+        let other = chat(r#"{"model":"m","messages":[{"role":"user","content":"a\udbffb"}]}"#);
+        let (lone, other) = (lone.unwrap(), other.unwrap());
+        assert!(std::str::from_utf8(&lone.text).is_err());
+        assert_ne!(lone.text, other.text);
     }
 }
