@@ -9,7 +9,7 @@ use proxy_wasm::types::{MetricType, Status};
 use crate::policy::Decision;
 use crate::router::Fallback;
 use crate::store::{SharedStore, StoreError};
-use crate::usage;
+use crate::usage::{self, Usage};
 
 /// Envoy shared data: one namespace for every worker VM with kvroute's `vm_id`.
 pub struct HostStore;
@@ -38,7 +38,8 @@ pub fn now_ms() -> u64 {
 /// Envoy stats defined through proxy-wasm; Envoy shows them as `wasmcustom.<name>`. Metrics of the
 /// same name are one stat across all worker VMs. The ones a request moves are resolved to ids once,
 /// when the VM is configured (or, for per-endpoint gauges, when an endpoint is first seen): a
-/// request formats no name and hashes none but its endpoint's address.
+/// request formats no name and hashes none but its endpoint's address. What the engines report
+/// of their usage is summed in the VM and written on the tick ([`Metrics::flush_usage`]).
 #[derive(Default)]
 pub struct Metrics {
     ids: HashMap<String, u32>,
@@ -50,6 +51,17 @@ pub struct Metrics {
     inflight: HashMap<String, [u32; 1]>,
     /// The usage counters (prompt tokens, cached tokens) of each endpoint address seen.
     usage: HashMap<String, [u32; 2]>,
+    /// Usage reported since the last flush.
+    unwritten: Unwritten,
+}
+
+/// Usage reported since the last flush: responses, prompt and cached tokens, in all and of each
+/// endpoint (an endpoint's entry stays, at zero, once seen).
+#[derive(Default)]
+struct Unwritten {
+    responses: i64,
+    tokens: [i64; 2],
+    by_endpoint: HashMap<String, [i64; 2]>,
 }
 
 impl Metrics {
@@ -129,18 +141,61 @@ impl Metrics {
         }
     }
 
-    /// `kvroute.usage.{prompt,cached}_tokens.<endpoint>`, for the endpoint `addr`.
-    pub fn endpoint_usage(&mut self, addr: &str, prompt_tokens: u64, cached_tokens: u64) {
-        let Metrics { ids, usage, .. } = self;
-        let resolved = per_endpoint(ids, usage, addr, |seg| {
-            ["prompt_tokens", "cached_tokens"]
-                .map(|n| (MetricType::Counter, format!("kvroute.usage.{n}.{seg}")))
-        });
-        if let Some([prompt, cached]) = resolved {
-            increment(Some(prompt), prompt_tokens as i64);
-            increment(Some(cached), cached_tokens as i64);
+    /// What an engine reported for one response, served by `served` when known: counted now,
+    /// written to `kvroute.usage.*` on the next [`flush_usage`](Self::flush_usage). A response
+    /// costs no metric call, where writing at once cost five.
+    pub fn usage(&mut self, served: Option<&str>, u: Usage) {
+        let tokens = [u.prompt_tokens as i64, u.cached_tokens as i64];
+        let pending = &mut self.unwritten;
+        pending.responses += 1;
+        add_tokens(&mut pending.tokens, tokens);
+        if let Some(addr) = served {
+            match pending.by_endpoint.get_mut(addr) {
+                Some(sum) => add_tokens(sum, tokens),
+                None => {
+                    pending.by_endpoint.insert(addr.to_string(), tokens);
+                }
+            }
         }
     }
+
+    /// Writes the usage counted since the last flush: `kvroute.usage.{prompt,cached}_tokens`,
+    /// the same per endpoint (`.<endpoint>`), and `kvroute.usage.responses` last, so a reader that
+    /// sees the responses counted sees their tokens too.
+    pub fn flush_usage(&mut self) {
+        if self.unwritten.responses == 0 {
+            return;
+        }
+        let Metrics {
+            ids,
+            usage,
+            unwritten,
+            ..
+        } = self;
+        for (addr, sum) in unwritten
+            .by_endpoint
+            .iter_mut()
+            .filter(|(_, s)| **s != [0; 2])
+        {
+            let resolved = per_endpoint(ids, usage, addr, |seg| {
+                ["prompt_tokens", "cached_tokens"]
+                    .map(|n| (MetricType::Counter, format!("kvroute.usage.{n}.{seg}")))
+            });
+            for (id, n) in resolved.into_iter().flatten().zip(std::mem::take(sum)) {
+                increment(Some(id), n);
+            }
+        }
+        let [prompt, cached] = std::mem::take(&mut unwritten.tokens);
+        let responses = std::mem::take(&mut unwritten.responses);
+        self.add(MetricType::Counter, "kvroute.usage.prompt_tokens", prompt);
+        self.add(MetricType::Counter, "kvroute.usage.cached_tokens", cached);
+        self.add(MetricType::Counter, "kvroute.usage.responses", responses);
+    }
+}
+
+fn add_tokens(sum: &mut [i64; 2], tokens: [i64; 2]) {
+    sum[0] += tokens[0];
+    sum[1] += tokens[1];
 }
 
 /// The ids of endpoint `addr`'s stats, from `cache` once they have all been defined; else defined

@@ -2,7 +2,7 @@
 //! it succeeded, and what its engine says it took from its prefix cache. In-flight counts move to
 //! the serving host; affinity the request recorded for the host kvroute chose is withdrawn when
 //! that host did not serve it successfully, and recorded for the host that did; the engine's
-//! `usage` becomes Envoy stats, in total and per endpoint, and, when it cached clearly less than
+//! `usage` becomes Envoy stats (on the tick), in total and per endpoint, and, when it cached clearly less than
 //! the map predicted, raises that endpoint's eviction horizon ([`eviction`]).
 
 use std::cell::RefCell;
@@ -133,22 +133,7 @@ impl Response {
             && flags & UPSTREAM_FAILURE_FLAGS == 0;
         let usage = self.tail.take().filter(|_| ok).and_then(|t| t.usage());
         if let Some(u) = usage {
-            let mut s = shared.borrow_mut();
-            let m = &mut s.metrics;
-            m.count("kvroute.usage.responses");
-            m.add(
-                MetricType::Counter,
-                "kvroute.usage.prompt_tokens",
-                u.prompt_tokens as i64,
-            );
-            m.add(
-                MetricType::Counter,
-                "kvroute.usage.cached_tokens",
-                u.cached_tokens as i64,
-            );
-            if let Some(served) = &self.served {
-                m.endpoint_usage(served, u.prompt_tokens, u.cached_tokens);
-            }
+            shared.borrow_mut().metrics.usage(self.served.as_deref(), u);
         }
         let Some(chosen) = self.chosen.take() else {
             return;
