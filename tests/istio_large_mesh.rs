@@ -72,12 +72,16 @@ async fn a_2000_cluster_admin_keeps_routing_right_while_polls_run() {
             // conversations between two homes.
             let reply = fleet.chat(&ask(g, 0)).await;
             latencies.push(start.elapsed());
+            let decision = reply.decision.clone().expect("decision header");
+            // The decision and the suspect count tell a new home from a retry elsewhere.
             assert_eq!(
                 served_by(&fleet, &reply),
                 *home,
-                "group {g} left its home in round {round}"
+                "group {g} left its home in round {round} ({decision}, suspects marked: {}, \
+                 Envoy retries: {:?})",
+                kv_stat(&fleet, "suspect_marked").await,
+                fleet.envoy.stat("upstream_rq_retry").await
             );
-            let decision = reply.decision.expect("decision header");
             assert!(
                 !decision.contains("fallback"),
                 "group {g} round {round}: {decision}"
