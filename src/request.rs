@@ -220,10 +220,10 @@ struct CompletionRequest<'a> {
 }
 
 /// A JSON string's text, as its bytes. serde_json hands a string over as bytes after a SIMD search
-/// for its closing quote (`memchr`, 16 bytes a step in wasm), where a `str` costs a scan of 8 bytes a
-/// step for control characters too; the body was already checked to be UTF-8 as a whole. This is
-/// most of the bytes of a request, so it is most of kvroute's time. A string without escapes is
-/// borrowed, never copied.
+/// for its closing quote (`memchr`, 16 bytes a step in wasm), where a `str` costs a scan of 8
+/// bytes a step for control characters too; the body was already checked to be UTF-8 as a whole.
+/// This is most of the bytes of a request, so it is most of kvroute's time. A string without
+/// escapes is borrowed, never copied.
 struct Text<'a>(Cow<'a, [u8]>);
 
 struct TextVisitor;

@@ -2,8 +2,9 @@
 //! it succeeded, and what its engine says it took from its prefix cache. In-flight counts move to
 //! the serving host; affinity the request recorded for the host kvroute chose is withdrawn when
 //! that host did not serve it successfully, and recorded for the host that did; the engine's
-//! `usage` becomes Envoy stats (on the tick), in total and per endpoint, and, when it cached clearly less than
-//! the map predicted, raises that endpoint's eviction horizon ([`eviction`]).
+//! `usage` becomes Envoy stats (written on the tick), in total and per endpoint, and, when it
+//! cached clearly less than the map predicted, raises that endpoint's eviction horizon
+//! ([`eviction`]).
 
 use std::cell::RefCell;
 
