@@ -20,7 +20,8 @@ fn gauge(stats: &std::collections::HashMap<String, u64>, addr: std::net::SocketA
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_to_the_fallback_host_moves_the_in_flight_count() {
-    // Streamed answers take about a second (headers first, then tokens), long enough to look.
+    // Streamed answers of 400 tokens take about two seconds (headers first, then tokens), long
+    // enough to look.
     let spec = FleetSpec {
         replicas: 2,
         time_scale: 0.05,
@@ -52,16 +53,24 @@ async fn a_retry_to_the_fallback_host_moves_the_in_flight_count() {
         stopped: true,
         ..victim.faults()
     });
-    let resp = http.post(&url).json(&body(1, 200)).send().await.unwrap();
+    let resp = http.post(&url).json(&body(1, 400)).send().await.unwrap();
     assert_eq!(resp.status(), 200);
     let other = 1 - home;
     assert_eq!(replica(&resp), other, "the retry went to the fallback");
-    // Response headers are in, the body is streaming: the count is where the request is.
-    let stats = envoy.stats("kvroute.inflight.").await.unwrap();
-    let during = (
-        gauge(&stats, sim.replicas[home].addr),
-        gauge(&stats, sim.replicas[other].addr),
-    );
+    // Response headers are in, the body is streaming: the count is where the request is, as the
+    // gauges show it from the next tick (every 100 ms at most) while the stream lasts.
+    let mut during = (u64::MAX, u64::MAX);
+    for _ in 0..20 {
+        let stats = envoy.stats("kvroute.inflight.").await.unwrap();
+        during = (
+            gauge(&stats, sim.replicas[home].addr),
+            gauge(&stats, sim.replicas[other].addr),
+        );
+        if during == (0, 1) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
     resp.bytes().await.unwrap();
     assert_eq!(during, (0, 1), "in flight (home, fallback) while streaming");
     envoy
@@ -72,7 +81,15 @@ async fn a_retry_to_the_fallback_host_moves_the_in_flight_count() {
         )
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let after = envoy.stats("kvroute.inflight.").await.unwrap();
+    // The gauges follow on the next tick.
+    let mut after = envoy.stats("kvroute.inflight.").await.unwrap();
+    for _ in 0..100 {
+        if after.values().all(|v| *v == 0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        after = envoy.stats("kvroute.inflight.").await.unwrap();
+    }
     assert!(
         after.values().all(|v| *v == 0),
         "counts settle to zero: {after:?}"

@@ -49,6 +49,8 @@ pub struct Metrics {
     slots_used: Option<u32>,
     /// The in-flight gauge of each endpoint address seen.
     inflight: HashMap<String, [u32; 1]>,
+    /// What this worker last wrote to each endpoint's in-flight gauge.
+    inflight_shown: HashMap<String, u64>,
     /// The usage counters (prompt tokens, cached tokens) of each endpoint address seen.
     usage: HashMap<String, [u32; 2]>,
     /// Usage reported since the last flush.
@@ -130,14 +132,24 @@ impl Metrics {
     }
 
     /// The gauge mirroring kvroute's in-flight count for endpoint `addr`:
-    /// `kvroute.inflight.<ip>_<port>`.
+    /// `kvroute.inflight.<ip>_<port>`, written when `value` is not what this worker last wrote.
     pub fn inflight(&mut self, addr: &str, value: u64) {
-        let Metrics { ids, inflight, .. } = self;
+        if self.inflight_shown.get(addr) == Some(&value) {
+            return;
+        }
+        let Metrics {
+            ids,
+            inflight,
+            inflight_shown,
+            ..
+        } = self;
         let resolved = per_endpoint(ids, inflight, addr, |seg| {
             [(MetricType::Gauge, format!("kvroute.inflight.{seg}"))]
         });
         if let Some([id]) = resolved {
-            let _ = hostcalls::record_metric(id, value);
+            if hostcalls::record_metric(id, value).is_ok() {
+                inflight_shown.insert(addr.to_string(), value);
+            }
         }
     }
 

@@ -149,8 +149,8 @@ impl Stream {
             .route_with(&HostStore, &inflight, &hosts, &req, now);
         drop(shared);
         match result {
-            Ok(mut routed) => {
-                routed.inflight = self.shared.borrow_mut().inflight.add(routed.endpoint_id, 1);
+            Ok(routed) => {
+                self.shared.borrow_mut().inflight.add(routed.endpoint_id, 1);
                 self.apply(routed)
             }
             Err(reason) => self.fallback(reason),
@@ -175,7 +175,6 @@ impl Stream {
             m.slots_used(routed.slots_created as i64);
         }
         let primary = routed.endpoints.first().cloned().unwrap_or_default();
-        m.inflight(&primary, u64::from(routed.inflight));
         self.outcome = Some(routed.decision.name().to_string());
         self.routed = Some((routed.endpoint_id, primary));
         Action::Continue
@@ -225,10 +224,8 @@ impl Stream {
 
     /// The stream is over, however it ended: one request fewer in flight.
     fn settle(&mut self) {
-        if let Some((id, addr)) = self.routed.take() {
-            let mut shared = self.shared.borrow_mut();
-            let left = shared.inflight.add(id, -1);
-            shared.metrics.inflight(&addr, u64::from(left));
+        if let Some((id, _)) = self.routed.take() {
+            self.shared.borrow_mut().inflight.add(id, -1);
         }
     }
 }

@@ -182,7 +182,7 @@ impl Poller {
                 "kvroute.inflight_corrected",
                 removed as i64,
             );
-            // The gauges move on requests only: without this they would keep the drifted count.
+            // Shown now, from the corrected table, rather than at this worker's next flush.
             let table = counters::read(&HostStore);
             for (id, _) in &caps {
                 if let Some((_, addr)) = active.get(id) {

@@ -104,11 +104,9 @@ impl Response {
         }
         let served_id = endpoint_id(served);
         let mut s = shared.borrow_mut();
-        let now_there = s.inflight.add(served_id, 1);
-        let left = s.inflight.add(*id, -1);
+        s.inflight.add(served_id, 1);
+        s.inflight.add(*id, -1);
         s.metrics.count("kvroute.served_elsewhere");
-        s.metrics.inflight(addr, u64::from(left));
-        s.metrics.inflight(served, u64::from(now_there));
         Some((served_id, served.clone()))
     }
 

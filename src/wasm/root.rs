@@ -77,12 +77,11 @@ impl Shared {
     }
 
     /// Writes this worker's requests in flight to shared data, reads the other workers', and
-    /// sets the gauges of the endpoints whose count moved.
+    /// sets the gauges from what it read. The gauges are written here alone, not per request: a
+    /// gauge is one stat for every worker, and a worker writing its own view between ticks could
+    /// be overwritten by another's older one.
     fn flush_inflight(&mut self) {
-        let changed = self.inflight.flush(&HostStore);
-        if changed.is_empty() {
-            return;
-        }
+        self.inflight.flush(&HostStore);
         let Shared {
             inflight,
             metrics,
@@ -93,9 +92,7 @@ impl Shared {
         let polled = snapshot.values().flatten().map(|h| h.addr.as_str());
         for addr in polled.chain(router.config.endpoints.iter().map(String::as_str)) {
             let id = crate::rendezvous::endpoint_id(addr);
-            if changed.contains(&id) {
-                metrics.inflight(addr, u64::from(inflight.inflight(id)));
-            }
+            metrics.inflight(addr, u64::from(inflight.inflight(id)));
         }
     }
 
