@@ -5,7 +5,7 @@
 use kvroute_harness::backend::Backend;
 use kvroute_harness::{Envoy, EnvoyOptions, Lb};
 use serde_json::{json, Value};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Backends plus the Envoy in front of them.
 pub struct Fleet {
@@ -277,8 +277,16 @@ pub async fn warm_up_with(fleet: &Fleet, groups: &[Vec<Value>]) {
             .envoy
             .wait_for_stat("kvroute.groups_placed", |v| v >= n, Duration::from_secs(30));
     placed.await.unwrap_or_else(|e| panic!("{e}"));
-    // Every worker ticks after the table is complete, and the homes hold (`HOLD_POLLS`, 4 polls)
-    // before groups leave their first rendezvous choice for them: six more polls.
+    // The gauge is the last writer's: one worker has placed them. Another reads the groups table
+    // once a `FLUSH_MS` on its tick, so it has them within a `FLUSH_MS` of that, and a request the
+    // client sends on a new connection may reach it. Polls run on the same ticks, so a slow
+    // machine stretches both alike.
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_millis(kvroute::groups::FLUSH_MS) {
+        wait_for_fresh_poll(fleet).await;
+    }
+    // Then its homes hold (`HOLD_POLLS`, 4 polls) before groups leave their first rendezvous
+    // choice for them: six more polls.
     for _ in 0..3 {
         wait_for_fresh_poll(fleet).await;
     }
