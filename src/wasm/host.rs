@@ -153,6 +153,27 @@ impl Metrics {
         }
     }
 
+    /// Rewrites every in-flight gauge this worker has shown whose count (`count` of its address)
+    /// moved since, also of an endpoint no longer polled whose last requests just ended.
+    pub fn refresh_inflight(&mut self, count: impl Fn(&str) -> u64) {
+        let Metrics {
+            inflight,
+            inflight_shown,
+            ..
+        } = self;
+        for (addr, shown) in inflight_shown.iter_mut() {
+            let value = count(addr);
+            if *shown == value {
+                continue;
+            }
+            if let Some([id]) = inflight.get(addr.as_str()) {
+                if hostcalls::record_metric(*id, value).is_ok() {
+                    *shown = value;
+                }
+            }
+        }
+    }
+
     /// What an engine reported for one response, served by `served` when known: counted now,
     /// written to `kvroute.usage.*` on the next [`flush_usage`](Self::flush_usage). A response
     /// costs no metric call, where writing at once cost five.

@@ -77,7 +77,7 @@ impl Shared {
     }
 
     /// Writes this worker's requests in flight to shared data, reads the other workers', and
-    /// sets the gauges from what it read. The gauges are written here alone, not per request: a
+    /// sets the gauges from what it read. The gauges are written on the tick, not per request: a
     /// gauge is one stat for every worker, and a worker writing its own view between ticks could
     /// be overwritten by another's older one.
     fn flush_inflight(&mut self) {
@@ -90,10 +90,11 @@ impl Shared {
             ..
         } = self;
         let polled = snapshot.values().flatten().map(|h| h.addr.as_str());
+        let count = |addr: &str| u64::from(inflight.inflight(crate::rendezvous::endpoint_id(addr)));
         for addr in polled.chain(router.config.endpoints.iter().map(String::as_str)) {
-            let id = crate::rendezvous::endpoint_id(addr);
-            metrics.inflight(addr, u64::from(inflight.inflight(id)));
+            metrics.inflight(addr, count(addr));
         }
+        metrics.refresh_inflight(count);
     }
 
     /// A paused stream is now watched: tick at least every [`WATCH_TICK_MS`] until a verdict.
