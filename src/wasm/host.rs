@@ -153,6 +153,11 @@ impl Metrics {
         }
     }
 
+    /// Whether this worker has written endpoint `addr`'s in-flight gauge.
+    pub fn shows_inflight(&self, addr: &str) -> bool {
+        self.inflight_shown.contains_key(addr)
+    }
+
     /// Rewrites every in-flight gauge this worker has shown whose count (`count` of its address)
     /// moved since, also of an endpoint no longer polled whose last requests just ended.
     pub fn refresh_inflight(&mut self, count: impl Fn(&str) -> u64) {

@@ -92,7 +92,9 @@ impl Shared {
         let polled = snapshot.values().flatten().map(|h| h.addr.as_str());
         let count = |addr: &str| u64::from(inflight.inflight(crate::rendezvous::endpoint_id(addr)));
         for addr in polled.chain(router.config.endpoints.iter().map(String::as_str)) {
-            metrics.inflight(addr, count(addr));
+            if !metrics.shows_inflight(addr) {
+                metrics.inflight(addr, count(addr));
+            }
         }
         metrics.refresh_inflight(count);
     }
