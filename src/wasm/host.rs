@@ -148,7 +148,7 @@ impl Metrics {
         });
         if let Some([id]) = resolved {
             if hostcalls::record_metric(id, value).is_ok() {
-                inflight_shown.insert(addr.to_string(), value);
+                inflight_shown.entry_ref(addr).insert(value);
             }
         }
     }
@@ -188,12 +188,7 @@ impl Metrics {
         pending.responses += 1;
         add_tokens(&mut pending.tokens, tokens);
         if let Some(addr) = served {
-            match pending.by_endpoint.get_mut(addr) {
-                Some(sum) => add_tokens(sum, tokens),
-                None => {
-                    pending.by_endpoint.insert(addr.to_string(), tokens);
-                }
-            }
+            add_tokens(pending.by_endpoint.entry_ref(addr).or_default(), tokens);
         }
     }
 
