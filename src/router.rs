@@ -22,7 +22,6 @@ pub enum Fallback {
     Path,
     EmptyBody,
     BodyTooLarge,
-    BadUtf8,
     BadJson,
     NoModel,
     NoPrompt,
@@ -40,12 +39,11 @@ pub enum Fallback {
 
 impl Fallback {
     /// Every reason, so each counter exists (at zero) before it first moves.
-    pub const ALL: [Fallback; 14] = [
+    pub const ALL: [Fallback; 13] = [
         Fallback::Method,
         Fallback::Path,
         Fallback::EmptyBody,
         Fallback::BodyTooLarge,
-        Fallback::BadUtf8,
         Fallback::BadJson,
         Fallback::NoModel,
         Fallback::NoPrompt,
@@ -63,7 +61,6 @@ impl Fallback {
             Fallback::Path => "path",
             Fallback::EmptyBody => "empty_body",
             Fallback::BodyTooLarge => "body_too_large",
-            Fallback::BadUtf8 => "bad_utf8",
             Fallback::BadJson => "bad_json",
             Fallback::NoModel => "no_model",
             Fallback::NoPrompt => "no_prompt",
@@ -81,7 +78,6 @@ impl From<ParseError> for Fallback {
     fn from(e: ParseError) -> Fallback {
         match e {
             ParseError::Empty => Fallback::EmptyBody,
-            ParseError::BadUtf8 => Fallback::BadUtf8,
             ParseError::BadJson => Fallback::BadJson,
             ParseError::NoModel => Fallback::NoModel,
             ParseError::NoPrompt => Fallback::NoPrompt,
@@ -511,7 +507,7 @@ mod tests {
     #[test]
     fn every_parse_failure_has_a_listed_reason() {
         use crate::request::ParseError::*;
-        for e in [Empty, BadUtf8, BadJson, NoModel, NoPrompt] {
+        for e in [Empty, BadJson, NoModel, NoPrompt] {
             assert!(Fallback::ALL.contains(&Fallback::from(e)), "{e:?}");
         }
         let names: std::collections::HashSet<_> = Fallback::ALL.iter().map(|f| f.name()).collect();

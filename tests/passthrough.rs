@@ -42,15 +42,9 @@ async fn unparseable_bodies_pass_through_unchanged() {
     let fleet = Fleet::kvroute(2, debug_config(), |_| {}).await;
     let chat = "/v1/chat/completions";
     assert_passes_through(&fleet, chat, b"this is not json".to_vec(), "bad_json").await;
-    assert_passes_through(
-        &fleet,
-        chat,
-        b"{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}".to_vec(),
-        "bad_utf8",
-    )
-    .await;
-    let body = b"{\"model\":\"m\",\"prompt\":\"caf\xe9\"}".to_vec();
-    assert_passes_through(&fleet, "/v1/completions", body, "bad_utf8").await;
+    // Invalid UTF-8 where kvroute reads a name is no JSON string kvroute can read.
+    let body = b"{\"model\":\"\xff\",\"prompt\":\"p\"}".to_vec();
+    assert_passes_through(&fleet, "/v1/completions", body, "bad_json").await;
     let deep = format!(
         "{{\"model\":\"m\",\"messages\":{}{}}}",
         "[".repeat(100_000),
@@ -65,6 +59,39 @@ async fn unparseable_bodies_pass_through_unchanged() {
         "no_model",
     )
     .await;
+}
+
+/// Invalid UTF-8 inside a prompt is hashed as its bytes and routed like any prompt (the engine
+/// answers it); the bytes reach the backend unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_utf8_in_a_prompt_is_routed_and_arrives_unchanged() {
+    let fleet = Fleet::kvroute(2, debug_config(), |_| {}).await;
+    let bodies: [(&str, &[u8]); 2] = [
+        (
+            "/v1/chat/completions",
+            b"{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}",
+        ),
+        (
+            "/v1/completions",
+            b"{\"model\":\"m\",\"prompt\":\"caf\xe9\"}",
+        ),
+    ];
+    for (path, body) in bodies {
+        let reply = fleet
+            .post(path, body.to_vec(), &[("content-type", "application/json")])
+            .await;
+        let decision = reply.decision.clone().unwrap_or_default();
+        assert!(
+            !decision.is_empty() && !decision.starts_with("fallback"),
+            "{path}: decision {decision:?}"
+        );
+        let index = served_by(&fleet, &reply);
+        let got = fleet.backends[index]
+            .take_requests()
+            .pop()
+            .expect("backend recorded the request");
+        assert!(got.body == body, "{path}: body bytes changed on the way");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
