@@ -207,18 +207,29 @@ impl Stream {
             self.watched = false;
             self.shared.borrow_mut().body.forget(self.id);
         }
-        // A reset or failed connection after the response started (a replica dying mid-stream)
-        // shows only in Envoy's response flags; a response that reached its end had none.
-        let involved = self.routed.is_some() || self.response.pending();
-        let flags = if self.complete || !involved {
-            0
-        } else {
-            response_flags()
+        let usage = self.response.usage();
+        // A response that reports usage succeeded. Only a routed request's outcome matters
+        // without one: it settles the affinity, and a 503 may blame the chosen endpoint. (In
+        // `on_log`, which Envoy calls first, the response headers are still readable.)
+        let status = match usage {
+            None if self.routed.is_some() => response::status(),
+            _ => None,
         };
-        if flags & UPSTREAM_FAILURE_FLAGS != 0 {
-            self.blame(None, flags);
+        // A reset or failed connection after the response started (a replica dying mid-stream)
+        // shows only in Envoy's response flags; a response that reached its end had none. A 503
+        // needs them too: was it Envoy's own?
+        let involved = self.routed.is_some() || self.response.pending();
+        let flags = if (!self.complete && involved) || status == Some(503) {
+            response_flags()
+        } else {
+            0
+        };
+        if flags & UPSTREAM_FAILURE_FLAGS != 0 || status == Some(503) {
+            self.blame(status, flags);
         }
-        self.response.end(&self.shared, flags);
+        let ok = flags & UPSTREAM_FAILURE_FLAGS == 0
+            && (usage.is_some() || status.is_some_and(|s| (200..300).contains(&s)));
+        self.response.end(&self.shared, ok, usage);
         self.settle();
     }
 
@@ -381,25 +392,18 @@ impl HttpContext for Stream {
     fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
         self.settle_watch(false);
         self.complete = end_of_stream;
-        let status = response::status();
         // Who answered, read once for the blame and the response's settling.
         if self.routed.is_some() || self.response.pending() {
             self.response.read_served();
         }
         if self.routed.is_some() {
             // Retries are over by now (Envoy retries only before it forwards response headers):
-            // this is the final answer, and the host that gave it.
-            // Only a 503 needs the flags (was it Envoy's own?): the common case costs no read.
-            let flags = if status == Some(503) {
-                response_flags()
-            } else {
-                0
-            };
-            self.blame(status, flags);
+            // an answer from another host means the chosen one failed. Whether the chosen host
+            // answered 503 waits for the stream's end, where a successful response (one that
+            // reports usage) costs no status read.
+            self.blame(None, 0);
         }
-        self.routed = self
-            .response
-            .headers(&self.shared, status, self.routed.take());
+        self.routed = self.response.headers(&self.shared, self.routed.take());
         if self.shared.borrow().router.config.debug_header {
             if let Some(outcome) = &self.outcome {
                 let _ = hostcalls::set_map_value(

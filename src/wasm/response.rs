@@ -18,8 +18,7 @@ use crate::config::PolicyKind;
 use crate::eviction::{self, Predicted};
 use crate::rendezvous::endpoint_id;
 use crate::router::Routed;
-use crate::suspects::UPSTREAM_FAILURE_FLAGS;
-use crate::usage::Tail;
+use crate::usage::{Tail, Usage};
 
 /// Counters defined at configure time, so dashboards see them at zero.
 pub const COUNTERS: [&str; 6] = [
@@ -42,7 +41,6 @@ struct Chosen {
 #[derive(Default)]
 pub struct Response {
     chosen: Option<Chosen>,
-    status: Option<u16>,
     served: Option<String>,
     /// The end of the body so far, when the request is one an engine reports usage for.
     tail: Option<Tail>,
@@ -86,16 +84,14 @@ impl Response {
         self.served.as_deref()
     }
 
-    /// Response headers: the final status. If the host that served (see
-    /// [`read_served`](Self::read_served)) is not the one kvroute counted, the in-flight count
-    /// moves there. Takes and returns the counted `(id, addr)`.
+    /// Response headers: if the host that served (see [`read_served`](Self::read_served)) is not
+    /// the one kvroute counted, the in-flight count moves there. Takes and returns the counted
+    /// `(id, addr)`.
     pub fn headers(
         &mut self,
         shared: &RefCell<Shared>,
-        status: Option<u16>,
         counted: Option<(u32, String)>,
     ) -> Option<(u32, String)> {
-        self.status = status;
         let (Some((id, addr)), Some(served)) = (counted.as_ref(), self.served.as_ref()) else {
             return counted;
         };
@@ -110,12 +106,13 @@ impl Response {
         Some((served_id, served.clone()))
     }
 
-    /// A response body chunk of `size` bytes: keeps its end, for a successful response.
+    /// A response body chunk of `size` bytes: keeps its end. (An error's body carries no usage;
+    /// its status is not read to tell, see [`usage`](Self::usage).)
     pub fn body(&mut self, size: usize) {
         let Some(tail) = self.tail.as_mut() else {
             return;
         };
-        if !self.status.is_some_and(|s| (200..300).contains(&s)) || size == 0 {
+        if size == 0 {
             return;
         }
         let want = Tail::wanted(size);
@@ -126,11 +123,16 @@ impl Response {
         }
     }
 
-    /// The stream is over: usage stats, and affinity settled on the host that served it.
-    pub fn end(&mut self, shared: &RefCell<Shared>, flags: u64) {
-        let ok = self.status.is_some_and(|s| (200..300).contains(&s))
-            && flags & UPSTREAM_FAILURE_FLAGS == 0;
-        let usage = self.tail.take().filter(|_| ok).and_then(|t| t.usage());
+    /// What the engine reported using, from the end of the body: only a successful response
+    /// carries it, so a response that has it needs no status read.
+    pub fn usage(&mut self) -> Option<Usage> {
+        self.tail.take().and_then(|t| t.usage())
+    }
+
+    /// The stream is over (`ok`: it succeeded, `usage` from [`usage`](Self::usage)): usage
+    /// stats, and affinity settled on the host that served it.
+    pub fn end(&mut self, shared: &RefCell<Shared>, ok: bool, usage: Option<Usage>) {
+        let usage = usage.filter(|_| ok);
         if let Some(u) = usage {
             shared.borrow_mut().metrics.usage(self.served.as_deref(), u);
         }

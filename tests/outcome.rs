@@ -1,0 +1,83 @@
+#![cfg(not(target_arch = "wasm32"))]
+//! A routed request's outcome settles the affinity it recorded: a success keeps it, whether its
+//! engine reported usage (a whole answer) or not (a stream that did not ask, whose status is read
+//! at its end), and a failed answer withdraws it.
+
+mod common;
+
+use kvroute_sim::engine::Faults;
+use kvroute_sim::spec::FleetSpec;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn successes_keep_their_affinity_and_a_failure_withdraws_it() {
+    let spec = FleetSpec {
+        replicas: 2,
+        time_scale: 0.01,
+        ..FleetSpec::default()
+    };
+    let (sim, envoy) = common::kvroute_over_sim(spec).await;
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", envoy.url());
+    let body = |q: usize, stream: bool| -> Value {
+        json!({"model": sim.spec.model, "max_tokens": 4, "stream": stream,
+               "messages": [{"role": "system", "content": "You are the group's assistant. ".repeat(60)},
+                            {"role": "user", "content": format!("question {q}")}]})
+    };
+    let withdrawn = || async {
+        envoy
+            .stat("kvroute.affinity.withdrawn")
+            .await
+            .unwrap()
+            .unwrap_or(0)
+    };
+    // Each of these records its question for its engine; none may withdraw it.
+    let successes = 6;
+    for q in 0..successes {
+        let resp = http
+            .post(&url)
+            .json(&body(q, q % 2 == 0))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let text = resp.text().await.unwrap();
+        assert_eq!(
+            text.contains("\"usage\""),
+            q % 2 == 1,
+            "only the whole answers report usage"
+        );
+    }
+    assert_eq!(withdrawn().await, 0, "a success withdrew its affinity");
+
+    // Every answer now fails (500, which Envoy does not retry): the request withdraws what it
+    // recorded, a key or two, not the successes' keys.
+    for r in &sim.replicas {
+        r.replica.set_faults(Faults {
+            fail_rate: 1.0,
+            ..r.replica.faults()
+        });
+    }
+    let resp = http
+        .post(&url)
+        .json(&body(successes, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 500);
+    resp.bytes().await.unwrap();
+    envoy
+        .wait_for_stat(
+            "kvroute.affinity.withdrawn",
+            |v| v >= 1,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("a failed answer kept its affinity: {e}"));
+    let after = withdrawn().await;
+    assert!(
+        after < successes as u64,
+        "{after} keys withdrawn: more than the failed request recorded"
+    );
+}
