@@ -54,7 +54,8 @@ async fn killed_backend_is_avoided_once_unhealthy_and_no_request_fails() {
     take_routing_headers(&fleet);
     // One conversation of the dead backend's group: a group's conversations may split between
     // homes where 4 groups on 3 live backends cannot even out whole.
-    let mut moved = Vec::new();
+    let (mut moved, mut seen) = (Vec::new(), Vec::new());
+    let start = std::time::Instant::now();
     for i in 10..30 {
         for g in 0..4 {
             let question = if g == 0 { 10 } else { i };
@@ -62,6 +63,9 @@ async fn killed_backend_is_avoided_once_unhealthy_and_no_request_fails() {
             assert_ne!(served_by(&fleet, &reply), victim);
             if g == 0 {
                 moved.push(served_by(&fleet, &reply));
+                let decision = reply.decision.unwrap_or_default();
+                let ms = start.elapsed().as_millis();
+                seen.push(format!("{ms} ms: {} ({decision})", moved[moved.len() - 1]));
             }
         }
     }
@@ -79,6 +83,7 @@ async fn killed_backend_is_avoided_once_unhealthy_and_no_request_fails() {
     assert_eq!(
         moved.len(),
         1,
-        "the dead backend's conversation did not settle on one new home: {moved:?}"
+        "the dead backend's conversation did not settle on one new home: {moved:?}; each \
+         request of it (time in the loop, backend, decision): {seen:?}"
     );
 }
