@@ -80,9 +80,11 @@ async fn killed_backend_is_avoided_once_unhealthy_and_no_request_fails() {
         "kvroute still named the dead backend {dead}: {dead_named:?}"
     );
     // It settles: one new home, or a second one if the group's balanced home changes once more
-    // inside the loop; never back and forth. (A second home was seen once in 120 runs beside two
-    // CPU hogs, and twice more in about 100 runs of the stricter assertion: 13 requests on one
-    // home, then 7 on another, all decided `home`; what changed the home was not pinned down.)
+    // inside the loop; never back and forth. A second home was seen in about 1 of 100 runs
+    // beside two CPU hogs (13-17 requests on one home, then the rest on another, all decided
+    // `home`, all on one downstream connection, so one worker). That fits a re-placement dated
+    // while the test waited (a pending home's hold counts from when the group weights changed)
+    // taking effect once it has held for a few polls, which a slow machine can put in the loop.
     moved.dedup();
     assert!(
         moved.len() <= 2,
