@@ -8,6 +8,7 @@ mod common;
 use common::{
     ask, debug_config, first_homes, served_by, take_routing_headers, wait_for_fresh_poll, Fleet,
 };
+use kvroute::policy::cache_aware::HOLD_POLLS;
 use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -41,15 +42,16 @@ async fn killed_backend_is_avoided_once_unhealthy_and_no_request_fails() {
     marked.await.unwrap_or_else(|e| panic!("{e}"));
     // Homes settle once the gateway has warmed up (10 polls) and places the four groups by its
     // balanced assignment: until then a group goes to its first live rendezvous choice. A group
-    // the assignment gives another home moves there once that has held for 4 polls, counted from
-    // when the gateway warmed up: wait that out too, or on a slow machine the move could fall
-    // inside the loop below.
+    // the assignment gives another home moves there once that has held for `HOLD_POLLS` polls,
+    // counted from when the gateway warmed up: wait that out too, or on a slow machine the move
+    // could fall inside the loop below.
     let placed =
         fleet
             .envoy
             .wait_for_stat("kvroute.groups_placed", |v| v >= 4, Duration::from_secs(30));
     placed.await.unwrap_or_else(|e| panic!("{e}"));
-    tokio::time::sleep(Duration::from_millis(4 * 200 + 300)).await;
+    // (debug_config polls every 200 ms; a tick more for the margin.)
+    tokio::time::sleep(Duration::from_millis(HOLD_POLLS * 200 + 300)).await;
     // kvroute reads the new health flags on its next poll of Envoy's /clusters.
     wait_for_fresh_poll(&fleet).await;
     // What kvroute names from here on: the routing header each served request carried. (Envoy's
