@@ -207,6 +207,7 @@ impl Stream {
             self.watched = false;
             self.shared.borrow_mut().body.forget(self.id);
         }
+        let involved = self.routed.is_some() || self.response.pending();
         let usage = self.response.usage();
         // A response that reports usage succeeded. Only a routed request's outcome matters
         // without one: it settles the affinity, and a 503 may blame the chosen endpoint. (In
@@ -218,7 +219,6 @@ impl Stream {
         // A reset or failed connection after the response started (a replica dying mid-stream)
         // shows only in Envoy's response flags; a response that reached its end had none. A 503
         // needs them too: was it Envoy's own?
-        let involved = self.routed.is_some() || self.response.pending();
         let flags = if (!self.complete && involved) || status == Some(503) {
             response_flags()
         } else {
