@@ -70,8 +70,9 @@ impl ToolsAt {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Prompt {
     pub model: String,
-    /// The rendered prompt, as bytes: it is only hashed. UTF-8, but for a lone surrogate a client
-    /// escaped (`\ud800`), which stays in it as the three bytes JSON parsers give it (WTF-8).
+    /// The rendered prompt, as bytes: it is only hashed. UTF-8 as a client sends it, but for a
+    /// lone surrogate it escaped (`\ud800`), which stays in it as the three bytes JSON parsers give
+    /// it (WTF-8), and for invalid UTF-8 it sent raw, kept as sent (its engine refuses it).
     pub text: Vec<u8>,
     /// Bytes of `text` that make the request's head: the tools and the system (or developer)
     /// messages that open a chat, or its first message when there are neither; a whole completion
@@ -219,7 +220,7 @@ struct CompletionRequest<'a> {
 
 /// A JSON string's text, as its bytes. serde_json hands a string over as bytes after a SIMD search
 /// for its closing quote (`memchr`, 16 bytes a step in wasm), where a `str` costs a scan of 8
-/// bytes a step for control characters too; the body was already checked to be UTF-8 as a whole.
+/// bytes a step for control characters too, and no UTF-8 check (the bytes are only hashed).
 /// This is most of the bytes of a request, so it is most of kvroute's time. A string without
 /// escapes is borrowed, never copied.
 struct Text<'a>(Cow<'a, [u8]>);
