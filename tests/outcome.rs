@@ -7,7 +7,6 @@ mod common;
 
 use kvroute_sim::engine::Faults;
 use kvroute_sim::spec::FleetSpec;
-use serde_json::{json, Value};
 use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -20,11 +19,7 @@ async fn successes_keep_their_affinity_and_a_failure_withdraws_it() {
     let (sim, envoy) = common::kvroute_over_sim(spec).await;
     let http = reqwest::Client::new();
     let url = format!("{}/v1/chat/completions", envoy.url());
-    let body = |q: usize, stream: bool| -> Value {
-        json!({"model": sim.spec.model, "max_tokens": 4, "stream": stream,
-               "messages": [{"role": "system", "content": "You are the group's assistant. ".repeat(60)},
-                            {"role": "user", "content": format!("question {q}")}]})
-    };
+    let body = |q, stream| common::sim_question(&sim.spec.model, q, 4, stream);
     let withdrawn = || async {
         envoy
             .stat("kvroute.affinity.withdrawn")

@@ -7,7 +7,6 @@ mod common;
 
 use kvroute_sim::engine::Faults;
 use kvroute_sim::spec::FleetSpec;
-use serde_json::json;
 use std::time::Duration;
 
 fn gauge(stats: &std::collections::HashMap<String, u64>, addr: std::net::SocketAddr) -> u64 {
@@ -30,11 +29,7 @@ async fn a_retry_to_the_fallback_host_moves_the_in_flight_count() {
     let (sim, envoy) = common::kvroute_over_sim(spec).await;
     let http = reqwest::Client::new();
     let url = format!("{}/v1/chat/completions", envoy.url());
-    let body = |q: usize, max_tokens: usize| {
-        json!({"model": sim.spec.model, "max_tokens": max_tokens, "stream": true,
-               "messages": [{"role": "system", "content": "You are the group's assistant. ".repeat(60)},
-                            {"role": "user", "content": format!("question {q}")}]})
-    };
+    let body = |q, max_tokens| common::sim_question(&sim.spec.model, q, max_tokens, true);
     let replica = |resp: &reqwest::Response| -> usize {
         let h = resp.headers().get("x-sim-replica").expect("x-sim-replica");
         h.to_str().unwrap().parse().unwrap()

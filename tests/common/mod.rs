@@ -164,6 +164,16 @@ pub fn chat_body(system: &str, user: &str, stream: bool) -> Value {
     })
 }
 
+/// Question `q` to a simulated fleet serving `model`: one group's short system prompt, then the
+/// question, answered in at most `max_tokens`.
+pub fn sim_question(model: &str, q: usize, max_tokens: usize, stream: bool) -> Value {
+    let system = "You are the group's assistant. ".repeat(60);
+    let mut body = chat_body(&system, &format!("question {q}"), stream);
+    body["model"] = model.into();
+    body["max_tokens"] = max_tokens.into();
+    body
+}
+
 /// Question `i` of group `g` (its `system_prompt`), not streamed.
 pub fn ask(g: usize, i: usize) -> Value {
     chat_body(&system_prompt(g), &format!("question {i}"), false)
