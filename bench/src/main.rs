@@ -10,6 +10,7 @@ mod oracle;
 mod overhead;
 mod paths;
 mod peers;
+mod repeats;
 mod report;
 mod routers;
 mod sim_process;
@@ -44,6 +45,11 @@ enum Cmd {
         /// Output directory.
         #[arg(long)]
         out: PathBuf,
+        /// Runs the comparison N times, each with the next workload seed (DIR/run-<r>), and
+        /// writes how often the first router was at least as good as each other one
+        /// (DIR/repeats.md, repeats.json).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+        repeat: u64,
     },
     /// kvroute vs round robin on a small embedded fleet and workload (about a minute).
     Demo,
@@ -104,7 +110,8 @@ fn main() {
                     workload,
                     routers,
                     out,
-                } => run_compare(fleet, workload, routers, out).await,
+                    repeat,
+                } => run_compare(fleet, workload, routers, out, repeat as usize).await,
                 Cmd::Demo => demo::demo().await,
                 Cmd::Overhead {
                     seconds,
@@ -168,6 +175,7 @@ async fn run_compare(
     workload: PathBuf,
     routers: String,
     out: PathBuf,
+    repeat: usize,
 ) -> Result<(), String> {
     let fleet_text =
         std::fs::read_to_string(&fleet).map_err(|e| format!("{}: {e}", fleet.display()))?;
@@ -175,6 +183,12 @@ async fn run_compare(
         serde_json::from_str(&fleet_text).map_err(|e| format!("{}: {e}", fleet.display()))?;
     let workload = workload::Workload::from_file(&workload)?;
     let routers = routers::Router::parse_list(&routers)?;
+    if repeat > 1 {
+        let summary = repeats::repeat(&fleet_spec, &workload, &routers, repeat, &out).await?;
+        println!("{summary}");
+        eprintln!("wrote {}/repeats.md, repeats.json", out.display());
+        return Ok(());
+    }
     let results = compare::compare(&fleet_spec, &workload, &routers).await?;
     results.write_all(&out)?;
     println!("{}", results.markdown());
