@@ -209,6 +209,9 @@ pub fn summarize(routers: &[String], seeds: &[u64], runs: &[Results]) -> (String
             md += "\n";
             paired.push(json!({"router": first, "other": other, "metrics": fields}));
         }
+        if !others.is_empty() {
+            md += &ratios(first, others, seeds, runs);
+        }
     }
     let json = json!({
         "repeats": runs.len(),
@@ -217,6 +220,41 @@ pub fn summarize(routers: &[String], seeds: &[u64], runs: &[Results]) -> (String
         "paired": paired,
     });
     (md, json)
+}
+
+/// Each other router's hit rate and TTFT p50/p90 over `first`'s, repeat by repeat: lines such as
+/// "three gateways keep 0.95× one gateway's hit rate" are ratios of one run's side-by-side rows.
+fn ratios(first: &str, others: &[String], seeds: &[u64], runs: &[Results]) -> String {
+    let mut md =
+        format!("\nother / {first}, repeat by repeat: hit rate, TTFT p50, TTFT p90\n\n| other |");
+    for seed in seeds {
+        let _ = write!(md, " seed {seed} |");
+    }
+    md += "\n|---|";
+    md += &"---|".repeat(seeds.len());
+    md += "\n";
+    for other in others {
+        let _ = write!(md, "| {other} |");
+        let per: Vec<Vec<Option<f64>>> = METRICS[..3]
+            .iter()
+            .map(|m| {
+                values(first, m, runs)
+                    .into_iter()
+                    .zip(values(other, m, runs))
+                    .map(|(a, b)| Some(b? / a?).filter(|r| r.is_finite()))
+                    .collect()
+            })
+            .collect();
+        for r in 0..runs.len() {
+            let cell: Vec<String> = per
+                .iter()
+                .map(|v| v[r].map_or("-".into(), |x| format!("{x:.2}×")))
+                .collect();
+            let _ = write!(md, " {} |", cell.join(", "));
+        }
+        md += "\n";
+    }
+    md
 }
 
 /// Mean, min and max; `None` for no values.
@@ -307,6 +345,11 @@ mod tests {
         assert!(md.contains("| kvroute | 69.7% (67.0%–72.0%) |"), "{md}");
         assert!(
             md.contains("| smg | 1/2 (+0.0 pts) | 1/2 (+1.00) | 2/2 (-2.50) |"),
+            "{md}"
+        );
+        // smg over kvroute: 0.68 / 0.70, 37 / 36, 130 / 130; nothing for the skipped repeat.
+        assert!(
+            md.contains("| smg | 0.97×, 1.03×, 1.00× | 1.03×, 0.92×, 1.04× | -, -, - |"),
             "{md}"
         );
     }
