@@ -6,8 +6,10 @@
 #               and vllm-router (kvroute-bench overhead; the rows in $(BENCH_OUT)/overhead.json)
 #   make bench-instructions  instructions per request of plain Envoy, the floor filter and
 #               kvroute, each Envoy under valgrind's callgrind (counts that ignore the machine's load)
+#   make bench-placement  the placement issue's three lines, each run PLACEMENT_REPEAT times with
+#               the next seeds (compare --repeat): Zipf and grouped under cache pressure, llm-d
 #   make peers  installs the peer routers (smg, vllm-router), each in its own venv
-.PHONY: run bench peers bench-all bench-overhead bench-instructions
+.PHONY: run bench peers bench-all bench-overhead bench-instructions bench-placement
 
 BENCH := target/release/kvroute-bench
 PEERS := .work/peers
@@ -42,6 +44,15 @@ bench-all: deps build peers
 	  n=$$(basename $$w .json); \
 	  $(BENCH) compare --fleet $(BENCH_FLEET) --workload $$w --routers $(BENCH_ROUTERS) --out $(BENCH_OUT)/$$n || exit 1; \
 	done
+
+# Zipf-skewed groups against smg and the oracle, three gateways against one, llm-d against the
+# oracle: each line PLACEMENT_REPEAT times (repeats.md in each directory says how often it held).
+PLACEMENT_REPEAT ?= 3
+
+bench-placement: deps build peers
+	$(BENCH) compare --fleet bench/fleets/pressure.json --workload bench/workloads/zipf-pressure.json --routers kvroute,smg,oracle --repeat $(PLACEMENT_REPEAT) --out $(BENCH_OUT)/placement-zipf
+	$(BENCH) compare --fleet bench/fleets/pressure.json --workload bench/workloads/grouped-pressure.json --routers kvroute,kvroute@3 --repeat $(PLACEMENT_REPEAT) --out $(BENCH_OUT)/placement-grouped
+	$(BENCH) compare --fleet $(BENCH_FLEET) --workload bench/workloads/llm-d.json --routers kvroute,oracle --repeat $(PLACEMENT_REPEAT) --out $(BENCH_OUT)/placement-llm-d
 
 # A peer that fails to install is left without its marker; `compare` then reports it as skipped.
 peers:
