@@ -20,24 +20,28 @@ const METRICS: [Metric; 4] = [
     Metric {
         name: "prefix hit rate",
         key: "prefix_hit_rate",
+        get: |m| Some(m.prefix_hit_rate),
         higher_is_better: true,
         percent: true,
     },
     Metric {
         name: "TTFT p50 ms",
         key: "ttft_p50_ms",
+        get: |m| m.ttft_ms.p50,
         higher_is_better: false,
         percent: false,
     },
     Metric {
         name: "TTFT p90 ms",
         key: "ttft_p90_ms",
+        get: |m| m.ttft_ms.p90,
         higher_is_better: false,
         percent: false,
     },
     Metric {
         name: "busiest/idlest",
         key: "busiest_over_idlest",
+        get: |m| m.share_max_over_min,
         higher_is_better: false,
         percent: false,
     },
@@ -46,21 +50,13 @@ const METRICS: [Metric; 4] = [
 struct Metric {
     name: &'static str,
     key: &'static str,
+    get: fn(&Measured) -> Option<f64>,
     higher_is_better: bool,
     /// Shown in percent (points for differences).
     percent: bool,
 }
 
 impl Metric {
-    fn of(&self, m: &Measured) -> Option<f64> {
-        match self.key {
-            "prefix_hit_rate" => Some(m.prefix_hit_rate),
-            "ttft_p50_ms" => m.ttft_ms.p50,
-            "ttft_p90_ms" => m.ttft_ms.p90,
-            _ => m.share_max_over_min,
-        }
-    }
-
     fn show(&self, v: f64) -> String {
         match self.percent {
             true => format!("{:.1}%", v * 100.0),
@@ -85,10 +81,13 @@ pub async fn repeat(
     n: usize,
     out: &Path,
 ) -> Result<String, String> {
+    let seeds: Vec<u64> = (0..n)
+        .map(|r| workload.seed.wrapping_add(r as u64))
+        .collect();
     let mut runs = Vec::new();
-    for r in 0..n {
+    for (r, &seed) in seeds.iter().enumerate() {
         let mut w = workload.clone();
-        w.seed = workload.seed.wrapping_add(r as u64);
+        w.seed = seed;
         let mut order = routers.to_vec();
         if r % 2 == 1 {
             order.reverse();
@@ -101,9 +100,6 @@ pub async fn repeat(
         runs.push(results);
     }
     let names: Vec<String> = routers.iter().map(Router::name).collect();
-    let seeds: Vec<u64> = (0..n)
-        .map(|r| workload.seed.wrapping_add(r as u64))
-        .collect();
     let (md, json) = summarize(&names, &seeds, &runs);
     let text = serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?;
     std::fs::create_dir_all(out).map_err(|e| format!("{}: {e}", out.display()))?;
@@ -119,7 +115,7 @@ fn values(name: &str, metric: &Metric, runs: &[Results]) -> Vec<Option<f64>> {
     runs.iter()
         .map(|run| {
             run.results.iter().find_map(|r| match r {
-                RouterResult::Measured(m) if m.router == name => metric.of(m),
+                RouterResult::Measured(m) if m.router == name => (metric.get)(m),
                 _ => None,
             })
         })
@@ -138,13 +134,8 @@ pub fn summarize(routers: &[String], seeds: &[u64], runs: &[Results]) -> (String
             .collect::<Vec<_>>()
             .join(", ")
     );
-    md += "mean (min–max) over the repeats\n\n| router |";
-    for m in &METRICS {
-        let _ = write!(md, " {} |", m.name);
-    }
-    md += "\n|---|";
-    md += &"---:|".repeat(METRICS.len());
-    md += "\n";
+    md += "mean (min–max) over the repeats\n\n";
+    md += &metrics_header("router");
     let mut per_router = serde_json::Map::new();
     for name in routers {
         let _ = write!(md, "| {name} |");
@@ -169,14 +160,9 @@ pub fn summarize(routers: &[String], seeds: &[u64], runs: &[Results]) -> (String
         if !others.is_empty() {
             let _ = write!(
                 md,
-                "\n{first} against each other router, repeat by repeat: in how many it was at least as good, and the mean difference ({first} − other)\n\n| other |"
+                "\n{first} against each other router, repeat by repeat: in how many it was at least as good, and the mean difference ({first} − other)\n\n"
             );
-            for m in &METRICS {
-                let _ = write!(md, " {} |", m.name);
-            }
-            md += "\n|---|";
-            md += &"---:|".repeat(METRICS.len());
-            md += "\n";
+            md += &metrics_header("other");
         }
         for other in others {
             let _ = write!(md, "| {other} |");
@@ -220,6 +206,17 @@ pub fn summarize(routers: &[String], seeds: &[u64], runs: &[Results]) -> (String
         "paired": paired,
     });
     (md, json)
+}
+
+/// A table's header: `first` column, then one right-aligned column per metric.
+fn metrics_header(first: &str) -> String {
+    let mut md = format!("| {first} |");
+    for m in &METRICS {
+        let _ = write!(md, " {} |", m.name);
+    }
+    md += "\n|---|";
+    md += &"---:|".repeat(METRICS.len());
+    md + "\n"
 }
 
 /// Each other router's hit rate and TTFT p50/p90 over `first`'s, repeat by repeat: lines such as
