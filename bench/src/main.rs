@@ -50,6 +50,10 @@ enum Cmd {
         /// (DIR/repeats.md, repeats.json).
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
         repeat: u64,
+        /// Another build of the filter, run as router `kvroute-b` (name it in --routers) beside
+        /// `kvroute`: two builds on the same requests, in the same minutes.
+        #[arg(long, value_name = "WASM")]
+        compare_wasm: Option<PathBuf>,
     },
     /// kvroute vs round robin on a small embedded fleet and workload (about a minute).
     Demo,
@@ -111,7 +115,11 @@ fn main() {
                     routers,
                     out,
                     repeat,
-                } => run_compare(fleet, workload, routers, out, repeat as usize).await,
+                    compare_wasm,
+                } => {
+                    let b = compare_wasm.as_deref();
+                    run_compare(fleet, workload, routers, out, repeat as usize, b).await
+                }
                 Cmd::Demo => demo::demo().await,
                 Cmd::Overhead {
                     seconds,
@@ -176,13 +184,14 @@ async fn run_compare(
     routers: String,
     out: PathBuf,
     repeat: usize,
+    compare_wasm: Option<&std::path::Path>,
 ) -> Result<(), String> {
     let fleet_text =
         std::fs::read_to_string(&fleet).map_err(|e| format!("{}: {e}", fleet.display()))?;
     let fleet_spec: serde_json::Value =
         serde_json::from_str(&fleet_text).map_err(|e| format!("{}: {e}", fleet.display()))?;
     let workload = workload::Workload::from_file(&workload)?;
-    let routers = routers::Router::parse_list(&routers)?;
+    let routers = routers::Router::parse_list(&routers, compare_wasm)?;
     if repeat > 1 {
         let summary = repeats::repeat(&fleet_spec, &workload, &routers, repeat, &out).await?;
         println!("{summary}");

@@ -8,6 +8,7 @@ use kvroute_harness::{Envoy, EnvoyOptions, Lb};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 
 /// Envoy worker threads for the Envoy-based routers (the machine has 2 cores).
 const ENVOY_CONCURRENCY: u32 = 2;
@@ -20,6 +21,9 @@ pub enum Router {
     RingHash,
     /// kvroute with the shipped plugin config, or with `policy` laid over it.
     Kvroute(Option<String>),
+    /// `kvroute-b`: another build of the filter (`--compare-wasm`), with the shipped config, so
+    /// two builds run side by side on the same requests.
+    KvrouteB(PathBuf),
     Smg,
     Vllm(String),
     Oracle,
@@ -31,7 +35,9 @@ pub enum Router {
 pub const MAX_INSTANCES: u32 = 8;
 
 impl Router {
-    pub fn parse(name: &str) -> Result<Router, String> {
+    /// The router `name` names; `kvroute-b` runs the build `b` (`--compare-wasm`), and is an error
+    /// without it.
+    pub fn parse(name: &str, b: Option<&Path>) -> Result<Router, String> {
         if let Some((base, n)) = name.rsplit_once('@') {
             let n: u32 = n
                 .parse()
@@ -40,7 +46,7 @@ impl Router {
                 .ok_or_else(|| {
                     format!("{name:?}: the count after @ must be 1 to {MAX_INSTANCES}")
                 })?;
-            return match Router::parse(base)? {
+            return match Router::parse(base, b)? {
                 Router::Scaled(..) => Err(format!("{name:?}: only one @N per router")),
                 inner => Ok(Router::Scaled(Box::new(inner), n)),
             };
@@ -54,6 +60,10 @@ impl Router {
             ("least_request", None) => Router::LeastRequest,
             ("ring_hash", None) => Router::RingHash,
             ("kvroute", policy) => Router::Kvroute(policy),
+            ("kvroute-b", None) => match b {
+                Some(path) => Router::KvrouteB(path.to_path_buf()),
+                None => return Err("kvroute-b is the build --compare-wasm names; give it".into()),
+            },
             ("smg", None) => Router::Smg,
             ("vllm-router", Some(policy)) => Router::Vllm(policy),
             ("oracle", None) => Router::Oracle,
@@ -66,11 +76,11 @@ impl Router {
         })
     }
 
-    pub fn parse_list(list: &str) -> Result<Vec<Router>, String> {
+    pub fn parse_list(list: &str, b: Option<&Path>) -> Result<Vec<Router>, String> {
         list.split(',')
             .map(str::trim)
             .filter(|s| !s.is_empty())
-            .map(Router::parse)
+            .map(|name| Router::parse(name, b))
             .collect()
     }
 
@@ -81,6 +91,7 @@ impl Router {
             Router::RingHash => "ring_hash".into(),
             Router::Kvroute(None) => "kvroute".into(),
             Router::Kvroute(Some(p)) => format!("kvroute:{p}"),
+            Router::KvrouteB(_) => "kvroute-b".into(),
             Router::Smg => "smg".into(),
             Router::Vllm(p) => format!("vllm-router:{p}"),
             Router::Oracle => "oracle".into(),
@@ -122,7 +133,7 @@ impl Router {
 
     /// Starts one instance of a router that is not `NAME@N`.
     async fn start_one(&self, fleet: &SimFleet, fleet_spec: &Value) -> Result<Running, String> {
-        let envoy = |lb: Lb| async move {
+        let envoy = |lb: Lb, kvroute_wasm: Option<PathBuf>| async move {
             let backends = fleet
                 .replicas
                 .iter()
@@ -132,6 +143,7 @@ impl Router {
                 backends,
                 lb,
                 concurrency: ENVOY_CONCURRENCY,
+                kvroute_wasm,
                 ..EnvoyOptions::default()
             };
             let envoy = Envoy::start(opts).await.map_err(|e| e.to_string())?;
@@ -141,13 +153,11 @@ impl Router {
             })
         };
         match self {
-            Router::RoundRobin => envoy(Lb::RoundRobin).await,
-            Router::LeastRequest => envoy(Lb::LeastRequest).await,
+            Router::RoundRobin => envoy(Lb::RoundRobin, None).await,
+            Router::LeastRequest => envoy(Lb::LeastRequest, None).await,
             Router::RingHash => {
-                envoy(Lb::RingHash {
-                    header: SESSION_HEADER.into(),
-                })
-                .await
+                let header = SESSION_HEADER.into();
+                envoy(Lb::RingHash { header }, None).await
             }
             Router::Kvroute(policy) => {
                 // The decision header lets each sample say why it went where it went.
@@ -155,7 +165,11 @@ impl Router {
                     Some(p) => json!({ "policy": p, "debug_header": true }),
                     None => json!({ "debug_header": true }),
                 };
-                envoy(Lb::Kvroute { plugin_config }).await
+                envoy(Lb::Kvroute { plugin_config }, None).await
+            }
+            Router::KvrouteB(wasm) => {
+                let plugin_config = json!({ "debug_header": true });
+                envoy(Lb::Kvroute { plugin_config }, Some(wasm.clone())).await
             }
             Router::Smg => peer(peers::start_smg(fleet).await),
             Router::Vllm(policy) => peer(peers::start_vllm_router(policy, fleet, fleet_spec).await),
@@ -302,21 +316,31 @@ mod tests {
     #[test]
     fn router_names_round_trip() {
         let names = "round_robin,least_request,ring_hash,kvroute,kvroute:prefix_hash,smg,vllm-router:kv_aware,oracle";
-        let parsed = Router::parse_list(names).unwrap();
+        let parsed = Router::parse_list(names, None).unwrap();
         let back: Vec<String> = parsed.iter().map(Router::name).collect();
         assert_eq!(back.join(","), names);
     }
 
     #[test]
     fn unknown_router_is_an_error() {
-        assert!(Router::parse("nginx").is_err());
-        assert!(Router::parse("vllm-router").is_err());
+        assert!(Router::parse("nginx", None).is_err());
+        assert!(Router::parse("vllm-router", None).is_err());
+        assert!(
+            Router::parse("kvroute-b", None).is_err(),
+            "kvroute-b without --compare-wasm"
+        );
+        let b = Router::parse("kvroute-b@3", Some(Path::new("other.wasm"))).unwrap();
+        assert_eq!(b.name(), "kvroute-b@3");
+        assert_eq!(
+            b,
+            Router::Scaled(Box::new(Router::KvrouteB("other.wasm".into())), 3)
+        );
     }
 
     #[test]
     fn scaled_router_names_round_trip() {
         let names = "kvroute@3,smg@3,vllm-router:cache_aware@2,kvroute:prefix_hash@1,round_robin@4,oracle@2";
-        let parsed = Router::parse_list(names).unwrap();
+        let parsed = Router::parse_list(names, None).unwrap();
         assert_eq!(
             parsed[0],
             Router::Scaled(Box::new(Router::Kvroute(None)), 3)
@@ -342,7 +366,7 @@ mod tests {
             "vllm-router@2",
             "kvroute@2@3",
         ] {
-            assert!(Router::parse(bad).is_err(), "{bad} parsed");
+            assert!(Router::parse(bad, None).is_err(), "{bad} parsed");
         }
     }
 }
