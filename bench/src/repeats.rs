@@ -122,6 +122,20 @@ fn values(name: &str, metric: &Metric, runs: &[Results]) -> Vec<Option<f64>> {
         .collect()
 }
 
+/// `first`'s and `other`'s value of `metric` in each run, where both have one.
+fn paired_values(
+    first: &str,
+    other: &str,
+    metric: &Metric,
+    runs: &[Results],
+) -> Vec<Option<(f64, f64)>> {
+    values(first, metric, runs)
+        .into_iter()
+        .zip(values(other, metric, runs))
+        .map(|(a, b)| Some((a?, b?)))
+        .collect()
+}
+
 /// The summary of `runs` for `routers` (in the order given: the first is the one the others are
 /// paired with): markdown, and the same as JSON.
 pub fn summarize(routers: &[String], seeds: &[u64], runs: &[Results]) -> (String, Value) {
@@ -156,22 +170,19 @@ pub fn summarize(routers: &[String], seeds: &[u64], runs: &[Results]) -> (String
         per_router.insert(name.clone(), Value::Object(fields));
     }
     let mut paired = Vec::new();
-    if let Some((first, others)) = routers.split_first() {
-        if !others.is_empty() {
-            let _ = write!(
-                md,
-                "\n{first} against each other router, repeat by repeat: in how many it was at least as good, and the mean difference ({first} − other)\n\n"
-            );
-            md += &metrics_header("other");
-        }
+    if let Some((first, others)) = routers.split_first().filter(|(_, o)| !o.is_empty()) {
+        let _ = write!(
+            md,
+            "\n{first} against each other router, repeat by repeat: in how many it was at least as good, and the mean difference ({first} − other)\n\n"
+        );
+        md += &metrics_header("other");
         for other in others {
             let _ = write!(md, "| {other} |");
             let mut fields = serde_json::Map::new();
             for m in &METRICS {
-                let pairs: Vec<(f64, f64)> = values(first, m, runs)
+                let pairs: Vec<(f64, f64)> = paired_values(first, other, m, runs)
                     .into_iter()
-                    .zip(values(other, m, runs))
-                    .filter_map(|(a, b)| Some((a?, b?)))
+                    .flatten()
                     .collect();
                 let as_good = pairs
                     .iter()
@@ -195,9 +206,7 @@ pub fn summarize(routers: &[String], seeds: &[u64], runs: &[Results]) -> (String
             md += "\n";
             paired.push(json!({"router": first, "other": other, "metrics": fields}));
         }
-        if !others.is_empty() {
-            md += &ratios(first, others, seeds, runs);
-        }
+        md += &ratios(first, others, seeds, runs);
     }
     let json = json!({
         "repeats": runs.len(),
@@ -235,10 +244,9 @@ fn ratios(first: &str, others: &[String], seeds: &[u64], runs: &[Results]) -> St
         let per: Vec<Vec<Option<f64>>> = METRICS[..3]
             .iter()
             .map(|m| {
-                values(first, m, runs)
+                paired_values(first, other, m, runs)
                     .into_iter()
-                    .zip(values(other, m, runs))
-                    .map(|(a, b)| Some(b? / a?).filter(|r| r.is_finite()))
+                    .map(|p| p.map(|(a, b)| b / a).filter(|r| r.is_finite()))
                     .collect()
             })
             .collect();
