@@ -51,12 +51,14 @@ struct Count {
 }
 
 /// Counts `requests` requests of each kind through each of `configs` (empty: all; `plain`, the
-/// baseline, always), `kvroute-b` being the build `compare_wasm` names.
+/// baseline, always), `kvroute-b` being the build `compare_wasm` names. The dumps stay in
+/// `keep_dumps` when given.
 pub async fn instructions(
     requests: usize,
     plugin_config: Value,
     configs: &[String],
     compare_wasm: Option<&Path>,
+    keep_dumps: Option<&Path>,
 ) -> Result<(), String> {
     let known = ["plain", "floor", "floor+header", "kvroute", "kvroute-b"];
     let wanted = wanted_configs(&known, configs, compare_wasm.is_some())?;
@@ -67,10 +69,14 @@ pub async fn instructions(
             .entry("stats_interval_ms")
             .or_insert(Value::from(POLL_ONCE_MS));
     }
-    let dir = std::env::temp_dir().join(format!("kvroute-callgrind-{}", std::process::id()));
+    let dir = keep_dumps.map(Path::to_path_buf).unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("kvroute-callgrind-{}", std::process::id()))
+    });
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let outcome = count_all(requests, plugin_config, &wanted, compare_wasm, &dir).await;
-    let _ = std::fs::remove_dir_all(&dir);
+    if keep_dumps.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
     let counts = outcome?;
     print_counts(&counts, requests);
     Ok(())

@@ -94,6 +94,10 @@ enum Cmd {
         /// Also count this other build of the filter, as config `kvroute-b`.
         #[arg(long, value_name = "WASM")]
         compare_wasm: Option<PathBuf>,
+        /// Keep callgrind's dumps in DIR (one per config and kind, for `callgrind_annotate`)
+        /// instead of deleting them.
+        #[arg(long, value_name = "DIR")]
+        keep_dumps: Option<PathBuf>,
     },
 }
 
@@ -137,10 +141,11 @@ fn main() {
                     plugin_config,
                     configs,
                     compare_wasm,
+                    keep_dumps,
                 } => {
                     let config = parse_plugin_config(&plugin_config)?;
-                    let b = compare_wasm.as_deref();
-                    instructions::instructions(requests, config, &configs, b).await
+                    let (b, keep) = (compare_wasm.as_deref(), keep_dumps.as_deref());
+                    instructions::instructions(requests, config, &configs, b, keep).await
                 }
             }
         };
