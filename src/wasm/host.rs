@@ -38,8 +38,9 @@ pub fn now_ms() -> u64 {
 /// Envoy stats defined through proxy-wasm; Envoy shows them as `wasmcustom.<name>`. Metrics of the
 /// same name are one stat across all worker VMs. The ones a request moves are resolved to ids once,
 /// when the VM is configured (or, for per-endpoint gauges, when an endpoint is first seen): a
-/// request formats no name and hashes none but its endpoint's address. What the engines report
-/// of their usage is summed in the VM and written on the tick ([`Metrics::flush_usage`]).
+/// request formats no name and hashes none but its endpoint's address. The decisions, and what the
+/// engines report of their usage, are counted in the VM and written on the tick
+/// ([`Metrics::flush`]).
 #[derive(Default)]
 pub struct Metrics {
     ids: HashMap<String, u32>,
@@ -55,6 +56,8 @@ pub struct Metrics {
     usage: HashMap<String, [u32; 2]>,
     /// Usage reported since the last flush.
     unwritten: Unwritten,
+    /// Requests routed with each decision since the last flush.
+    decided: [i64; Decision::ALL.len()],
 }
 
 /// Usage reported since the last flush: responses, prompt and cached tokens, in all and of each
@@ -109,10 +112,12 @@ impl Metrics {
         }
     }
 
-    /// `kvroute.routed.<decision>`.
+    /// `kvroute.routed.<decision>`: counted now, written on the next [`flush`](Self::flush) (a
+    /// metric call per request saved).
     pub fn routed(&mut self, decision: Decision) {
-        let at = Decision::ALL.iter().position(|d| *d == decision);
-        increment(at.and_then(|i| self.routed[i]), 1);
+        if let Some(i) = Decision::ALL.iter().position(|d| *d == decision) {
+            self.decided[i] += 1;
+        }
     }
 
     /// `kvroute.fallback.<reason>`.
@@ -180,7 +185,7 @@ impl Metrics {
     }
 
     /// What an engine reported for one response, served by `served` when known: counted now,
-    /// written to `kvroute.usage.*` on the next [`flush_usage`](Self::flush_usage). A response
+    /// written to `kvroute.usage.*` on the next [`flush`](Self::flush). A response
     /// costs no metric call, where writing at once cost five.
     pub fn usage(&mut self, served: Option<&str>, u: Usage) {
         let tokens = [u.prompt_tokens as i64, u.cached_tokens as i64];
@@ -192,10 +197,16 @@ impl Metrics {
         }
     }
 
-    /// Writes the usage counted since the last flush: `kvroute.usage.{prompt,cached}_tokens`,
-    /// the same per endpoint (`.<endpoint>`), and `kvroute.usage.responses` last, so a reader that
-    /// sees the responses counted sees their tokens too.
-    pub fn flush_usage(&mut self) {
+    /// Writes what was counted since the last flush: the decisions (`kvroute.routed.*`), then
+    /// `kvroute.usage.{prompt,cached}_tokens`, the same per endpoint (`.<endpoint>`), and
+    /// `kvroute.usage.responses` last, so a reader that sees the responses counted sees their
+    /// tokens too.
+    pub fn flush(&mut self) {
+        for (id, n) in self.routed.iter().zip(&mut self.decided) {
+            if *n != 0 {
+                increment(*id, std::mem::take(n));
+            }
+        }
         if self.unwritten.responses == 0 {
             return;
         }

@@ -220,7 +220,7 @@ impl Root {
             let mono = s.clock.advance(now, tick);
             s.refresh_snapshot();
             s.flush_inflight();
-            s.metrics.flush_usage();
+            s.metrics.flush();
             let version = s.snapshot_cas;
             s.snapshot_age.observe(version, mono);
             s.refresh_suspects(now);

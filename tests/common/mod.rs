@@ -112,6 +112,19 @@ impl Fleet {
             .values()
             .sum()
     }
+
+    /// [`stat_sum`](Self::stat_sum) once it reaches `at_least`, or as it is after a few seconds:
+    /// for counters kvroute writes on its tick (`kvroute.routed.*`, `kvroute.usage.*`).
+    pub async fn stat_sum_reaching(&self, filter: &str, at_least: u64) -> u64 {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let sum = self.stat_sum(filter).await;
+            if sum >= at_least || tokio::time::Instant::now() > deadline {
+                return sum;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 }
 
 pub fn client() -> reqwest::Client {
