@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 
 /// Envoy worker threads for the Envoy-based routers (the machine has 2 cores).
 const ENVOY_CONCURRENCY: u32 = 2;
+/// Longer than kvroute's longest tick (100 ms), on which it writes its counters.
+const KVROUTE_FLUSH: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// A router named on the command line.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -215,6 +217,14 @@ pub enum Process {
 impl Running {
     /// The Envoys that run kvroute: this router's own, or for `kvroute@N` the N behind the front;
     /// none for other routers.
+    /// Waits until kvroute's Envoys have written what they counted of the requests just sent:
+    /// each worker writes its counters on its tick. Nothing to wait for with another router.
+    pub async fn settle_counters(&self) {
+        if !self.kvroute_envoys().is_empty() {
+            tokio::time::sleep(KVROUTE_FLUSH).await;
+        }
+    }
+
     fn kvroute_envoys(&self) -> Vec<&Envoy> {
         match &self.process {
             Process::Envoy(envoy) => vec![envoy],
