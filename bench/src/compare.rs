@@ -174,7 +174,7 @@ pub async fn run_one(
     let before = fleet.state().await?;
     let usage_before = running.kvroute_usage().await;
     let outcome = driver::run(&running.url, workload, &fleet.model, &name).await;
-    running.settle_counters().await;
+    running.settle_counters(outcome.samples.len() as u64).await;
     let after = fleet.state().await?;
     let usage_after = running.kvroute_usage().await;
     let decisions = running.kvroute_decisions().await;

@@ -12,8 +12,9 @@ use std::path::{Path, PathBuf};
 
 /// Envoy worker threads for the Envoy-based routers (the machine has 2 cores).
 const ENVOY_CONCURRENCY: u32 = 2;
-/// Longer than kvroute's longest tick (100 ms), on which it writes its counters.
-const KVROUTE_FLUSH: std::time::Duration = std::time::Duration::from_millis(250);
+/// How long kvroute's counters may lag the requests: it writes them on its tick (every 100 ms
+/// at most), which a loaded machine may run late.
+const KVROUTE_FLUSH: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// A router named on the command line.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -217,11 +218,23 @@ pub enum Process {
 impl Running {
     /// The Envoys that run kvroute: this router's own, or for `kvroute@N` the N behind the front;
     /// none for other routers.
-    /// Waits until kvroute's Envoys have written what they counted of the requests just sent:
-    /// each worker writes its counters on its tick. Nothing to wait for with another router.
-    pub async fn settle_counters(&self) {
-        if !self.kvroute_envoys().is_empty() {
-            tokio::time::sleep(KVROUTE_FLUSH).await;
+    /// Waits until kvroute's Envoys have written what they counted of the `sent` requests just
+    /// sent (each worker writes its counters on its tick): until their decisions add up to at
+    /// least `sent`, for [`KVROUTE_FLUSH`] at most. Nothing to wait for with another router or
+    /// a plain Envoy.
+    pub async fn settle_counters(&self, sent: u64) {
+        if self.kvroute_envoys().is_empty() {
+            return;
+        }
+        let deadline = tokio::time::Instant::now() + KVROUTE_FLUSH;
+        loop {
+            let decisions = self.kvroute_decisions().await;
+            // kvroute defines its decision counters at start: none, and this Envoy has no kvroute.
+            let decided: u64 = decisions.iter().map(|(_, n)| n).sum();
+            if decisions.is_empty() || decided >= sent || tokio::time::Instant::now() > deadline {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
     }
 
