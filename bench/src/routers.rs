@@ -216,20 +216,15 @@ pub enum Process {
 }
 
 impl Running {
-    /// The Envoys that run kvroute: this router's own, or for `kvroute@N` the N behind the front;
-    /// none for other routers.
     /// Waits until kvroute's Envoys have written what they counted of the `sent` requests just
     /// sent (each worker writes its counters on its tick): until their decisions add up to at
     /// least `sent`, for [`KVROUTE_FLUSH`] at most. Nothing to wait for with another router or
     /// a plain Envoy.
     pub async fn settle_counters(&self, sent: u64) {
-        if self.kvroute_envoys().is_empty() {
-            return;
-        }
         let deadline = tokio::time::Instant::now() + KVROUTE_FLUSH;
         loop {
             let decisions = self.kvroute_decisions().await;
-            // kvroute defines its decision counters at start: none, and this Envoy has no kvroute.
+            // kvroute defines its decision counters at start: none, and no Envoy here runs it.
             let decided: u64 = decisions.iter().map(|(_, n)| n).sum();
             if decisions.is_empty() || decided >= sent || tokio::time::Instant::now() > deadline {
                 return;
@@ -238,6 +233,8 @@ impl Running {
         }
     }
 
+    /// The Envoys that may run kvroute: this router's own (a baseline's runs none), or for
+    /// `kvroute@N` the N behind the front; none for the peers and the oracle.
     fn kvroute_envoys(&self) -> Vec<&Envoy> {
         match &self.process {
             Process::Envoy(envoy) => vec![envoy],
