@@ -162,18 +162,8 @@ impl Router {
                 let header = SESSION_HEADER.into();
                 envoy(Lb::RingHash { header }, None).await
             }
-            Router::Kvroute(policy) => {
-                // The decision header lets each sample say why it went where it went.
-                let plugin_config = match policy {
-                    Some(p) => json!({ "policy": p, "debug_header": true }),
-                    None => json!({ "debug_header": true }),
-                };
-                envoy(Lb::Kvroute { plugin_config }, None).await
-            }
-            Router::KvrouteB(wasm) => {
-                let plugin_config = json!({ "debug_header": true });
-                envoy(Lb::Kvroute { plugin_config }, Some(wasm.clone())).await
-            }
+            Router::Kvroute(policy) => envoy(kvroute_lb(policy.as_deref()), None).await,
+            Router::KvrouteB(wasm) => envoy(kvroute_lb(None), Some(wasm.clone())).await,
             Router::Smg => peer(peers::start_smg(fleet).await),
             Router::Vllm(policy) => peer(peers::start_vllm_router(policy, fleet, fleet_spec).await),
             Router::Oracle => {
@@ -213,6 +203,16 @@ pub enum Process {
         front: Envoy,
         instances: Vec<Running>,
     },
+}
+
+/// kvroute with the shipped plugin config, `policy` laid over it when given, and the decision
+/// header on: it lets each sample say why it went where it went.
+fn kvroute_lb(policy: Option<&str>) -> Lb {
+    let plugin_config = match policy {
+        Some(p) => json!({ "policy": p, "debug_header": true }),
+        None => json!({ "debug_header": true }),
+    };
+    Lb::Kvroute { plugin_config }
 }
 
 impl Running {
