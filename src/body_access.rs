@@ -60,10 +60,10 @@ pub fn body_received(total_size: &[u8], header_bytes: u64) -> Option<u64> {
 }
 
 /// The size Envoy gives a header map: names' and values' lengths, nothing for separators.
-pub fn header_bytes(headers: &[(String, String)]) -> u64 {
+pub fn header_bytes(headers: &[(String, impl AsRef<[u8]>)]) -> u64 {
     headers
         .iter()
-        .map(|(k, v)| (k.len() + v.len()) as u64)
+        .map(|(k, v)| (k.len() + v.as_ref().len()) as u64)
         .sum()
 }
 

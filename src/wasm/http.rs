@@ -59,9 +59,7 @@ impl Stream {
     }
 
     fn header(&self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
-            .ok()
-            .flatten()
+        request_header(name)
     }
 
     fn fallback(&mut self, reason: Fallback) -> Action {
@@ -246,9 +244,7 @@ impl Stream {
 /// the `no_body_access` fallback either way.
 pub(super) fn route_from_headers(shared: &RefCell<Shared>) {
     let session_header = shared.borrow().router.config.session_header.clone();
-    let session = hostcalls::get_map_value(MapType::HttpRequestHeaders, &session_header)
-        .ok()
-        .flatten();
+    let session = request_header(&session_header);
     if let Some(session) = session {
         let cluster = candidate_cluster(shared);
         let s = shared.borrow();
@@ -269,6 +265,22 @@ pub(super) fn route_from_headers(shared: &RefCell<Shared>) {
         }
     }
     shared.borrow_mut().metrics.fallback(Fallback::NoBodyAccess);
+}
+
+/// A request header's value. Values are bytes (HTTP allows 0x80-0xFF in them, and Envoy forwards
+/// them), so they are read as bytes: the SDK's `get_map_value` panics on one that is not UTF-8,
+/// which would trap the VM on a client's say-so. Invalid sequences read as U+FFFD.
+fn request_header(name: &str) -> Option<String> {
+    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+        .ok()
+        .flatten()
+        .map(|v| String::from_utf8_lossy(&v).into_owned())
+}
+
+/// The request's headers, values as bytes (see [`request_header`]); names are tokens, which
+/// Envoy's codecs check, so they are text. `None` when the map cannot be read.
+pub(super) fn request_headers() -> Option<Vec<(String, Vec<u8>)>> {
+    hostcalls::get_map_bytes(MapType::HttpRequestHeaders).ok()
 }
 
 /// Traps the VM when `path` is the configured `unsafe_trap_path_for_tests` (tests of Envoy's
@@ -318,13 +330,14 @@ impl HttpContext for Stream {
             )
         };
         // One host call for every header this needs (each call crosses into the VM twice).
-        let headers = hostcalls::get_map(MapType::HttpRequestHeaders).unwrap_or_default();
+        let headers = request_headers().unwrap_or_default();
         let (mut method, mut path, mut content_length, mut routing) = (None, None, None, false);
         for (name, value) in &headers {
+            let text = || std::str::from_utf8(value).ok();
             match name.as_str() {
-                ":method" => method = Some(value.as_str()),
-                ":path" => path = Some(value.as_str()),
-                "content-length" => content_length = value.trim().parse::<usize>().ok(),
+                ":method" => method = text(),
+                ":path" => path = text(),
+                "content-length" => content_length = text().and_then(|v| v.trim().parse().ok()),
                 n if n.eq_ignore_ascii_case(&header) => routing = true,
                 _ => {}
             }

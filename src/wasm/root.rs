@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{ContextType, LogLevel, MapType, MetricType};
+use proxy_wasm::types::{ContextType, LogLevel, MetricType};
 
 use super::host::{now_ms, HostStore, Metrics};
 use super::http::{route_from_headers, Stream};
@@ -295,7 +295,7 @@ fn body_received() -> Option<u64> {
     let total = hostcalls::get_property(vec!["request", "total_size"])
         .ok()
         .flatten()?;
-    let headers = hostcalls::get_map(MapType::HttpRequestHeaders).ok()?;
+    let headers = super::http::request_headers()?;
     body_access::body_received(&total, body_access::header_bytes(&headers))
 }
 

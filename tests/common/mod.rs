@@ -78,6 +78,21 @@ impl Fleet {
         self.send(req.body(body), headers).await
     }
 
+    /// [`post`](Self::post) with header values as raw bytes (HTTP allows bytes 0x80-0xFF).
+    pub async fn post_raw_headers(
+        &self,
+        path: &str,
+        body: impl Into<reqwest::Body>,
+        headers: &[(&str, &[u8])],
+    ) -> Reply {
+        let mut req = self.client.post(format!("{}{path}", self.envoy.url()));
+        for (k, v) in headers {
+            let value = reqwest::header::HeaderValue::from_bytes(v).expect("a valid header value");
+            req = req.header(*k, value);
+        }
+        self.send(req.body(body), &[]).await
+    }
+
     /// POSTs an OpenAI chat request.
     pub async fn chat(&self, body: &Value) -> Reply {
         self.post(
