@@ -85,6 +85,38 @@ impl From<ParseError> for Fallback {
     }
 }
 
+/// What kvroute reads from a request's headers, given as Envoy hands them over: names (tokens,
+/// which Envoy's codecs check) and values as bytes, since HTTP allows bytes 0x80-0xFF in values.
+/// A method, path or length that is not text reads as absent.
+#[derive(Debug, Default, PartialEq)]
+pub struct Head<'a> {
+    pub method: &'a str,
+    pub path: &'a str,
+    /// `content-length`, when the client declared one.
+    pub content_length: Option<usize>,
+    /// The client sent the routing header (`routing_header`, any case): it must be removed.
+    pub routing_header: bool,
+}
+
+impl<'a> Head<'a> {
+    pub fn read<V: AsRef<[u8]>>(headers: &'a [(String, V)], routing_header: &str) -> Head<'a> {
+        let mut head = Head::default();
+        for (name, value) in headers {
+            let text = || std::str::from_utf8(value.as_ref()).ok();
+            match name.as_str() {
+                ":method" => head.method = text().unwrap_or_default(),
+                ":path" => head.path = text().unwrap_or_default(),
+                "content-length" => {
+                    head.content_length = text().and_then(|v| v.trim().parse().ok())
+                }
+                n if n.eq_ignore_ascii_case(routing_header) => head.routing_header = true,
+                _ => {}
+            }
+        }
+        head
+    }
+}
+
 /// The header-phase check: is this a request kvroute routes (and so buffers the body of)?
 pub fn routable(method: &str, path: &str) -> Result<Api, Fallback> {
     if method != "POST" {
@@ -324,6 +356,33 @@ mod tests {
         (0..n)
             .map(|i| Host::fixed(&format!("127.0.0.1:{}", 8001 + i)))
             .collect()
+    }
+
+    #[test]
+    fn the_head_is_read_from_byte_values() {
+        let h = |n: &str, v: &[u8]| (n.to_string(), v.to_vec());
+        let headers = [
+            h(":method", b"POST"),
+            h(":path", b"/v1/chat/completions"),
+            h("content-length", b" 42 "),
+            h("x-note", b"caf\xe9 \xff"),
+            h("X-Gateway-Destination-Endpoint", b"10.0.0.1:80\xff"),
+        ];
+        let head = Head::read(&headers, "x-gateway-destination-endpoint");
+        assert_eq!(
+            head,
+            Head {
+                method: "POST",
+                path: "/v1/chat/completions",
+                content_length: Some(42),
+                routing_header: true,
+            }
+        );
+        // A path or length that is not text reads as absent: not routable, no declared length.
+        let odd = [h(":path", b"/v1/\xff"), h("content-length", b"4\xff")];
+        let head = Head::read(&odd, "x-gateway-destination-endpoint");
+        assert_eq!(head, Head::default());
+        assert_eq!(routable(head.method, head.path), Err(Fallback::Method));
     }
 
     fn chat(system: &str, user: &str) -> String {

@@ -395,3 +395,33 @@ fn header_checks_never_panic() {
         Ok(())
     });
 }
+
+/// Header maps as Envoy hands them over: the names kvroute reads, the routing header in any case,
+/// other names, and values of any bytes (HTTP allows 0x80-0xFF). Reading them never panics, and a
+/// routing header the client sent, however spelled, is always seen (so it is always removed).
+#[test]
+fn header_maps_of_any_bytes_are_read_and_the_routing_header_always_seen() {
+    let name = prop_oneof![
+        prop::sample::select(vec![
+            ":method",
+            ":path",
+            "content-length",
+            "x-gateway-destination-endpoint",
+            "X-Gateway-Destination-Endpoint",
+            "x-session-id",
+        ])
+        .prop_map(str::to_string),
+        "[a-zA-Z-]{1,12}",
+    ];
+    let value = prop::collection::vec(any::<u8>(), 0..40);
+    let map = prop::collection::vec((name, value), 0..12);
+    check("header maps", map, |headers| {
+        let head = router::Head::read(&headers, "x-gateway-destination-endpoint");
+        let sent = headers
+            .iter()
+            .any(|(n, _)| n.eq_ignore_ascii_case("x-gateway-destination-endpoint"));
+        prop_assert_eq!(head.routing_header, sent);
+        let _ = router::routable(head.method, head.path);
+        Ok(())
+    });
+}

@@ -285,9 +285,9 @@ pub(super) fn request_headers() -> Option<Vec<(String, Vec<u8>)>> {
 
 /// Traps the VM when `path` is the configured `unsafe_trap_path_for_tests` (tests of Envoy's
 /// failure policy; unset in production, where nothing reaches the panic).
-fn trap_for_tests(shared: &RefCell<Shared>, path: Option<&str>) {
+fn trap_for_tests(shared: &RefCell<Shared>, path: &str) {
     let s = shared.borrow();
-    if path.is_some() && s.router.config.unsafe_trap_path_for_tests.as_deref() == path {
+    if s.router.config.unsafe_trap_path_for_tests.as_deref() == Some(path) {
         panic!("kvroute: trapping on purpose (unsafe_trap_path_for_tests)");
     }
 }
@@ -331,20 +331,10 @@ impl HttpContext for Stream {
         };
         // One host call for every header this needs (each call crosses into the VM twice).
         let headers = request_headers().unwrap_or_default();
-        let (mut method, mut path, mut content_length, mut routing) = (None, None, None, false);
-        for (name, value) in &headers {
-            let text = || std::str::from_utf8(value).ok();
-            match name.as_str() {
-                ":method" => method = text(),
-                ":path" => path = text(),
-                "content-length" => content_length = text().and_then(|v| v.trim().parse().ok()),
-                n if n.eq_ignore_ascii_case(&header) => routing = true,
-                _ => {}
-            }
-        }
+        let head = router::Head::read(&headers, &header);
         // Whatever happens next, a client never chooses the upstream. (Also removed without
         // looking when the header map could not be read.)
-        if routing || headers.is_empty() {
+        if head.routing_header || headers.is_empty() {
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, None);
         }
         let trap = self
@@ -355,15 +345,15 @@ impl HttpContext for Stream {
             .unsafe_trap_path_for_tests
             .is_some();
         if trap {
-            trap_for_tests(&self.shared, path);
+            trap_for_tests(&self.shared, head.path);
         }
-        let api = match router::routable(method.unwrap_or_default(), path.unwrap_or_default()) {
+        let api = match router::routable(head.method, head.path) {
             Err(reason) => return self.fallback(reason),
             Ok(_) if end_of_stream => return self.fallback(Fallback::EmptyBody),
             Ok(api) => api,
         };
         self.response.want_usage();
-        if content_length.is_some_and(|n| n > max_body) {
+        if head.content_length.is_some_and(|n| n > max_body) {
             // Known to be too large: never start buffering it. Once a filter has buffered, Envoy
             // answers 413 instead of applying back-pressure when the body outgrows its buffer.
             return self.fallback(Fallback::BodyTooLarge);
@@ -374,7 +364,7 @@ impl HttpContext for Stream {
             self.outcome = Some(format!("fallback:{}", Fallback::NoBodyAccess.name()));
             return Action::Continue;
         }
-        self.pause(api, content_length)
+        self.pause(api, head.content_length)
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
