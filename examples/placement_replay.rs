@@ -6,7 +6,8 @@
 //! groups' traffic, and how many requests went to a replica serving more than an even share of
 //! the groups (10-25 s, after 25 s). With `--gateways N`, the requests are dealt round robin to N
 //! gateways, each counting its own share, and with `--workers W` to each gateway's W workers in
-//! turn, and it also prints how often they would send a request to different replicas;
+//! turn (worker 0 weighs the groups, the others adopt its weights at their own ticks, as through
+//! `leader`), and it also prints how often they would send a request to different replicas;
 //! `--deals D` also replays D random deals (a real balancer's) and prints their means; `--ping`
 //! adds the bench's first request (a one-off, before the run, at one gateway), `--ping-each` one
 //! at every gateway; `--tick-ms` is `stats_interval_ms` (the shipped 500 unless given; the bench
@@ -114,12 +115,25 @@ impl Gateway {
         }
     }
 
+    /// Runs every worker's ticks due by `at_ms` in time order: worker 0 leads (it weighs the
+    /// groups), the others adopt its weights at their own ticks, as `cache_aware` does through
+    /// `leader`. Returns how many ticks recomputed the homes.
     fn tick_until(&mut self, at_ms: u64, finished: f64, eps: &[u32], show: Option<&str>) -> u32 {
-        let table = &self.table;
-        self.workers
-            .iter_mut()
-            .map(|w| w.tick_until(table, at_ms, finished, eps, show))
-            .sum()
+        let mut recomputes = 0;
+        loop {
+            let Some(w) = (0..self.workers.len())
+                .filter(|&w| self.workers[w].next_tick <= at_ms)
+                .min_by_key(|&w| (self.workers[w].next_tick, w))
+            else {
+                return recomputes;
+            };
+            let (lead, rest) = self.workers.split_at_mut(1);
+            let changed = match w {
+                0 => lead[0].tick(&self.table, finished, eps, show),
+                _ => rest[w - 1].adopt(&self.table, &lead[0]),
+            };
+            recomputes += u32::from(changed);
+        }
     }
 }
 
@@ -137,6 +151,8 @@ struct Worker {
     shares_ms: u64,
     /// Its ticks fall at `phase_ms` past each tick: gateways started at different moments.
     phase_ms: u64,
+    /// From when it places by the assignment: its gateway's leader's warm-up end.
+    warm_ms: u64,
     tick_ms: u64,
     next_tick: u64,
 }
@@ -152,68 +168,81 @@ impl Worker {
             assigned: false,
             shares_ms: 0,
             phase_ms,
+            warm_ms: phase_ms + WARMUP_POLLS * tick_ms,
             tick_ms,
             next_tick: phase_ms,
         }
     }
 
-    /// Runs the ticks due by `at_ms`, the fleet having finished `finished` requests: writes its
-    /// counts to `table` and reads it as `cache_aware`'s tick does. Returns how many recomputed
-    /// the homes; prints what moved if `show` (named `label`).
-    fn tick_until(
+    /// Its next tick, as the leader, the fleet having finished `finished` requests: writes its
+    /// counts to `table`, reads it and weighs the groups as `cache_aware`'s tick does. Returns
+    /// whether the homes were recomputed; prints what moved if `show` (named `label`).
+    fn tick(
         &mut self,
         table: &MemoryStore,
-        at_ms: u64,
         finished: f64,
         eps: &[u32],
         show: Option<&str>,
-    ) -> u32 {
-        let mut recomputes = 0;
-        while self.next_tick <= at_ms {
-            let now = self.next_tick;
-            self.next_tick += self.tick_ms;
-            self.tally.sync(table, now);
-            self.fleet.observe([("engines", finished)], now);
-            let all = self.tally.seen();
-            let min_requests = self.fleet.min_requests(groups::own_volume(&all, now));
-            let seeing_ms = now.saturating_sub(self.phase_ms);
-            let weighted = groups::weighted(&all, now, min_requests, seeing_ms);
-            let counted = groups::steady(&self.counted, weighted);
-            if counted == self.counted {
-                continue;
-            }
-            let next = groups::shares(&counted, eps);
-            let changed = moved(&self.shares, &next, &counted);
-            if let Some(label) = show.filter(|_| !changed.is_empty()) {
-                let added: Vec<_> = counted
-                    .iter()
-                    .copied()
-                    .filter(|c| !self.counted.contains(c))
-                    .collect();
-                let gone: Vec<_> = self
-                    .counted
-                    .iter()
-                    .copied()
-                    .filter(|c| !counted.contains(c))
-                    .collect();
-                println!(
-                    "{label}t={now} +{:?} -{:?} moved {changed:?}",
-                    names(&added),
-                    names(&gone)
-                );
-            }
-            self.counted = counted;
-            self.shares = next;
-            self.assigned = false;
-            self.shares_ms = now;
-            recomputes += 1;
+    ) -> bool {
+        let now = self.next_tick;
+        self.next_tick += self.tick_ms;
+        self.tally.sync(table, now);
+        self.fleet.observe([("engines", finished)], now);
+        let all = self.tally.seen();
+        let min_requests = self.fleet.min_requests(groups::own_volume(&all, now));
+        let seeing_ms = now.saturating_sub(self.phase_ms);
+        let weighted = groups::weighted(&all, now, min_requests, seeing_ms);
+        let counted = groups::steady(&self.counted, weighted);
+        if counted == self.counted {
+            return false;
         }
-        recomputes
+        let next = groups::shares(&counted, eps);
+        let changed = moved(&self.shares, &next, &counted);
+        if let Some(label) = show.filter(|_| !changed.is_empty()) {
+            let added: Vec<_> = counted
+                .iter()
+                .copied()
+                .filter(|c| !self.counted.contains(c))
+                .collect();
+            let gone: Vec<_> = self
+                .counted
+                .iter()
+                .copied()
+                .filter(|c| !counted.contains(c))
+                .collect();
+            println!(
+                "{label}t={now} +{:?} -{:?} moved {changed:?}",
+                names(&added),
+                names(&gone)
+            );
+        }
+        self.counted = counted;
+        self.shares = next;
+        self.assigned = false;
+        self.shares_ms = now;
+        true
+    }
+
+    /// Its next tick, as a follower: writes its counts to `table` and adopts what `leader`
+    /// published. Returns whether that changed its homes.
+    fn adopt(&mut self, table: &MemoryStore, leader: &Worker) -> bool {
+        let now = self.next_tick;
+        self.next_tick += self.tick_ms;
+        self.tally.sync(table, now);
+        self.warm_ms = leader.warm_ms;
+        if (&self.counted, self.shares_ms) == (&leader.counted, leader.shares_ms) {
+            return false;
+        }
+        self.counted = leader.counted.clone();
+        self.shares = leader.shares.clone();
+        self.shares_ms = leader.shares_ms;
+        self.assigned = false;
+        true
     }
 
     /// Where this worker sends `r` at `r.at_ms`, and whether the group is counted and split.
     fn home(&mut self, r: &Request, eps: &[u32]) -> (u32, bool, bool) {
-        let warm_ms = self.phase_ms + WARMUP_POLLS * self.tick_ms;
+        let warm_ms = self.warm_ms;
         let warm = r.at_ms >= warm_ms;
         let first = eps[rendezvous::order(r.group, eps)[0]];
         let parts = self.shares.get(&r.group).filter(|_| warm);

@@ -18,6 +18,7 @@ pub mod eviction;
 pub mod freshness;
 pub mod groups;
 pub mod homes;
+pub mod leader;
 pub mod policy;
 pub mod prefix;
 pub mod rendezvous;

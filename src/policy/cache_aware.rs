@@ -21,13 +21,15 @@
 //!
 //! A gateway that restarts with an empty map, or joins late, sends each group to its first
 //! rendezvous choice while it warms up, then to the same balanced home as the others once it has
-//! seen the groups. A group moves to a new home only once the assignment has kept giving it that
+//! seen the groups. Within a gateway, one worker weighs the groups and the others adopt its
+//! weights ([`leader`]), so every worker sends a group to the same home. A group moves to a new home only once the assignment has kept giving it that
 //! home for a few polls ([`homes`](crate::homes)), so an assignment swaying as groups are counted
 //! one by one moves nobody. The affinity map records which endpoint served which prefix (chained
 //! chunk keys); a holder whose engine has since been found to evict what it last used by then
 //! ([`eviction`](crate::eviction)) no longer counts.
 
 use std::cell::RefCell;
+use std::hash::{BuildHasher, RandomState};
 
 use hashbrown::HashMap;
 
@@ -37,6 +39,7 @@ use crate::affinity::{AffinityMap, Match};
 use crate::eviction;
 use crate::groups::{self, FleetVolume, Tally};
 use crate::homes::Held;
+use crate::leader::{self, Published};
 use crate::prefix::PrefixKeys;
 use crate::store::SharedStore;
 
@@ -64,8 +67,13 @@ pub struct CacheAware {
 
 #[derive(Default)]
 struct GroupView {
-    /// When this gateway's first tick ran.
+    /// When this worker's first tick ran.
     born_ms: Option<u64>,
+    /// From when the gateway places groups by the assignment: the end of its first leader's
+    /// warm-up ([`leader`]); unknown before this worker's first tick.
+    warm_ms: Option<u64>,
+    /// This worker's token, which marks what it publishes as the leader ([`leader`]).
+    token: u64,
     /// This worker's copy of the groups table and the requests it counted.
     tally: Tally,
     /// The groups that take a place, with their weights, sorted; whether their assignment is
@@ -98,6 +106,7 @@ impl CacheAware {
             warmup_ms,
             view: RefCell::new(GroupView {
                 homes: Held::new(hold_ms),
+                token: RandomState::new().hash_one(0u8),
                 ..GroupView::default()
             }),
         }
@@ -116,9 +125,7 @@ impl CacheAware {
         let group = keys.group;
         let first = order.first().copied().unwrap_or(0);
         let mut view = self.view.borrow_mut();
-        let warm = view
-            .born_ms
-            .is_some_and(|born| now_ms.saturating_sub(born) >= self.warmup_ms);
+        let warm = view.warm_ms.is_some_and(|warm| now_ms >= warm);
         if !warm
             || view
                 .counted
@@ -131,8 +138,7 @@ impl CacheAware {
         if !view.assigned || !view.homes.is_for(ids()) {
             let ids: Vec<u32> = ids().collect();
             let shares = groups::shares(&view.counted, &ids);
-            let warm_ms = view.born_ms.unwrap_or(0) + self.warmup_ms;
-            let since = view.counted_ms.max(warm_ms);
+            let since = view.counted_ms.max(view.warm_ms.unwrap_or(0));
             view.homes.update(&ids, &shares, since);
             view.assigned = true;
         }
@@ -195,23 +201,50 @@ impl Policy for CacheAware {
         )
     }
 
+    /// Counts this worker's requests into the groups table; then, if this worker leads
+    /// ([`leader`]), weighs the groups and publishes the weights, else adopts the leader's.
     fn tick(&self, store: &dyn SharedStore, now_ms: u64, completed: &[(&str, f64)]) -> usize {
         let mut view = self.view.borrow_mut();
         let born = *view.born_ms.get_or_insert(now_ms);
         view.tally.sync(store, now_ms);
-        let seen = view.tally.seen();
         view.fleet.observe(completed.iter().copied(), now_ms);
-        let min_requests = view.fleet.min_requests(groups::own_volume(&seen, now_ms));
-        let seeing_ms = view.born_ms.map_or(0, |born| now_ms.saturating_sub(born));
-        let weighted = groups::weighted(&seen, now_ms, min_requests, seeing_ms);
-        let counted = groups::steady(&view.counted, weighted);
-        if counted != view.counted {
-            view.counted = counted;
-            view.counted_ms = now_ms;
+        let (published, cas) = leader::read(store);
+        let next = if Published::led_by(published.as_ref(), view.token, now_ms) {
+            let seen = view.tally.seen();
+            let min_requests = view.fleet.min_requests(groups::own_volume(&seen, now_ms));
+            let weighted =
+                groups::weighted(&seen, now_ms, min_requests, now_ms.saturating_sub(born));
+            // From the weights the gateway places by (this worker's copy of the last published
+            // ones, when it takes over), so a new leader moves no group.
+            let counted = groups::steady(&view.counted, weighted);
+            let counted_ms = if counted == view.counted {
+                view.counted_ms
+            } else {
+                now_ms
+            };
+            let next = Published {
+                author: view.token,
+                written_ms: now_ms,
+                warm_ms: published
+                    .as_ref()
+                    .map_or(born + self.warmup_ms, |p| p.warm_ms),
+                counted_ms,
+                counted,
+            };
+            if Published::stale(published.as_ref(), &next) {
+                leader::write(store, &next, cas);
+            }
+            next
+        } else {
+            published.unwrap_or_default()
+        };
+        if next.counted != view.counted || next.counted_ms != view.counted_ms {
+            view.counted = next.counted;
+            view.counted_ms = next.counted_ms;
             view.assigned = false;
         }
-        let warm = now_ms.saturating_sub(born) >= self.warmup_ms;
-        if warm {
+        view.warm_ms = Some(next.warm_ms);
+        if now_ms >= next.warm_ms {
             view.counted.len()
         } else {
             0
@@ -378,6 +411,86 @@ mod tests {
             assert_eq!(n, 2, "endpoint {e} has {n} of 8 groups: {homes:?}");
         }
         assert_eq!(home(2003), homes, "stable");
+    }
+
+    #[test]
+    fn a_gateways_workers_give_every_group_the_same_home() {
+        let (store, c) = (MemoryStore::new(), candidates(&[0, 0, 0, 0]));
+        let (first, second) = (policy(), policy());
+        let groups: Vec<String> = (0..8).map(|g| format!("group {g}")).collect();
+        // The question is the same at every call: a split group's home depends on it.
+        let send = |p: &CacheAware, g: &str, now| {
+            let keys = ask(g, "the question");
+            let input = Input {
+                now_ms: now,
+                ..input(&keys, &store)
+            };
+            let pick = p.pick(&c, &input).unwrap();
+            p.routed(&c, &input, &pick);
+            pick.index
+        };
+        let homes = |p: &CacheAware, now| -> Vec<usize> {
+            groups.iter().map(|g| send(p, g, now)).collect()
+        };
+        first.tick(&store, 0, &[]);
+        second.tick(&store, 0, &[]);
+        homes(&first, 10);
+        homes(&first, 20);
+        first.tick(&store, 2000, &[]); // past the warm-up: it leads and publishes
+                                       // The second worker alone then sees group 0 turn hot: its own weights would differ.
+        for n in 0..40 {
+            send(&second, &groups[0], 2100 + n);
+        }
+        second.tick(&store, 2500, &[]);
+        assert_eq!(homes(&second, 2600), homes(&first, 2600));
+        first.tick(&store, 3000, &[]); // the leader weighs the hot group too
+        second.tick(&store, 3100, &[]);
+        let by_first = homes(&first, 3200);
+        assert_eq!(homes(&second, 3200), by_first);
+        // A worker that starts now (a reloaded VM) needs no warm-up of its own.
+        let late = policy();
+        assert_eq!(
+            late.tick(&store, 3200, &[]),
+            8,
+            "places by the assignment at once"
+        );
+        assert_eq!(homes(&late, 3201), by_first);
+    }
+
+    #[test]
+    fn when_the_leading_worker_is_gone_another_takes_over_and_nobody_moves() {
+        let (store, c) = (MemoryStore::new(), candidates(&[0, 0, 0, 0]));
+        let (first, second) = (policy(), policy());
+        let homes = |p: &CacheAware, now| -> Vec<usize> {
+            (0..8)
+                .map(|g| {
+                    let keys = ask(&format!("group {g}"), "the question");
+                    let input = Input {
+                        now_ms: now,
+                        ..input(&keys, &store)
+                    };
+                    let pick = p.pick(&c, &input).unwrap();
+                    p.routed(&c, &input, &pick);
+                    pick.index
+                })
+                .collect()
+        };
+        first.tick(&store, 0, &[]);
+        second.tick(&store, 0, &[]);
+        homes(&first, 10);
+        homes(&second, 20);
+        first.tick(&store, 2000, &[]);
+        second.tick(&store, 2100, &[]);
+        let before = homes(&second, 2200);
+        assert_eq!(homes(&first, 2200), before);
+        let author = |store: &MemoryStore| leader::read(store).0.map(|p| p.author);
+        let led_by_first = author(&store);
+        // The first stops ticking (its VM is gone): until the lease runs out the second follows.
+        second.tick(&store, 2000 + leader::LEAD_TTL_MS - 1, &[]);
+        assert_eq!(author(&store), led_by_first);
+        second.tick(&store, 2000 + leader::LEAD_TTL_MS, &[]);
+        assert_ne!(author(&store), led_by_first, "the second took over");
+        assert_eq!(homes(&second, 2000 + leader::LEAD_TTL_MS + 1), before);
     }
 
     #[test]
