@@ -6,8 +6,8 @@
 mod common;
 
 use common::{
-    ask, chat_body, debug_config, inflight_gauges, kv_stat, system_prompt, wait_for_fresh_poll,
-    Fleet,
+    ask, chat_body, debug_config, inflight_gauges, kv_stat, served_by, system_prompt,
+    wait_for_fresh_poll, Fleet,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -160,4 +160,70 @@ async fn wait_for_log(fleet: &Fleet, needle: &str) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A VM that reloads in a running gateway sends each group where the gateway did: it adopts the
+/// weights the gateway published (`src/leader.rs`) instead of warming up on each group's first
+/// rendezvous choice, which moved every group the balanced assignment had placed elsewhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reloaded_vm_sends_each_group_where_the_gateway_did() {
+    let mut config = debug_config();
+    config["unsafe_trap_path_for_tests"] = TRAP.into();
+    // One worker, so the VM that reloads is the one that answers next.
+    let fleet = Fleet::kvroute(4, config, |o| o.concurrency = 1).await;
+    let homes = || async {
+        let mut homes = Vec::new();
+        for g in 0..8 {
+            homes.push(served_by(&fleet, &fleet.chat(&ask(g, 100)).await));
+        }
+        homes
+    };
+    for i in 0..2 {
+        for g in 0..8 {
+            served_by(&fleet, &fleet.chat(&ask(g, i)).await);
+        }
+    }
+    // Past the warm-up (10 polls) every group is placed; its home holds 4 polls before it moves.
+    let placed =
+        fleet
+            .envoy
+            .wait_for_stat("kvroute.groups_placed", |v| v == 8, Duration::from_secs(30));
+    placed.await.unwrap_or_else(|e| panic!("{e}"));
+    let mut before = homes().await;
+    loop {
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let now = homes().await;
+        if now == before {
+            break;
+        }
+        before = now;
+    }
+
+    let _ = fleet
+        .client
+        .post(format!("{}{TRAP}", fleet.envoy.url()))
+        .body("{}")
+        .send()
+        .await;
+    wait_for_log(&fleet, "trapping on purpose").await;
+    // Requests reload the VM; once it has ticked (two polls on), it routes each group. A VM that
+    // warmed up on its own would send them to their first rendezvous choices for 10 polls.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let reply = fleet
+            .client
+            .post(format!("{}/v1/chat/completions", fleet.envoy.url()))
+            .header("content-type", "application/json")
+            .body(ask(9, 0).to_string())
+            .send()
+            .await;
+        // Until the VM is back, Envoy answers 503 (or resets): its business, not kvroute's.
+        if reply.is_ok_and(|r| r.headers().contains_key("x-kvroute-decision")) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{}", fleet.envoy.log_tail());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    wait_for_fresh_poll(&fleet).await;
+    assert_eq!(homes().await, before, "the reloaded VM moved groups");
 }
