@@ -27,18 +27,12 @@ async fn a_trapped_vm_is_reloaded_and_routes_again() {
         "routed by kvroute before the trap"
     );
 
-    let trapped = fleet
-        .client
-        .post(format!("{}{TRAP}", fleet.envoy.url()))
-        .body("{}")
-        .send()
-        .await;
+    let trapped = trap(&fleet).await;
     // The request that trapped the VM is not served by the filter; what Envoy answers it with
     // (a local 5xx or a reset) is Envoy's business.
     if let Ok(reply) = &trapped {
         assert!(!reply.status().is_success(), "{:?}", reply.status());
     }
-    wait_for_log(&fleet, "trapping on purpose").await;
 
     // Envoy reloads the VM on a later request once the shipped backoff (from 0.1 s) allows; until
     // then it answers 503. Wait for a request that kvroute routes again.
@@ -116,13 +110,7 @@ async fn counts_a_trapped_vm_left_behind_are_corrected_against_rq_active() {
         "the slow requests ended before the trap: the test proves nothing"
     );
 
-    let _ = fleet
-        .client
-        .post(format!("{}{TRAP}", fleet.envoy.url()))
-        .body("{}")
-        .send()
-        .await;
-    wait_for_log(&fleet, "trapping on purpose").await;
+    let _ = trap(&fleet).await;
     for request in slow {
         // What becomes of a stream whose filter VM died is Envoy's business; that it ends is ours.
         let _ = request.await;
@@ -147,6 +135,18 @@ async fn counts_a_trapped_vm_left_behind_are_corrected_against_rq_active() {
     }
     let left: u64 = inflight_gauges(&fleet).await.values().sum();
     assert!(left < 4, "gauges still show all four: {left}");
+}
+
+/// Sends the request that traps the VM, and waits until Envoy has logged the trap.
+async fn trap(fleet: &Fleet) -> Result<reqwest::Response, reqwest::Error> {
+    let reply = fleet
+        .client
+        .post(format!("{}{TRAP}", fleet.envoy.url()))
+        .body("{}")
+        .send()
+        .await;
+    wait_for_log(fleet, "trapping on purpose").await;
+    reply
 }
 
 /// Waits until Envoy's log shows `needle` (the trap's panic message).
@@ -199,13 +199,7 @@ async fn a_reloaded_vm_sends_each_group_where_the_gateway_did() {
         before = now;
     }
 
-    let _ = fleet
-        .client
-        .post(format!("{}{TRAP}", fleet.envoy.url()))
-        .body("{}")
-        .send()
-        .await;
-    wait_for_log(&fleet, "trapping on purpose").await;
+    let _ = trap(&fleet).await;
     // Requests reload the VM; once it has ticked (two polls on), it routes each group. A VM that
     // warmed up on its own would send them to their first rendezvous choices for 10 polls.
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -323,6 +323,35 @@ mod tests {
         pick
     }
 
+    /// Sends one request of each group in `groups` (asking `question`) through `p` at `now`, as
+    /// the router does: the endpoints picked.
+    fn send_each(
+        p: &CacheAware,
+        c: &[Candidate],
+        store: &MemoryStore,
+        groups: &[String],
+        question: &str,
+        now: u64,
+    ) -> Vec<usize> {
+        groups
+            .iter()
+            .map(|g| {
+                let keys = ask(g, question);
+                let input = Input {
+                    now_ms: now,
+                    ..input(&keys, store)
+                };
+                let pick = p.pick(c, &input).unwrap();
+                p.routed(c, &input, &pick);
+                pick.index
+            })
+            .collect()
+    }
+
+    fn eight_groups() -> Vec<String> {
+        (0..8).map(|g| format!("group {g}")).collect()
+    }
+
     fn order(c: &[Candidate], keys: &PrefixKeys) -> Vec<usize> {
         rendezvous_order(c, keys.group)
     }
@@ -381,22 +410,8 @@ mod tests {
     fn once_warm_a_gateway_gives_the_groups_it_has_seen_balanced_homes() {
         let (p, store, c) = (policy(), MemoryStore::new(), candidates(&[0, 0, 0, 0]));
         p.tick(&store, 0, &[]);
-        let groups: Vec<String> = (0..8).map(|g| format!("group {g}")).collect();
-        let home = |now| -> Vec<usize> {
-            groups
-                .iter()
-                .map(|g| {
-                    let keys = ask(g, &format!("question at {now}"));
-                    let input = Input {
-                        now_ms: now,
-                        ..input(&keys, &store)
-                    };
-                    let pick = p.pick(&c, &input).unwrap();
-                    p.routed(&c, &input, &pick);
-                    pick.index
-                })
-                .collect()
-        };
+        let groups = eight_groups();
+        let home = |now| send_each(&p, &c, &store, &groups, &format!("question at {now}"), now);
         home(10);
         home(20); // each group seen twice
         p.tick(&store, 2000, &[]); // counts written, past the warm-up
@@ -417,29 +432,18 @@ mod tests {
     fn a_gateways_workers_give_every_group_the_same_home() {
         let (store, c) = (MemoryStore::new(), candidates(&[0, 0, 0, 0]));
         let (first, second) = (policy(), policy());
-        let groups: Vec<String> = (0..8).map(|g| format!("group {g}")).collect();
+        let groups = eight_groups();
         // The question is the same at every call: a split group's home depends on it.
-        let send = |p: &CacheAware, g: &str, now| {
-            let keys = ask(g, "the question");
-            let input = Input {
-                now_ms: now,
-                ..input(&keys, &store)
-            };
-            let pick = p.pick(&c, &input).unwrap();
-            p.routed(&c, &input, &pick);
-            pick.index
-        };
-        let homes = |p: &CacheAware, now| -> Vec<usize> {
-            groups.iter().map(|g| send(p, g, now)).collect()
-        };
+        let homes = |p, now| send_each(p, &c, &store, &groups, "the question", now);
         first.tick(&store, 0, &[]);
         second.tick(&store, 0, &[]);
         homes(&first, 10);
         homes(&first, 20);
-        first.tick(&store, 2000, &[]); // past the warm-up: it leads and publishes
-                                       // The second worker alone then sees group 0 turn hot: its own weights would differ.
+        // Past the warm-up: the first leads and publishes.
+        first.tick(&store, 2000, &[]);
+        // The second worker alone then sees group 0 turn hot: its own weights would differ.
         for n in 0..40 {
-            send(&second, &groups[0], 2100 + n);
+            send_each(&second, &c, &store, &groups[..1], "the question", 2100 + n);
         }
         second.tick(&store, 2500, &[]);
         assert_eq!(homes(&second, 2600), homes(&first, 2600));
@@ -461,20 +465,8 @@ mod tests {
     fn when_the_leading_worker_is_gone_another_takes_over_and_nobody_moves() {
         let (store, c) = (MemoryStore::new(), candidates(&[0, 0, 0, 0]));
         let (first, second) = (policy(), policy());
-        let homes = |p: &CacheAware, now| -> Vec<usize> {
-            (0..8)
-                .map(|g| {
-                    let keys = ask(&format!("group {g}"), "the question");
-                    let input = Input {
-                        now_ms: now,
-                        ..input(&keys, &store)
-                    };
-                    let pick = p.pick(&c, &input).unwrap();
-                    p.routed(&c, &input, &pick);
-                    pick.index
-                })
-                .collect()
-        };
+        let groups = eight_groups();
+        let homes = |p, now| send_each(p, &c, &store, &groups, "the question", now);
         first.tick(&store, 0, &[]);
         second.tick(&store, 0, &[]);
         homes(&first, 10);
