@@ -7,19 +7,26 @@ use common::{chat_body, debug_config, served_by, system_prompt, Fleet};
 
 const HEADER: &str = "x-gateway-destination-endpoint";
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn client_sent_routing_header_never_decides_the_upstream() {
+/// A kvroute fleet of 4, the home of `prompt`'s group (one request sent), and the address of
+/// another backend for a client to forge; the backends' request logs emptied.
+async fn fleet_with_home(prompt: &str) -> (Fleet, usize, String) {
     let fleet = Fleet::kvroute(4, debug_config(), |_| {}).await;
-    let prompt = system_prompt(11);
     let home = served_by(
         &fleet,
-        &fleet.chat(&chat_body(&prompt, "warm up", false)).await,
+        &fleet.chat(&chat_body(prompt, "warm up", false)).await,
     );
-    let x = (home + 1) % 4;
-    let forged = fleet.backends[x].addr().to_string();
+    let forged = fleet.backends[(home + 1) % 4].addr().to_string();
     for b in &fleet.backends {
         b.take_requests();
     }
+    (fleet, home, forged)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_sent_routing_header_never_decides_the_upstream() {
+    let prompt = system_prompt(11);
+    let (fleet, home, forged) = fleet_with_home(&prompt).await;
+    let x = (home + 1) % 4;
 
     for i in 0..8 {
         let body = chat_body(&prompt, &format!("q{i}"), false).to_string();
@@ -86,18 +93,10 @@ async fn client_sent_routing_header_never_decides_the_upstream() {
 /// other, and the forged header is still replaced: reading the headers never assumes UTF-8.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn header_values_that_are_not_utf8_are_routed_and_still_replaced() {
-    let fleet = Fleet::kvroute(4, debug_config(), |_| {}).await;
     let prompt = system_prompt(12);
-    let home = served_by(
-        &fleet,
-        &fleet.chat(&chat_body(&prompt, "warm up", false)).await,
-    );
-    let x = (home + 1) % 4;
-    let mut forged = fleet.backends[x].addr().to_string().into_bytes();
+    let (fleet, home, forged) = fleet_with_home(&prompt).await;
+    let mut forged = forged.into_bytes();
     forged.push(0xff);
-    for b in &fleet.backends {
-        b.take_requests();
-    }
     for i in 0..4 {
         let body = chat_body(&prompt, &format!("q{i}"), false).to_string();
         let reply = fleet

@@ -352,6 +352,20 @@ mod tests {
         (0..8).map(|g| format!("group {g}")).collect()
     }
 
+    /// Two workers of one gateway (one store) on 4 endpoints, past the warm-up with
+    /// [`eight_groups`] seen twice each: the first has ticked since, so it leads.
+    fn two_workers() -> (MemoryStore, Vec<Candidate<'static>>, CacheAware, CacheAware) {
+        let (store, c) = (MemoryStore::new(), candidates(&[0, 0, 0, 0]));
+        let (first, second) = (policy(), policy());
+        first.tick(&store, 0, &[]);
+        second.tick(&store, 0, &[]);
+        for now in [10, 20] {
+            send_each(&first, &c, &store, &eight_groups(), "the question", now);
+        }
+        first.tick(&store, 2000, &[]);
+        (store, c, first, second)
+    }
+
     fn order(c: &[Candidate], keys: &PrefixKeys) -> Vec<usize> {
         rendezvous_order(c, keys.group)
     }
@@ -430,17 +444,10 @@ mod tests {
 
     #[test]
     fn a_gateways_workers_give_every_group_the_same_home() {
-        let (store, c) = (MemoryStore::new(), candidates(&[0, 0, 0, 0]));
-        let (first, second) = (policy(), policy());
+        let (store, c, first, second) = two_workers();
         let groups = eight_groups();
         // The question is the same at every call: a split group's home depends on it.
         let homes = |p, now| send_each(p, &c, &store, &groups, "the question", now);
-        first.tick(&store, 0, &[]);
-        second.tick(&store, 0, &[]);
-        homes(&first, 10);
-        homes(&first, 20);
-        // Past the warm-up: the first leads and publishes.
-        first.tick(&store, 2000, &[]);
         // The second worker alone then sees group 0 turn hot: its own weights would differ.
         for n in 0..40 {
             send_each(&second, &c, &store, &groups[..1], "the question", 2100 + n);
@@ -463,15 +470,9 @@ mod tests {
 
     #[test]
     fn when_the_leading_worker_is_gone_another_takes_over_and_nobody_moves() {
-        let (store, c) = (MemoryStore::new(), candidates(&[0, 0, 0, 0]));
-        let (first, second) = (policy(), policy());
+        let (store, c, first, second) = two_workers();
         let groups = eight_groups();
         let homes = |p, now| send_each(p, &c, &store, &groups, "the question", now);
-        first.tick(&store, 0, &[]);
-        second.tick(&store, 0, &[]);
-        homes(&first, 10);
-        homes(&second, 20);
-        first.tick(&store, 2000, &[]);
         second.tick(&store, 2100, &[]);
         let before = homes(&second, 2200);
         assert_eq!(homes(&first, 2200), before);
