@@ -22,9 +22,10 @@
 //! A gateway that restarts with an empty map, or joins late, sends each group to its first
 //! rendezvous choice while it warms up, then to the same balanced home as the others once it has
 //! seen the groups. Within a gateway, one worker weighs the groups and the others adopt its
-//! weights ([`leader`]), so every worker sends a group to the same home. A group moves to a new home only once the assignment has kept giving it that
-//! home for a few polls ([`homes`](crate::homes)), so an assignment swaying as groups are counted
-//! one by one moves nobody. The affinity map records which endpoint served which prefix (chained
+//! weights ([`leader`]), so every worker sends a group to the same home. A group moves to a new
+//! home only once the assignment has kept giving it that home for a few polls
+//! ([`homes`](crate::homes)), so an assignment swaying as groups are counted one by one moves
+//! nobody. The affinity map records which endpoint served which prefix (chained
 //! chunk keys); a holder whose engine has since been found to evict what it last used by then
 //! ([`eviction`](crate::eviction)) no longer counts.
 
