@@ -58,10 +58,6 @@ impl Stream {
         }
     }
 
-    fn header(&self, name: &str) -> Option<String> {
-        request_header(name)
-    }
-
     fn fallback(&mut self, reason: Fallback) -> Action {
         self.shared.borrow_mut().metrics.fallback(reason);
         self.outcome = Some(format!("fallback:{}", reason.name()));
@@ -128,11 +124,11 @@ impl Stream {
         };
         // Only the policies that use these headers pay for reading them.
         let session = match shared.router.config.policy {
-            PolicyKind::Session => self.header(&shared.router.config.session_header),
+            PolicyKind::Session => request_header(&shared.router.config.session_header),
             _ => None,
         };
         let request_id = match shared.router.config.policy {
-            PolicyKind::LeastRequest => self.header("x-request-id"),
+            PolicyKind::LeastRequest => request_header("x-request-id"),
             _ => None,
         };
         let req = RequestInfo {
