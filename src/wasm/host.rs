@@ -4,7 +4,7 @@ use std::time::UNIX_EPOCH;
 
 use hashbrown::HashMap;
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{MetricType, Status};
+use proxy_wasm::types::{MapType, MetricType, Status};
 
 use crate::policy::Decision;
 use crate::router::Fallback;
@@ -33,6 +33,15 @@ pub fn now_ms() -> u64 {
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The `:status` of a header map (a response's, or an HTTP call's), read as bytes: the SDK's
+/// string read panics on a value that is not UTF-8.
+pub fn status(map: MapType) -> Option<u16> {
+    hostcalls::get_map_value_bytes(map, ":status")
+        .ok()
+        .flatten()
+        .and_then(|s| std::str::from_utf8(&s).ok()?.parse().ok())
 }
 
 /// Envoy stats defined through proxy-wasm; Envoy shows them as `wasmcustom.<name>`. Metrics of the

@@ -10,8 +10,8 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
-use super::host::{now_ms, HostStore, Metrics};
-use super::response::{self, response_flags, Response};
+use super::host::{self, now_ms, HostStore, Metrics};
+use super::response::{response_flags, Response};
 use super::root::Shared;
 use crate::body_access::{self, BodyAccess};
 use crate::config::PolicyKind;
@@ -207,7 +207,7 @@ impl Stream {
         // without one: it settles the affinity, and a 503 may blame the chosen endpoint. (In
         // `on_log`, which Envoy calls first, the response headers are still readable.)
         let status = match usage {
-            None if self.routed.is_some() => response::status(),
+            None if self.routed.is_some() => host::status(MapType::HttpResponseHeaders),
             _ => None,
         };
         // A reset or failed connection after the response started (a replica dying mid-stream)

@@ -9,7 +9,7 @@ use hashbrown::HashMap;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType};
 
-use super::host::{now_ms, HostStore};
+use super::host::{self, now_ms, HostStore};
 use super::root::{Shared, HOSTS_KEY};
 use crate::counters;
 use crate::endpoints::{self, Snapshot};
@@ -102,14 +102,12 @@ impl Poller {
 
     /// Handles the answer to call `token`.
     pub fn response(&mut self, shared: &mut Shared, token: u32, body_size: usize) {
-        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-            .ok()
-            .flatten();
+        let status = host::status(MapType::HttpCallResponseHeaders);
         let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
             .ok()
             .flatten();
-        let ok_body = match status.as_deref() {
-            Some("200") => body,
+        let ok_body = match status {
+            Some(200) => body,
             _ => None,
         };
         if self.admin == Some(token) {
@@ -217,7 +215,7 @@ impl Poller {
 fn admin_response(
     shared: &mut Shared,
     body: Option<Vec<u8>>,
-    status: Option<String>,
+    status: Option<u16>,
 ) -> Option<Snapshot> {
     let parsed = match body {
         Some(body) => {

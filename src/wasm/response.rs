@@ -9,7 +9,7 @@
 use std::cell::RefCell;
 
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{BufferType, MapType, MetricType};
+use proxy_wasm::types::{BufferType, MetricType};
 
 use super::host::{now_ms, HostStore};
 use super::root::Shared;
@@ -204,12 +204,4 @@ pub fn response_flags() -> u64 {
         .flatten()
         .and_then(|b| b.get(..8)?.try_into().ok())
         .map_or(0, u64::from_le_bytes)
-}
-
-/// The response status from its headers.
-pub fn status() -> Option<u16> {
-    hostcalls::get_map_value(MapType::HttpResponseHeaders, ":status")
-        .ok()
-        .flatten()
-        .and_then(|s| s.parse().ok())
 }
