@@ -30,9 +30,11 @@ pub struct PrefixKeys {
     /// Hash of the prompt's head, at most `group_bytes` of it: where the request's group lives.
     /// Every gateway computes it from the request alone, so all place a group alike.
     pub group: u64,
-    /// Keys that cover some of the head: a match deeper than this reaches into the request's
-    /// earlier turns, which only the endpoints that served them hold. All the keys when the
-    /// request has no earlier turns (what follows its head is new).
+    /// Keys that cover only the head: a match deeper than this reaches into the request's
+    /// earlier turns, which only the endpoints that served them hold (the chunk that crosses the
+    /// head's end holds the start of the first turn, so a second turn finds a first one shorter
+    /// than a chunk past it). All the keys when the request has no earlier turns (what follows
+    /// its head is new).
     pub head_chunks: usize,
     /// The first key whose chunk reaches past the head: from here on the keys are the request's
     /// own (its question, its conversation), which its later turns look for.
@@ -80,11 +82,11 @@ impl PrefixKeys {
             keys.push(previous);
         }
         let group = group_key(model, &keys, text, head.min(shape.group_bytes), chunk_size);
+        let tail_from = (head / chunk_size).min(keys.len());
         let head_chunks = match history {
-            true => head.div_ceil(chunk_size),
+            true => tail_from,
             false => keys.len(),
         };
-        let tail_from = (head / chunk_size).min(keys.len());
         let conversation = keys.last().copied().unwrap_or(group);
         PrefixKeys {
             model,
@@ -263,7 +265,10 @@ mod tests {
         assert_eq!(k.model, 0xf090_4807_418c_57fc_u64, "{:#x}", k.model);
         assert_eq!(k.keys[0], 0xe9aa_a40d_e158_13ea_u64, "{:#x}", k.keys[0]);
         assert_eq!(k.group, 0x1a32_f733_ac93_9e65_u64, "{:#x}", k.group);
-        assert_eq!(k.head_chunks, 2, "the head's 5 bytes touch chunks 0 and 1");
+        assert_eq!(
+            k.head_chunks, 1,
+            "the head's 5 bytes fill chunk 0 and cross into chunk 1"
+        );
         assert_eq!(k.tail_from, 1, "chunk 1 reaches past the head");
         let single = PrefixKeys::new("m", "hello world", 5, false, shape(4, 8));
         assert_eq!(

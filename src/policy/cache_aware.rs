@@ -580,6 +580,31 @@ mod tests {
     }
 
     #[test]
+    fn a_first_turn_shorter_than_a_chunk_is_found_from_the_chunk_that_crosses_the_head() {
+        // A head of 85 bytes in chunks of 10: chunk 8 holds its last 5 bytes and the first
+        // message's first 5; a first message of 12 bytes fills no chunk after that one.
+        let system = "s".repeat(85);
+        let shape = crate::prefix::Shape {
+            chunk_size: 10,
+            max_chunks: 64,
+            group_bytes: 40,
+        };
+        let turn = |after: &str, history| {
+            PrefixKeys::new("m", &format!("{system}{after}"), 85, history, shape)
+        };
+        let store = MemoryStore::new();
+        let turn1 = turn("question one", false);
+        let o = order(&candidates(&[0, 0, 0, 0]), &turn1);
+        let mut loads = [0u64; 4];
+        loads[o[0]] = 30; // home overloaded when turn 1 came
+        let first = route(&policy(), &candidates(&loads), &turn1, &store);
+        assert_eq!(first.index, o[1]);
+        let turn2 = turn("question one, its answer. next", true);
+        let second = route(&policy(), &candidates(&[0, 0, 0, 0]), &turn2, &store);
+        assert_eq!((second.index, second.decision), (o[1], Decision::Affinity));
+    }
+
+    #[test]
     fn a_history_its_engine_evicted_no_longer_draws_the_conversation() {
         let (p, store) = (policy(), MemoryStore::new());
         let history = "first question, first answer. ".repeat(4);
