@@ -382,7 +382,11 @@ mod tests {
     }
 
     fn turn(group: &str, after_head: &str, history: bool) -> PrefixKeys {
-        let system = format!("{group} ").repeat(40);
+        behind(&format!("{group} ").repeat(40), after_head, history)
+    }
+
+    /// A turn behind the head `system`, in chunks of 10 bytes.
+    fn behind(system: &str, after_head: &str, history: bool) -> PrefixKeys {
         let shape = crate::prefix::Shape {
             chunk_size: 10,
             max_chunks: 64,
@@ -584,14 +588,7 @@ mod tests {
         // A head of 85 bytes in chunks of 10: chunk 8 holds its last 5 bytes and the first
         // message's first 5; a first message of 12 bytes fills no chunk after that one.
         let system = "s".repeat(85);
-        let shape = crate::prefix::Shape {
-            chunk_size: 10,
-            max_chunks: 64,
-            group_bytes: 40,
-        };
-        let turn = |after: &str, history| {
-            PrefixKeys::new("m", &format!("{system}{after}"), 85, history, shape)
-        };
+        let turn = |after: &str, history| behind(&system, after, history);
         let store = MemoryStore::new();
         let turn1 = turn("question one", false);
         let o = order(&candidates(&[0, 0, 0, 0]), &turn1);
