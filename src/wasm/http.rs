@@ -333,16 +333,7 @@ impl HttpContext for Stream {
         if head.routing_header || headers.is_empty() {
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, None);
         }
-        let trap = self
-            .shared
-            .borrow()
-            .router
-            .config
-            .unsafe_trap_path_for_tests
-            .is_some();
-        if trap {
-            trap_for_tests(&self.shared, head.path);
-        }
+        trap_for_tests(&self.shared, head.path);
         let api = match router::routable(head.method, head.path) {
             Err(reason) => return self.fallback(reason),
             Ok(_) if end_of_stream => return self.fallback(Fallback::EmptyBody),
