@@ -6,18 +6,16 @@
 //! are neither counted nor recorded, so counts are exactly the requests Envoy forwarded.
 
 use bytes::Bytes;
-use http_body_util::BodyExt;
-use hyper::body::{Body, Frame, Incoming};
+use http_body_util::{BodyExt, Channel, Either, Full};
+use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 /// Number of `data:` chunks in a streamed response, before `data: [DONE]`.
@@ -373,7 +371,7 @@ async fn handle(
             &shared,
             StatusCode::SERVICE_UNAVAILABLE,
             "text/plain",
-            ReplyBody::full("stopping"),
+            full("stopping"),
         );
         resp.headers_mut().insert(
             hyper::header::CONNECTION,
@@ -388,23 +386,18 @@ async fn handle(
         } else {
             StatusCode::OK
         };
-        return Ok(reply(&shared, status, "text/plain", ReplyBody::full("ok")));
+        return Ok(reply(&shared, status, "text/plain", full("ok")));
     }
     if req.uri().path() == "/metrics" {
         if shared.metrics_missing.load(Ordering::Relaxed) {
-            let body = ReplyBody::full("no metrics");
+            let body = full("no metrics");
             return Ok(reply(&shared, StatusCode::NOT_FOUND, "text/plain", body));
         }
         let waiting = shared.engine_waiting.load(Ordering::Relaxed);
         let text = format!(
             "vllm:num_requests_running{{model_name=\"m\"}} 0\nvllm:num_requests_waiting{{model_name=\"m\"}} {waiting}\n"
         );
-        return Ok(reply(
-            &shared,
-            StatusCode::OK,
-            "text/plain",
-            ReplyBody::full(text),
-        ));
+        return Ok(reply(&shared, StatusCode::OK, "text/plain", full(text)));
     }
     shared.in_flight.fetch_add(1, Ordering::Relaxed);
     shared.received.fetch_add(1, Ordering::Relaxed);
@@ -417,7 +410,7 @@ async fn handle(
                 &shared,
                 StatusCode::BAD_REQUEST,
                 "text/plain",
-                ReplyBody::full("bad body"),
+                full("bad body"),
             ))
         }
     };
@@ -451,7 +444,7 @@ async fn handle(
             &shared,
             StatusCode::INTERNAL_SERVER_ERROR,
             "text/plain",
-            ReplyBody::full("failing"),
+            full("failing"),
         ));
     }
     let chat = match (is_post, parts.uri.path()) {
@@ -463,7 +456,7 @@ async fn handle(
                 &shared,
                 StatusCode::OK,
                 "application/json",
-                ReplyBody::full(r#"{"data":[{"id":"test"}]}"#),
+                full(r#"{"data":[{"id":"test"}]}"#),
             ));
         }
         _ => {
@@ -472,7 +465,7 @@ async fn handle(
                 &shared,
                 StatusCode::NOT_FOUND,
                 "text/plain",
-                ReplyBody::full("not found"),
+                full("not found"),
             ));
         }
     };
@@ -486,15 +479,15 @@ async fn handle(
         .unwrap_or(false);
     if !stream {
         guard.finish();
-        let body = ReplyBody::full(json_response(shared.index, chat));
+        let body = full(json_response(shared.index, chat));
         return Ok(reply(&shared, StatusCode::OK, "application/json", body));
     }
-    let (tx, rx) = mpsc::channel(2);
+    let (mut tx, rx) = Channel::new(2);
     let events = sse_events(shared.index, chat);
     tokio::spawn(async move {
         for event in events {
             // A send error means the client went away; the guard then counts it as abandoned.
-            if tx.send(Bytes::from(event)).await.is_err() {
+            if tx.send_data(Bytes::from(event)).await.is_err() {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
@@ -505,7 +498,7 @@ async fn handle(
         &shared,
         StatusCode::OK,
         "text/event-stream",
-        ReplyBody::Stream(rx),
+        Either::Right(rx),
     ))
 }
 
@@ -523,43 +516,10 @@ fn reply(
         .expect("static response parts are valid")
 }
 
-/// A whole body, or chunks from a channel (SSE).
-enum ReplyBody {
-    Full(Option<Bytes>),
-    Stream(mpsc::Receiver<Bytes>),
-}
+/// A whole body (sent with content-length), or chunks from a bounded channel (SSE, each sent as
+/// it comes; a send fails once the client is gone).
+type ReplyBody = Either<Full<Bytes>, Channel<Bytes>>;
 
-impl ReplyBody {
-    fn full(b: impl Into<Bytes>) -> Self {
-        ReplyBody::Full(Some(b.into()))
-    }
-}
-
-impl Body for ReplyBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        match self.get_mut() {
-            ReplyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            ReplyBody::Stream(rx) => rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b)))),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        matches!(self, ReplyBody::Full(None))
-    }
-
-    // An exact hint lets hyper send content-length instead of chunked encoding.
-    fn size_hint(&self) -> hyper::body::SizeHint {
-        match self {
-            ReplyBody::Full(b) => {
-                hyper::body::SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64))
-            }
-            ReplyBody::Stream(_) => hyper::body::SizeHint::default(),
-        }
-    }
+fn full(b: impl Into<Bytes>) -> ReplyBody {
+    Either::Left(Full::new(b.into()))
 }
