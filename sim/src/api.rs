@@ -3,20 +3,20 @@
 use crate::engine::{Emit, GenError, Replica};
 use crate::http::{
     bad_request, empty_response, json_response, method_not_allowed, not_found, openai_error,
-    parse_json_object, read_body, text_response, Resp, SimBody,
+    parse_json_object, read_body, text_response, Resp,
 };
 use crate::metrics;
 use crate::request::{self, Endpoint, GenRequest};
 use crate::sse::{self, ChunkWriter};
 use crate::tokenizer::{piece_id, seed_of, synthetic_output};
-use hyper::body::Incoming;
+use http_body_util::{Channel, Either};
+use hyper::body::{Frame, Incoming};
 use hyper::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
-use tokio::sync::mpsc;
 
 /// Reported by `GET /version`; the suffix says it is not a real vLLM.
 pub const VERSION: &str = "0.11.0+kvroute.sim";
@@ -259,7 +259,8 @@ fn stream(
     id: String,
     finish_reason: &'static str,
 ) -> Resp {
-    let (tx, rx) = mpsc::unbounded_channel();
+    // Room for every chunk (role, tokens, usage, done): the engine never waits on the client.
+    let (mut tx, rx) = Channel::new(pieces.len() + 4);
     let writer = ChunkWriter {
         endpoint: gen.endpoint,
         id,
@@ -276,7 +277,7 @@ fn stream(
                 let upto = match emit {
                     Emit::First { .. } => {
                         if let Some(role) = writer.role() {
-                            if tx.send(role).is_err() {
+                            if tx.try_send(Frame::data(role)).is_err() {
                                 return false;
                             }
                         }
@@ -286,7 +287,10 @@ fn stream(
                 };
                 while sent < upto {
                     let finish = (sent + 1 == total).then_some(finish_reason);
-                    if tx.send(writer.token(&pieces[sent], finish)).is_err() {
+                    if tx
+                        .try_send(Frame::data(writer.token(&pieces[sent], finish)))
+                        .is_err()
+                    {
                         return false;
                     }
                     sent += 1;
@@ -298,18 +302,18 @@ fn stream(
             Ok(outcome) => {
                 if gen.include_usage {
                     let usage = sse::usage(gen.prompt_tokens.len(), total, outcome.cached_tokens);
-                    let _ = tx.send(writer.usage(&usage));
+                    let _ = tx.try_send(Frame::data(writer.usage(&usage)));
                 }
-                let _ = tx.send(ChunkWriter::done());
+                let _ = tx.try_send(Frame::data(ChunkWriter::done()));
             }
             Err(GenError::TooLong(msg)) => {
-                let _ = tx.send(ChunkWriter::error(&msg, 400));
-                let _ = tx.send(ChunkWriter::done());
+                let _ = tx.try_send(Frame::data(ChunkWriter::error(&msg, 400)));
+                let _ = tx.try_send(Frame::data(ChunkWriter::done()));
             }
             Err(GenError::Aborted) => {}
         }
     });
-    let mut resp = Response::new(SimBody::Stream(rx));
+    let mut resp = Response::new(Either::Right(rx));
     resp.headers_mut().insert(
         CONTENT_TYPE,
         HeaderValue::from_static("text/event-stream; charset=utf-8"),

@@ -2,57 +2,23 @@
 //! a full buffer or a stream of chunks, JSON/error helpers, and an accept loop.
 
 use bytes::Bytes;
-use hyper::body::{Body, Frame, Incoming, SizeHint};
+use http_body_util::{Channel, Either, Full};
+use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::future::Future;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
 
 /// A response body: a whole buffer (sent with Content-Length) or SSE chunks from a channel.
-pub enum SimBody {
-    Full(Option<Bytes>),
-    Stream(mpsc::UnboundedReceiver<Bytes>),
-}
-
-impl Body for SimBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        match self.get_mut() {
-            SimBody::Full(buf) => Poll::Ready(buf.take().map(|b| Ok(Frame::data(b)))),
-            SimBody::Stream(rx) => rx
-                .poll_recv(cx)
-                .map(|chunk| chunk.map(|b| Ok(Frame::data(b)))),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        matches!(self, SimBody::Full(None))
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self {
-            SimBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
-            SimBody::Full(None) => SizeHint::with_exact(0),
-            SimBody::Stream(_) => SizeHint::default(),
-        }
-    }
-}
+pub type SimBody = Either<Full<Bytes>, Channel<Bytes>>;
 
 pub type Resp = Response<SimBody>;
 
 fn with_body(status: StatusCode, content_type: &'static str, body: Bytes) -> Resp {
-    let mut resp = Response::new(SimBody::Full(Some(body)));
+    let mut resp = Response::new(Either::Left(Full::new(body)));
     *resp.status_mut() = status;
     resp.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
@@ -68,7 +34,7 @@ pub fn text_response(status: StatusCode, content_type: &'static str, text: Strin
 }
 
 pub fn empty_response(status: StatusCode) -> Resp {
-    let mut resp = Response::new(SimBody::Full(None));
+    let mut resp = Response::new(Either::Left(Full::new(Bytes::new())));
     *resp.status_mut() = status;
     resp
 }
