@@ -242,18 +242,39 @@ impl Worker {
 
     /// Where this worker sends `r` at `r.at_ms`, and whether the group is counted and split.
     fn home(&mut self, r: &Request, eps: &[u32]) -> (u32, bool, bool) {
+        let (mut held, mut assigned) = (std::mem::take(&mut self.held), self.assigned);
+        let out = self.place(&mut held, &mut assigned, r, eps);
+        (self.held, self.assigned) = (held, assigned);
+        out
+    }
+
+    /// Where this worker would send `r`, leaving its homes as they are: the filter takes in an
+    /// assignment, and moves a held home, only when a request comes by the worker, so asking
+    /// every worker about every request would make them all behave as if they had routed it.
+    fn peek(&self, r: &Request, eps: &[u32]) -> u32 {
+        let (mut held, mut assigned) = (self.held.clone(), self.assigned);
+        self.place(&mut held, &mut assigned, r, eps).0
+    }
+
+    /// [`Worker::home`] with the homes `held` (and whether they took in the current shares).
+    fn place(
+        &self,
+        held: &mut Held,
+        assigned: &mut bool,
+        r: &Request,
+        eps: &[u32],
+    ) -> (u32, bool, bool) {
         let warm_ms = self.warm_ms;
         let warm = r.at_ms >= warm_ms;
         let first = eps[rendezvous::order(r.group, eps)[0]];
         let parts = self.shares.get(&r.group).filter(|_| warm);
         let (counted, split) = (parts.is_some(), parts.is_some_and(|h| h.len() > 1));
-        if counted && !self.assigned {
-            self.held
-                .update(eps, &self.shares, self.shares_ms.max(warm_ms));
-            self.assigned = true;
+        if counted && !*assigned {
+            held.update(eps, &self.shares, self.shares_ms.max(warm_ms));
+            *assigned = true;
         }
         let home = counted
-            .then(|| self.held.home(r.group, r.conversation, r.at_ms))
+            .then(|| held.home(r.group, r.conversation, r.at_ms))
             .flatten()
             .unwrap_or(first);
         (home, counted, split)
@@ -381,8 +402,8 @@ fn replay(requests: &[Request], eps: &[u32], setup: &Setup, show_moves: bool) ->
             recomputes += gw.tick_until(r.at_ms, i as f64, eps, show);
         }
         let homes: Vec<u32> = gws
-            .iter_mut()
-            .flat_map(|gw| gw.workers.iter_mut().map(|w| w.home(r, eps).0))
+            .iter()
+            .flat_map(|gw| gw.workers.iter().map(|w| w.peek(r, eps)))
             .collect();
         agreement.add(r.at_ms, homes.iter().all(|&h| h == homes[0]));
         // The front balancer deals requests to the gateways in turn, each to its workers in turn.

@@ -19,7 +19,7 @@ use crate::rendezvous;
 /// A group's homes with their shares ([`Shares`]).
 type Parts = Vec<(u32, u64)>;
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Held {
     hold_ms: u64,
     /// The endpoints the homes are for: another endpoint set starts afresh.
