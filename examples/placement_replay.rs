@@ -127,11 +127,15 @@ impl Gateway {
             else {
                 return recomputes;
             };
+            let now = self.workers[w].next_tick;
             let (lead, rest) = self.workers.split_at_mut(1);
-            let changed = match w {
-                0 => lead[0].tick(&self.table, finished, eps, show),
-                _ => rest[w - 1].adopt(&self.table, &lead[0]),
+            let (changed, worker) = match w {
+                0 => (lead[0].tick(&self.table, finished, eps, show), &mut lead[0]),
+                _ => (rest[w - 1].adopt(&self.table, &lead[0]), &mut rest[w - 1]),
             };
+            if changed {
+                worker.take_in(eps, now);
+            }
             recomputes += u32::from(changed);
         }
     }
@@ -238,6 +242,16 @@ impl Worker {
         self.shares_ms = leader.shares_ms;
         self.assigned = false;
         true
+    }
+
+    /// Takes in the assignment it just computed or adopted at its tick at `now`, as
+    /// `cache_aware`'s tick does once warm (and once it has homes for an endpoint set).
+    fn take_in(&mut self, eps: &[u32], now: u64) {
+        if now >= self.warm_ms && !self.held.endpoints().is_empty() {
+            self.held
+                .update(eps, &self.shares, self.shares_ms.max(self.warm_ms));
+            self.assigned = true;
+        }
     }
 
     /// Where this worker sends `r` at `r.at_ms`, and whether the group is counted and split.

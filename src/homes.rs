@@ -43,6 +43,11 @@ impl Held {
         self.ids.iter().copied().eq(ids)
     }
 
+    /// The endpoints the homes are for (none before the first assignment).
+    pub fn endpoints(&self) -> &[u32] {
+        &self.ids
+    }
+
     /// Takes in the assignment `computed` for endpoints `ids`, in force since `since_ms`: a group
     /// new to it starts from its first rendezvous choice (where it went until it was counted), and
     /// every group takes its home once that has held ([`Held::home`]); groups no longer in it are
@@ -59,6 +64,11 @@ impl Held {
                 return;
             }
         }
+        // Homes that have held by now move first, as a request would have moved them
+        // ([`Held::home`]): where a group goes next does not depend on whether one of its
+        // requests came by this worker meanwhile, so workers that take in the same assignments
+        // hold the same homes.
+        self.take_held(since_ms);
         self.used.retain(|g, _| computed.contains_key(g));
         self.pending.retain(|g, _| computed.contains_key(g));
         for (&group, parts) in computed {
@@ -89,16 +99,37 @@ impl Held {
     /// The home of `group`'s `conversation` at `now_ms` ([`groups::home_of`]), after it takes the
     /// home the assignment has kept giving it for `hold_ms`.
     pub fn home(&mut self, group: u64, conversation: u64, now_ms: u64) -> Option<u32> {
-        let held = self
-            .pending
-            .get(&group)
-            .is_some_and(|(_, since)| now_ms.saturating_sub(*since) >= self.hold_ms);
-        if held {
-            if let Some((parts, _)) = self.pending.remove(&group) {
-                self.used.insert(group, parts);
-            }
+        if self.has_held(group, now_ms) {
+            self.take(group);
         }
         groups::home_of(self.used.get(&group)?, conversation)
+    }
+
+    /// Whether `group`'s pending home has held at `now_ms`.
+    fn has_held(&self, group: u64, now_ms: u64) -> bool {
+        self.pending
+            .get(&group)
+            .is_some_and(|(_, since)| now_ms.saturating_sub(*since) >= self.hold_ms)
+    }
+
+    /// Every group whose pending home has held at `now_ms` takes it.
+    fn take_held(&mut self, now_ms: u64) {
+        let held: Vec<u64> = self
+            .pending
+            .keys()
+            .copied()
+            .filter(|&g| self.has_held(g, now_ms))
+            .collect();
+        for group in held {
+            self.take(group);
+        }
+    }
+
+    /// `group` takes its pending home.
+    fn take(&mut self, group: u64) {
+        if let Some((parts, _)) = self.pending.remove(&group) {
+            self.used.insert(group, parts);
+        }
     }
 }
 
@@ -151,6 +182,27 @@ mod tests {
         h.update(&IDS, &shares(&[(7, other)]), 4000);
         assert_eq!(h.home(7, 0, 5000), Some(first));
         assert_eq!(h.home(7, 0, 6000), Some(other));
+    }
+
+    #[test]
+    fn a_held_home_does_not_depend_on_whether_a_request_came_by() {
+        // Two workers take in the same assignments; only one of them routes a request of group
+        // 7 in between. Where the group goes afterwards is the same at both.
+        let (first, other) = first_and_other(7);
+        let (mut seen, mut unseen) = (Held::new(2000), Held::new(2000));
+        for h in [&mut seen, &mut unseen] {
+            h.update(&IDS, &shares(&[(7, first)]), 0);
+            h.update(&IDS, &shares(&[(7, other)]), 1000);
+        }
+        assert_eq!(seen.home(7, 0, 3500), Some(other), "held 2 s: moved");
+        // The assignment sends it back: it goes back once that has held too, at both.
+        for h in [&mut seen, &mut unseen] {
+            h.update(&IDS, &shares(&[(7, first)]), 4000);
+        }
+        for h in [&mut seen, &mut unseen] {
+            assert_eq!(h.home(7, 0, 4500), Some(other));
+            assert_eq!(h.home(7, 0, 6000), Some(first));
+        }
     }
 
     #[test]

@@ -92,6 +92,16 @@ struct GroupView {
     horizons: HashMap<u32, u64>,
 }
 
+impl GroupView {
+    /// Takes in the balanced assignment of the current weights over endpoints `ids`.
+    fn assign(&mut self, ids: &[u32]) {
+        let shares = groups::shares(&self.counted, ids);
+        let since = self.counted_ms.max(self.warm_ms.unwrap_or(0));
+        self.homes.update(ids, &shares, since);
+        self.assigned = true;
+    }
+}
+
 impl CacheAware {
     pub fn new(
         capacity: u32,
@@ -137,11 +147,7 @@ impl CacheAware {
         }
         let ids = || candidates.iter().map(|c| c.id);
         if !view.assigned || !view.homes.is_for(ids()) {
-            let ids: Vec<u32> = ids().collect();
-            let shares = groups::shares(&view.counted, &ids);
-            let since = view.counted_ms.max(view.warm_ms.unwrap_or(0));
-            view.homes.update(&ids, &shares, since);
-            view.assigned = true;
+            view.assign(&ids().collect::<Vec<u32>>());
         }
         let home = view.homes.home(group, keys.conversation, now_ms);
         home.and_then(|id| candidates.iter().position(|c| c.id == id))
@@ -245,6 +251,14 @@ impl Policy for CacheAware {
             view.assigned = false;
         }
         view.warm_ms = Some(next.warm_ms);
+        // Every worker takes in each published assignment on its tick, not only when a request
+        // of a group it counts comes by: its held homes then follow the published weights alone
+        // ([`Held::update`]), and the gateway's workers agree on them. (A worker that skipped
+        // some assignments started a pending home's hold later than one that saw them all.)
+        if !view.assigned && now_ms >= next.warm_ms && !view.homes.endpoints().is_empty() {
+            let ids = view.homes.endpoints().to_vec();
+            view.assign(&ids);
+        }
         if now_ms >= next.warm_ms {
             view.counted.len()
         } else {
