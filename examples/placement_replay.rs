@@ -262,9 +262,10 @@ impl Worker {
         out
     }
 
-    /// Where this worker would send `r`, leaving its homes as they are: the filter takes in an
-    /// assignment, and moves a held home, only when a request comes by the worker, so asking
-    /// every worker about every request would make them all behave as if they had routed it.
+    /// Where this worker would send `r`, leaving its homes as they are: comparing the workers
+    /// must not take in an assignment or move a held home for a worker that did not route `r`
+    /// (before `cache_aware` took in assignments on its tick, that made every worker behave as
+    /// if it had routed every request, and hid their disagreement).
     fn peek(&self, r: &Request, eps: &[u32]) -> u32 {
         let (mut held, mut assigned) = (self.held.clone(), self.assigned);
         self.place(&mut held, &mut assigned, r, eps).0

@@ -5,11 +5,12 @@
 //! dropped or a weight changes, and each time it may send a few groups elsewhere and, at the next
 //! recompute, back again: on a skewed fleet where the long tail's groups are counted one by one,
 //! the same groups swayed between two endpoints every few seconds, and every move costs a prefill
-//! of the group's prompt where it lands. Here a group keeps the home it was last sent to until the
-//! assignment has agreed on another for `hold_ms`; a sway shorter than that moves nothing. The
-//! held homes depend on this gateway's recent assignments only, so gateways that compute the same
-//! ones still agree, and a restarted gateway, which holds nothing, takes the assignment as it is:
-//! it differs from the others for `hold_ms` at most after a change.
+//! of the group's prompt where it lands. Here a group keeps its home until the assignment has
+//! agreed on another for `hold_ms`; a sway shorter than that moves nothing. The held homes depend
+//! on this gateway's recent assignments only (not on which requests came by), so its workers,
+//! and gateways that compute the same assignments, agree, and a restarted gateway, which holds
+//! nothing, takes the assignment as it is: it differs from the others for `hold_ms` at most after
+//! a change.
 
 use hashbrown::HashMap;
 
