@@ -33,18 +33,20 @@ pub struct RouterRun {
     pub samples: Vec<Sample>,
 }
 
-/// Runs every router in turn and collects the results (skipped routers included).
+/// Runs every router in turn, its Envoys (if any) with `workers` worker threads, and collects the
+/// results (skipped routers included).
 pub async fn compare(
     fleet_spec: &Value,
     workload: &Workload,
     routers: &[Router],
+    workers: u32,
 ) -> Result<Results, String> {
     let mut results = Vec::new();
     let mut samples = Vec::new();
     let mut sent = 0;
     for (i, router) in routers.iter().enumerate() {
         eprintln!("== [{}/{}] {}", i + 1, routers.len(), router.name());
-        let run = run_one(fleet_spec, workload, router).await?;
+        let run = run_one(fleet_spec, workload, router, workers).await?;
         if !run.decisions.is_empty() {
             let d: Vec<String> = run
                 .decisions
@@ -134,6 +136,7 @@ pub async fn compare(
     Ok(Results {
         workload: serde_json::to_value(workload).map_err(|e| e.to_string())?,
         fleet: fleet_spec.clone(),
+        envoy_workers: workers,
         ceiling_hit_rate: bounds.map(|b| round(b.ceiling)),
         capacity_bound_hit_rate: bounds.map(|b| round(b.capacity)),
         fleet_lru_hit_rate: bounds.map(|b| round(b.fleet_lru)),
@@ -142,12 +145,14 @@ pub async fn compare(
     })
 }
 
-/// Starts a fresh fleet and `router`, drives the workload, and measures. A router that cannot be
-/// started is reported as skipped; a fleet that cannot be started is an error.
+/// Starts a fresh fleet and `router` (its Envoys with `workers` worker threads), drives the
+/// workload, and measures. A router that cannot be started is reported as skipped; a fleet that
+/// cannot be started is an error.
 pub async fn run_one(
     fleet_spec: &Value,
     workload: &Workload,
     router: &Router,
+    workers: u32,
 ) -> Result<RouterRun, String> {
     let name = router.name();
     let fleet = SimFleet::start(fleet_spec).await?;
@@ -164,7 +169,7 @@ pub async fn run_one(
             samples: Vec::new(),
         })
     };
-    let running = match router.start(&fleet, fleet_spec).await {
+    let running = match router.start(&fleet, fleet_spec, workers).await {
         Ok(r) => r,
         Err(reason) => return skipped(reason),
     };

@@ -3,7 +3,7 @@
 
 use crate::compare::{replica_shares, run_one, RouterRun};
 use crate::report::RouterResult;
-use crate::routers::Router;
+use crate::routers::{Router, ENVOY_WORKERS};
 use crate::workload::Workload;
 use serde_json::Value;
 
@@ -21,8 +21,8 @@ pub async fn demo() -> Result<(), String> {
         workload.system_prompt_tokens,
         workload.stage_duration_s * workload.arrival.stages() as f64
     );
-    let rr = run_one(&fleet, &workload, &Router::RoundRobin).await?;
-    let kv = run_one(&fleet, &workload, &Router::Kvroute(None)).await?;
+    let rr = run_one(&fleet, &workload, &Router::RoundRobin, ENVOY_WORKERS).await?;
+    let kv = run_one(&fleet, &workload, &Router::Kvroute(None), ENVOY_WORKERS).await?;
     println!();
     for (name, run) in [("round_robin", &rr), ("kvroute", &kv)] {
         let shares = replica_shares(&run.per_replica, "  ");

@@ -54,6 +54,11 @@ enum Cmd {
         /// `kvroute`: two builds on the same requests, in the same minutes.
         #[arg(long, value_name = "WASM")]
         compare_wasm: Option<PathBuf>,
+        /// Worker threads of each Envoy the routers start (each worker has its own kvroute VM).
+        /// A standalone Envoy runs one per core.
+        #[arg(long, default_value_t = routers::ENVOY_WORKERS,
+              value_parser = clap::value_parser!(u32).range(1..=16))]
+        envoy_workers: u32,
     },
     /// kvroute vs round robin on a small embedded fleet and workload (about a minute).
     Demo,
@@ -120,9 +125,11 @@ fn main() {
                     out,
                     repeat,
                     compare_wasm,
+                    envoy_workers,
                 } => {
                     let b = compare_wasm.as_deref();
-                    run_compare(fleet, workload, routers, out, repeat as usize, b).await
+                    let n = repeat as usize;
+                    run_compare(fleet, workload, routers, out, n, b, envoy_workers).await
                 }
                 Cmd::Demo => demo::demo().await,
                 Cmd::Overhead {
@@ -190,6 +197,7 @@ async fn run_compare(
     out: PathBuf,
     repeat: usize,
     compare_wasm: Option<&std::path::Path>,
+    workers: u32,
 ) -> Result<(), String> {
     let fleet_text =
         std::fs::read_to_string(&fleet).map_err(|e| format!("{}: {e}", fleet.display()))?;
@@ -198,12 +206,13 @@ async fn run_compare(
     let workload = workload::Workload::from_file(&workload)?;
     let routers = routers::Router::parse_list(&routers, compare_wasm)?;
     if repeat > 1 {
-        let summary = repeats::repeat(&fleet_spec, &workload, &routers, repeat, &out).await?;
+        let summary =
+            repeats::repeat(&fleet_spec, &workload, &routers, repeat, workers, &out).await?;
         println!("{summary}");
         eprintln!("wrote {}/repeats.md, repeats.json", out.display());
         return Ok(());
     }
-    let results = compare::compare(&fleet_spec, &workload, &routers).await?;
+    let results = compare::compare(&fleet_spec, &workload, &routers, workers).await?;
     results.write_all(&out)?;
     println!("{}", results.markdown());
     eprintln!("wrote {}/results.json, results.md, ttft.svg", out.display());

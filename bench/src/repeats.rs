@@ -79,6 +79,7 @@ pub async fn repeat(
     workload: &Workload,
     routers: &[Router],
     n: usize,
+    workers: u32,
     out: &Path,
 ) -> Result<String, String> {
     let seeds: Vec<u64> = (0..n)
@@ -93,7 +94,7 @@ pub async fn repeat(
             order.reverse();
         }
         eprintln!("=== repeat {}/{n}: seed {}", r + 1, w.seed);
-        let results = compare::compare(fleet_spec, &w, &order).await?;
+        let results = compare::compare(fleet_spec, &w, &order, workers).await?;
         let dir = out.join(format!("run-{}", r + 1));
         results.write_all(&dir)?;
         eprintln!("wrote {}/results.json, results.md, ttft.svg", dir.display());
@@ -300,6 +301,7 @@ mod tests {
         Results {
             workload: json!({"name": "w"}),
             fleet: json!({}),
+            envoy_workers: 2,
             ceiling_hit_rate: None,
             capacity_bound_hit_rate: None,
             fleet_lru_hit_rate: None,

@@ -13,6 +13,10 @@ use std::path::Path;
 pub struct Results {
     pub workload: Value,
     pub fleet: Value,
+    /// Worker threads of each Envoy the run started (`compare --envoy-workers`); each worker has
+    /// its own kvroute VM.
+    #[serde(default = "default_envoy_workers")]
+    pub envoy_workers: u32,
     /// The workload's prefix hit rate with an unbounded cache and perfect routing (every prefix
     /// computed once, fleet-wide), counted as the simulator counts hits: no router can beat it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -115,6 +119,10 @@ pub fn measure(
     }
 }
 
+fn default_envoy_workers() -> u32 {
+    crate::routers::ENVOY_WORKERS
+}
+
 impl Results {
     pub fn write_all(&self, dir: &Path) -> Result<(), String> {
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
@@ -161,6 +169,9 @@ impl Results {
     pub fn markdown(&self) -> String {
         let name = self.workload["name"].as_str().unwrap_or("workload");
         let mut s = format!("## {name}\n\n");
+        if self.envoy_workers != crate::routers::ENVOY_WORKERS {
+            let _ = writeln!(s, "Each Envoy ran {} workers.\n", self.envoy_workers);
+        }
         s += "| router | requests | errors | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | e2e p90 ms | output tok/s | req/s | prefix hit rate | busiest/idlest |\n";
         s += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
         for r in &self.results {
@@ -347,6 +358,7 @@ mod tests {
         Results {
             workload: serde_json::json!({"name": "t"}),
             fleet: serde_json::json!({"replicas": 2}),
+            envoy_workers: 2,
             ceiling_hit_rate: None,
             capacity_bound_hit_rate: None,
             fleet_lru_hit_rate: None,
@@ -383,7 +395,7 @@ mod tests {
             k.sort();
             k
         };
-        assert_eq!(keys(&v), ["fleet", "results", "workload"]);
+        assert_eq!(keys(&v), ["envoy_workers", "fleet", "results", "workload"]);
         let measured = &v["results"][0];
         assert_eq!(
             keys(measured),
@@ -422,6 +434,12 @@ mod tests {
             !md.contains("What the workload allows"),
             "no bounds, no line"
         );
+        assert!(!md.contains("workers"), "the usual workers go unsaid");
+        let eight = Results {
+            envoy_workers: 8,
+            ..results()
+        };
+        assert!(eight.markdown().contains("Each Envoy ran 8 workers."));
     }
 
     #[test]

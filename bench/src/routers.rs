@@ -10,8 +10,10 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-/// Envoy worker threads for the Envoy-based routers (the machine has 2 cores).
-const ENVOY_CONCURRENCY: u32 = 2;
+/// Envoy worker threads of the Envoy-based routers unless `compare --envoy-workers` says
+/// otherwise: the machine has 2 cores. (A standalone Envoy runs one worker per core; each worker
+/// has its own kvroute VM.)
+pub const ENVOY_WORKERS: u32 = 2;
 /// How long kvroute's counters may lag the requests: it writes them on its tick (every 100 ms
 /// at most), which a loaded machine may run late.
 const KVROUTE_FLUSH: std::time::Duration = std::time::Duration::from_secs(3);
@@ -102,14 +104,20 @@ impl Router {
         }
     }
 
-    /// Starts this router in front of `fleet`. An `Err` is the reason to report it as skipped.
-    pub async fn start(&self, fleet: &SimFleet, fleet_spec: &Value) -> Result<Running, String> {
+    /// Starts this router in front of `fleet`, its Envoys (if any) with `workers` worker
+    /// threads. An `Err` is the reason to report it as skipped.
+    pub async fn start(
+        &self,
+        fleet: &SimFleet,
+        fleet_spec: &Value,
+        workers: u32,
+    ) -> Result<Running, String> {
         let Router::Scaled(inner, n) = self else {
-            return self.start_one(fleet, fleet_spec).await;
+            return self.start_one(fleet, fleet_spec, workers).await;
         };
         let mut instances = Vec::new();
         for _ in 0..*n {
-            instances.push(inner.start_one(fleet, fleet_spec).await?);
+            instances.push(inner.start_one(fleet, fleet_spec, workers).await?);
         }
         let backends = instances
             .iter()
@@ -120,7 +128,7 @@ impl Router {
         let front = Envoy::start(EnvoyOptions {
             backends,
             lb: Lb::RoundRobin,
-            concurrency: ENVOY_CONCURRENCY,
+            concurrency: workers,
             active_health_checks: false,
             // Which instance served each request: how far the instances agree.
             name_upstream: true,
@@ -135,7 +143,12 @@ impl Router {
     }
 
     /// Starts one instance of a router that is not `NAME@N`.
-    async fn start_one(&self, fleet: &SimFleet, fleet_spec: &Value) -> Result<Running, String> {
+    async fn start_one(
+        &self,
+        fleet: &SimFleet,
+        fleet_spec: &Value,
+        workers: u32,
+    ) -> Result<Running, String> {
         let envoy = |lb: Lb, kvroute_wasm: Option<PathBuf>| async move {
             let backends = fleet
                 .replicas
@@ -145,7 +158,7 @@ impl Router {
             let opts = EnvoyOptions {
                 backends,
                 lb,
-                concurrency: ENVOY_CONCURRENCY,
+                concurrency: workers,
                 kvroute_wasm,
                 ..EnvoyOptions::default()
             };
