@@ -488,6 +488,56 @@ mod tests {
     }
 
     #[test]
+    fn a_worker_that_routes_nothing_while_homes_move_holds_them_where_the_leader_does() {
+        // Homes hold a second before they move. The first worker leads and routes everything;
+        // the second only ticks, until the end.
+        let (store, c) = (MemoryStore::new(), candidates(&[0, 0, 0, 0]));
+        let holding = || CacheAware::new(1024, 0.3, thresholds(), 1000, 1000);
+        let (first, second) = (holding(), holding());
+        let groups = eight_groups();
+        let homes = |p, now| send_each(p, &c, &store, &groups, "the question", now);
+        let hot = |p, group: usize, now: u64| {
+            for n in 0..40 {
+                send_each(
+                    p,
+                    &c,
+                    &store,
+                    &groups[group..=group],
+                    "the question",
+                    now + n,
+                );
+            }
+        };
+        first.tick(&store, 0, &[]);
+        second.tick(&store, 0, &[]);
+        homes(&first, 10);
+        homes(&first, 20);
+        first.tick(&store, 2000, &[]);
+        second.tick(&store, 2100, &[]);
+        let before = homes(&second, 2200);
+        assert_eq!(homes(&first, 2200), before);
+        // Group 0 turns hot: the next assignment moves groups, which hold from 3000 on.
+        hot(&first, 0, 2300);
+        first.tick(&store, 3000, &[]);
+        second.tick(&store, 3100, &[]);
+        let moved = homes(&first, 4500);
+        assert_ne!(
+            moved, before,
+            "the hot group moved others once their homes held"
+        );
+        // Group 1 turns hot too; the second worker's next request comes after that assignment.
+        hot(&first, 1, 4600);
+        first.tick(&store, 5000, &[]);
+        second.tick(&store, 5100, &[]);
+        assert_eq!(
+            homes(&second, 5200),
+            homes(&first, 5200),
+            "the homes that held by 4000 moved at the second worker too, though none of their \
+             requests came by it"
+        );
+    }
+
+    #[test]
     fn when_the_leading_worker_is_gone_another_takes_over_and_nobody_moves() {
         let (store, c, first, second) = two_workers();
         let groups = eight_groups();
