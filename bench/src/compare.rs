@@ -1,6 +1,7 @@
 //! `compare`: runs one workload through each router, each against a fresh (cold) sim fleet.
 
 use crate::driver::{self, Sample};
+use crate::misses;
 use crate::report::{measure, Measured, Results, RouterResult};
 use crate::routers::{Router, Running};
 use crate::sim_process::SimFleet;
@@ -284,25 +285,24 @@ impl ReplicaChanges {
 
 /// How often a group's request went to another replica than the group's previous request (in
 /// the order they were sent), and how many of those found less than half their prompt cached
-/// there, by why kvroute sent it there. The group is the first part of the workload's user tag
-/// (`u<group>-...`); requests outside any group (`u-unique-...`) and failed ones are left out. A
+/// there, by why kvroute sent it there. The group is the workload's user tag without its member
+/// and episode ([`misses::group_of`]); requests outside any group (`u-unique-...`) and failed
+/// ones are left out. A
 /// router that keeps each group on one replica scores 0; one that splits a group scores its
 /// alternations. Every cold request of a group is also counted by whether its replica had served
 /// the group before.
 pub fn group_replica_changes(samples: &[Sample]) -> ReplicaChanges {
-    let mut sorted: Vec<&Sample> = samples
-        .iter()
-        .filter(|s| s.error.is_none() && !s.user.starts_with("u-"))
-        .collect();
-    sorted.sort_by(|a, b| a.sent_ms.total_cmp(&b.sent_ms));
+    let mut sorted = misses::in_send_order(samples);
+    sorted.retain(|s| !s.user.starts_with("u-"));
     let mut last: std::collections::HashMap<&str, (usize, Option<&str>)> =
         std::collections::HashMap::new();
     let mut served: std::collections::HashSet<(&str, usize)> = std::collections::HashSet::new();
     let mut out = ReplicaChanges::default();
     for s in sorted {
-        let (Some(replica), Some(group)) = (s.replica, s.user.split('-').next()) else {
+        let Some(replica) = s.replica else {
             continue;
         };
+        let group = misses::group_of(&s.user);
         let cold = s.cached_tokens.unwrap_or(0) * 2 < s.prompt_tokens.unwrap_or(0);
         if cold {
             match served.contains(&(group, replica)) {

@@ -6,6 +6,7 @@ mod compare;
 mod demo;
 mod driver;
 mod instructions;
+mod misses;
 mod oracle;
 mod overhead;
 mod paths;

@@ -1,6 +1,7 @@
 //! The comparison's outputs: results.json (the contract), results.md (table) and ttft.svg (bars).
 
 use crate::driver::{RunOutcome, Sample};
+use crate::misses::{self, Misses};
 use crate::sim_process::FleetState;
 use crate::stats::{max_over_min, percentile, ratio};
 use serde::{Deserialize, Serialize};
@@ -217,6 +218,7 @@ impl Results {
                 l * 100.0
             );
         }
+        s += &self.misses_markdown();
         let Some(rr) = self.measured().find(|m| m.router == "round_robin") else {
             return s;
         };
@@ -235,6 +237,40 @@ impl Results {
                 times(Some(m.output_tok_s), Some(rr.output_tok_s)),
                 times(Some(m.prefix_hit_rate), Some(rr.prefix_hit_rate)),
             );
+        }
+        s
+    }
+
+    /// Where each router's uncached prompt tokens were ([`crate::misses`]), when its requests
+    /// reported usage.
+    fn misses_markdown(&self) -> String {
+        let rows: Vec<(&str, Misses)> = self
+            .samples
+            .iter()
+            .filter_map(|(router, samples)| Some((router.as_str(), misses::misses(samples)?)))
+            .collect();
+        if rows.is_empty() {
+            return String::new();
+        }
+        let mut s = "\nWhere the uncached prompt tokens were, in points of each router's prompt \
+            tokens (requests): a group's first request, a conversation's first request on another \
+            replica than its group's last one or on the same, a later turn on another replica than \
+            its conversation's last one or on the same\n\n| router |"
+            .to_string();
+        for kind in misses::KINDS {
+            let _ = write!(s, " {kind} |");
+        }
+        s += " all |\n|---|";
+        s += &"---:|".repeat(misses::KINDS.len() + 1);
+        s += "\n";
+        for (router, m) in rows {
+            let _ = write!(s, "| {router} |");
+            for kind in 0..misses::KINDS.len() {
+                let _ = write!(s, " {} |", m.cell(kind));
+            }
+            let uncached: u64 = m.by_kind.iter().map(|t| t.uncached_tokens).sum();
+            let points = 100.0 * uncached as f64 / m.prompt_tokens.max(1) as f64;
+            let _ = writeln!(s, " {points:.1} |");
         }
         s
     }
@@ -435,6 +471,26 @@ mod tests {
             "no bounds, no line"
         );
         assert!(!md.contains("workers"), "the usual workers go unsaid");
+        assert!(
+            !md.contains("uncached"),
+            "no usage in the samples, no table"
+        );
+        let with_usage = Results {
+            samples: vec![(
+                "round_robin".into(),
+                vec![Sample {
+                    user: "u0-0-0".into(),
+                    replica: Some(1),
+                    prompt_tokens: Some(100),
+                    cached_tokens: Some(25),
+                    ..Sample::default()
+                }],
+            )],
+            ..results()
+        };
+        assert!(with_usage
+            .markdown()
+            .contains("| round_robin | 75.0 (1) | 0.0 (0) | 0.0 (0) | 0.0 (0) | 0.0 (0) | 75.0 |"));
         let eight = Results {
             envoy_workers: 8,
             ..results()
