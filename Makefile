@@ -19,7 +19,7 @@ export KVROUTE_ISTIO_PYTHON := $(abspath $(ISTIO_VENV))/bin/python
 # Unit tests compiled to wasm run under wasmtime (installed into the venv from PyPI).
 export CARGO_TARGET_WASM32_WASIP1_RUNNER := $(abspath $(VENV))/bin/python $(abspath tools/wasi-run.py)
 
-.PHONY: all build wasm bins image deps istio-deps test test-native test-wasm run bench bench-overhead bench-core fuzz fmt lint clean
+.PHONY: all build wasm bins image deps istio-deps test test-native test-wasm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
 
 all: build
 
@@ -77,6 +77,11 @@ bench-core: deps
 	$(CARGO) bench -p kvroute --bench route
 	$(CARGO) build --release --target wasm32-wasip1 -p kvroute --no-default-features --example core_cost
 	$(VENV)/bin/python tools/wasi-run.py target/wasm32-wasip1/release/examples/core_cost.wasm
+
+# The whole filter's own instructions per request, by callback, and its host calls: kvroute.wasm
+# under wasmtime with a stand-in for Envoy's side of proxy-wasm (seconds, deterministic).
+bench-wasm-cost: deps build
+	$(VENV)/bin/python tools/wasm-cost.py $(WASM)
 
 # Property tests (tests/fuzz.rs) over request parsing, prefix keys, the config and shared-data
 # decoding, FUZZ_CASES per property (six properties: over ten million cases); `make test` runs a

@@ -1,0 +1,302 @@
+#!/usr/bin/env python3
+"""The filter's own cost per request, without Envoy: runs kvroute.wasm under wasmtime with a
+stand-in proxy-wasm host, and prints the wasm instructions each callback executes (wasmtime's
+fuel, deterministic) and the host calls a request makes.
+
+The stand-in host answers the calls the filter makes the way Envoy does for the shipped config
+(the admin `/clusters` and engine `/metrics` polls, shared data, headers, bodies, properties)
+and drives each request through its callbacks: a chat request to one of 16 groups (128 distinct
+bodies, as `kvroute-bench overhead` sends), then a JSON response with `usage`. What Envoy itself
+spends (its side of each host call, the wasm boundary) is not here: `kvroute-bench instructions`
+counts that. With `--perf`, no fuel is counted and wasmtime writes /tmp/perf-<pid>.map, so
+`perf record -g` over this script names the filter's functions.
+
+    wasm-cost.py target/wasm32-wasip1/release/kvroute.wasm [--requests N] [--bytes 1024,24576]
+"""
+import argparse
+import json
+import struct
+import sys
+
+import wasmtime
+
+ENDPOINTS = [("127.0.0.1", 8001 + i) for i in range(4)]
+CONFIG = json.dumps({
+    "policy": "cache_aware",
+    "admin_cluster": "kvroute_admin",
+    "engine_metrics_cluster": "inference_pool",
+    "stats_interval_ms": 500,
+}).encode()
+CLUSTERS = json.dumps({"cluster_statuses": [{
+    "name": "inference_pool",
+    "host_statuses": [{
+        "address": {"socket_address": {"address": a, "port_value": p}},
+        "stats": [{"name": "rq_active", "value": "0"}],
+        "health_status": {"eds_health_status": "HEALTHY"},
+    } for a, p in ENDPOINTS],
+}]}).encode()
+ENGINE_METRICS = b"""vllm:num_requests_running{model_name="m"} 2.0
+vllm:num_requests_waiting{model_name="m"} 0.0
+vllm:request_success_total{model_name="m",finished_reason="stop"} 100.0
+"""
+RESPONSE = json.dumps({
+    "id": "c", "object": "chat.completion", "model": "test",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok " * 16},
+                 "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 300, "completion_tokens": 16, "total_tokens": 316,
+              "prompt_tokens_details": {"cached_tokens": 280}},
+}).encode()
+CALLBACKS = ["proxy_on_context_create", "proxy_on_request_headers", "proxy_on_request_body",
+             "proxy_on_response_headers", "proxy_on_response_body", "proxy_on_log",
+             "proxy_on_done", "proxy_on_delete"]
+# proxy-wasm ABI 0.2.1 constants.
+OK, NOT_FOUND, CAS_MISMATCH = 0, 1, 8
+REQUEST_BODY, RESPONSE_BODY, CALL_RESPONSE_BODY, PLUGIN_CONFIGURATION = 0, 1, 4, 7
+REQUEST_HEADERS, RESPONSE_HEADERS, CALL_RESPONSE_HEADERS = 0, 2, 6
+ROOT = 1
+
+
+def body(i, size):
+    """The overhead bench's bodies: 16 groups' system prompts, 128 questions."""
+    system = ("Group %d system prompt. " % (i % 16)) * (size // 24)
+    return json.dumps({"model": "test", "max_tokens": 16, "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Question %d: what is in the context?" % (i % 128)}]}).encode()
+
+
+class Host:
+    """Envoy's side of the ABI, for one VM."""
+
+    def __init__(self, path, fuel):
+        config = wasmtime.Config()
+        config.consume_fuel = fuel
+        if not fuel:
+            config.profiler = "perfmap"
+        engine = wasmtime.Engine(config)
+        module = wasmtime.Module.from_file(engine, path)
+        self.store = wasmtime.Store(engine)
+        if fuel:
+            self.store.set_fuel(2**62)
+        self.fuel = fuel
+        linker = wasmtime.Linker(engine)
+        linker.define_wasi()
+        wasi = wasmtime.WasiConfig()
+        wasi.inherit_stderr()
+        self.store.set_wasi(wasi)
+        self.calls = {}
+        self.shared = {}
+        self.maps = {REQUEST_HEADERS: [], RESPONSE_HEADERS: [], CALL_RESPONSE_HEADERS: []}
+        self.buffers = {PLUGIN_CONFIGURATION: CONFIG}
+        self.properties = {}
+        self.pending_calls = []
+        self.now_ns = 1_700_000_000_000_000_000
+        for imp in module.imports:
+            if imp.module == "env":
+                fn = getattr(self, imp.name[len("proxy_"):], None) or self.unhandled(imp.name)
+                linker.define_func("env", imp.name, imp.type, self.counted(imp.name, fn))
+        self.instance = linker.instantiate(self.store, module)
+        self.exports = self.instance.exports(self.store)
+        self.memory = self.exports["memory"]
+        self.exports["_initialize"](self.store)
+
+    def counted(self, name, fn):
+        def call(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args)
+        return call
+
+    def unhandled(self, name):
+        def call(*_args):
+            return OK
+        return call
+
+    def read(self, ptr, size):
+        return bytes(self.memory.read(self.store, ptr, ptr + size))
+
+    def write(self, ptr, data):
+        self.memory.write(self.store, data, ptr)
+
+    def give(self, data, ptr_ptr, size_ptr):
+        """Returns `data` the ABI's way: in memory the VM allocates (one more call into it)."""
+        ptr = self.exports["proxy_on_memory_allocate"](self.store, len(data)) if data else 0
+        if data:
+            self.write(ptr, data)
+        self.write(ptr_ptr, struct.pack("<I", ptr))
+        self.write(size_ptr, struct.pack("<I", len(data)))
+        return OK
+
+    def run(self, export, *args):
+        before = self.store.get_fuel() if self.fuel else 0
+        result = self.exports[export](self.store, *args)
+        spent = before - self.store.get_fuel() if self.fuel else 0
+        return result, spent
+
+    # The host calls kvroute makes.
+    def log(self, level, ptr, size):
+        if level >= 3:
+            print("filter log:", self.read(ptr, size).decode(errors="replace"), file=sys.stderr)
+        return OK
+
+    def get_current_time_nanoseconds(self, ret):
+        self.write(ret, struct.pack("<Q", self.now_ns))
+        return OK
+
+    def get_buffer_bytes(self, kind, start, max_size, ptr_ptr, size_ptr):
+        start, max_size = start & 0xFFFFFFFF, max_size & 0xFFFFFFFF
+        data = self.buffers.get(kind, b"")
+        return self.give(data[start:start + max_size], ptr_ptr, size_ptr)
+
+    def get_header_map_pairs(self, kind, ptr_ptr, size_ptr):
+        pairs = self.maps.get(kind, [])
+        out = struct.pack("<I", len(pairs))
+        out += b"".join(struct.pack("<II", len(k), len(v)) for k, v in pairs)
+        out += b"".join(k + b"\0" + v + b"\0" for k, v in pairs)
+        return self.give(out, ptr_ptr, size_ptr)
+
+    def get_header_map_value(self, kind, key_ptr, key_size, ptr_ptr, size_ptr):
+        key = self.read(key_ptr, key_size)
+        for k, v in self.maps.get(kind, []):
+            if k == key:
+                return self.give(v, ptr_ptr, size_ptr)
+        return NOT_FOUND
+
+    def replace_header_map_value(self, kind, key_ptr, key_size, value_ptr, value_size):
+        key, value = self.read(key_ptr, key_size), self.read(value_ptr, value_size)
+        pairs = self.maps.setdefault(kind, [])
+        pairs[:] = [(k, v) for k, v in pairs if k != key] + [(key, value)]
+        return OK
+
+    def remove_header_map_value(self, kind, key_ptr, key_size):
+        key = self.read(key_ptr, key_size)
+        pairs = self.maps.setdefault(kind, [])
+        pairs[:] = [(k, v) for k, v in pairs if k != key]
+        return OK
+
+    def get_property(self, path_ptr, path_size, ptr_ptr, size_ptr):
+        path = self.read(path_ptr, path_size).rstrip(b"\0").replace(b"\0", b".").decode()
+        if path not in self.properties:
+            return NOT_FOUND
+        return self.give(self.properties[path], ptr_ptr, size_ptr)
+
+    def get_shared_data(self, key_ptr, key_size, ptr_ptr, size_ptr, cas_ptr):
+        key = self.read(key_ptr, key_size)
+        if key not in self.shared:
+            return NOT_FOUND
+        value, cas = self.shared[key]
+        self.write(cas_ptr, struct.pack("<I", cas))
+        return self.give(value, ptr_ptr, size_ptr)
+
+    def set_shared_data(self, key_ptr, key_size, value_ptr, value_size, cas):
+        key = self.read(key_ptr, key_size)
+        current = self.shared.get(key)
+        if cas and current and current[1] != cas:
+            return CAS_MISMATCH
+        self.shared[key] = (self.read(value_ptr, value_size), current[1] + 1 if current else 1)
+        return OK
+
+    def define_metric(self, _kind, name_ptr, name_size, id_ptr):
+        self.write(id_ptr, struct.pack("<I", hash(self.read(name_ptr, name_size)) & 0xFFFF))
+        return OK
+
+    def http_call(self, _up_ptr, _up_size, headers_ptr, headers_size, *rest):
+        token_ptr = rest[-1]
+        token = len(self.pending_calls) + 1
+        raw = self.read(headers_ptr, headers_size)
+        self.pending_calls.append((token, b"/clusters" in raw))
+        self.write(token_ptr, struct.pack("<I", token))
+        return OK
+
+    def tick(self):
+        """The root's tick, then an answer to each call it made (a poll)."""
+        self.now_ns += 500_000_000
+        self.run("proxy_on_tick", ROOT)
+        calls, self.pending_calls = self.pending_calls, []
+        for token, admin in calls:
+            answer = CLUSTERS if admin else ENGINE_METRICS
+            self.maps[CALL_RESPONSE_HEADERS] = [(b":status", b"200")]
+            self.buffers[CALL_RESPONSE_BODY] = answer
+            self.run("proxy_on_http_call_response", ROOT, token, 1, len(answer), 0)
+
+    def request(self, ctx, payload):
+        """One request and its response through the filter: wasm instructions per callback."""
+        self.now_ns += 1_000_000
+        self.maps[REQUEST_HEADERS] = [
+            (b":authority", b"gateway"), (b":path", b"/v1/chat/completions"),
+            (b":method", b"POST"), (b":scheme", b"http"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+            (b"x-forwarded-proto", b"http"),
+            (b"x-request-id", b"6f2b1c9e-5d4a-4c4b-9a0e-1f2e3d4c5b6a")]
+        self.buffers[REQUEST_BODY] = payload
+        self.properties["xds.cluster_name"] = b"inference_pool"
+        spent = {}
+
+        def run(export, *args):
+            spent[export] = self.run(export, *args)[1]
+
+        run("proxy_on_context_create", ctx, ROOT)
+        run("proxy_on_request_headers", ctx, len(self.maps[REQUEST_HEADERS]), 0)
+        run("proxy_on_request_body", ctx, len(payload), 1)
+        chosen = dict(self.maps[REQUEST_HEADERS]).get(b"x-gateway-destination-endpoint", b"")
+        self.properties["upstream.address"] = chosen.split(b",")[0] or b"127.0.0.1:8001"
+        self.maps[RESPONSE_HEADERS] = [(b":status", b"200"),
+                                       (b"content-type", b"application/json"),
+                                       (b"content-length", str(len(RESPONSE)).encode())]
+        self.buffers[RESPONSE_BODY] = RESPONSE
+        run("proxy_on_response_headers", ctx, len(self.maps[RESPONSE_HEADERS]), 0)
+        run("proxy_on_response_body", ctx, len(RESPONSE), 1)
+        run("proxy_on_log", ctx)
+        run("proxy_on_done", ctx)
+        run("proxy_on_delete", ctx)
+        return spent, bool(chosen)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("wasm")
+    parser.add_argument("--requests", type=int, default=2000, help="requests counted per size")
+    parser.add_argument("--bytes", default="1024,24576", help="prompt sizes, comma-separated")
+    parser.add_argument("--perf", action="store_true",
+                        help="no fuel; write a perf map of the filter's functions")
+    args = parser.parse_args()
+    for size in [int(b) for b in args.bytes.split(",")]:
+        host = Host(args.wasm, fuel=not args.perf)
+        host.run("proxy_on_context_create", ROOT, 0)
+        host.run("proxy_on_vm_start", ROOT, 0)
+        if host.run("proxy_on_configure", ROOT, len(CONFIG))[0] != 1:
+            sys.exit("the filter refused the config")
+        ctx = ROOT + 1
+        # Past the warm-up (ten polls) and every body seen: the common path.
+        for i in range(24):
+            host.tick()
+            for _ in range(16):
+                host.request(ctx, body(ctx, size))
+                ctx += 1
+        host.calls.clear()
+        totals = dict.fromkeys(CALLBACKS, 0)
+        routed = 0
+        for i in range(args.requests):
+            if i % 100 == 0:
+                # The polls go on (a stale snapshot is a fallback), uncounted.
+                calls = dict(host.calls)
+                host.tick()
+                host.calls = calls
+            spent, chosen = host.request(ctx, body(ctx, size))
+            for export, n in spent.items():
+                totals[export] += n
+            routed += chosen
+            ctx += 1
+        n = args.requests
+        print(f"\n{size} B prompts, {n} requests after the warm-up ({routed} routed):")
+        if not args.perf:
+            print("  wasm instructions per request (wasmtime fuel), by callback:")
+            for export, spent in totals.items():
+                print(f"    {export:28} {spent / n:9.0f}")
+            print(f"    {'all':28} {sum(totals.values()) / n:9.0f}")
+        print("  host calls per request:")
+        for name, count in sorted(host.calls.items()):
+            print(f"    {name:40} {count / n:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
