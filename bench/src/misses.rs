@@ -83,8 +83,18 @@ impl Misses {
     /// lost), and its requests: `2.1 (21)`.
     pub fn cell(&self, kind: usize) -> String {
         let t = self.by_kind[kind];
-        let points = 100.0 * t.uncached_tokens as f64 / self.prompt_tokens.max(1) as f64;
-        format!("{points:.1} ({})", t.requests)
+        format!("{:.1} ({})", self.points(t.uncached_tokens), t.requests)
+    }
+
+    /// Every kind's uncached tokens, in points of the run's prompt tokens: 100 − the hit rate the
+    /// requests' usage reported.
+    pub fn all(&self) -> String {
+        let uncached = self.by_kind.iter().map(|t| t.uncached_tokens).sum();
+        format!("{:.1}", self.points(uncached))
+    }
+
+    fn points(&self, tokens: u64) -> f64 {
+        100.0 * tokens as f64 / self.prompt_tokens.max(1) as f64
     }
 }
 
@@ -126,6 +136,7 @@ mod tests {
         let uncached: Vec<u64> = m.by_kind.iter().map(|t| t.uncached_tokens).collect();
         assert_eq!(uncached, [200, 100, 20, 180, 20]);
         assert_eq!(m.cell(3), "22.5 (1)");
+        assert_eq!(m.all(), "65.0");
     }
 
     #[test]

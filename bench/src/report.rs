@@ -268,9 +268,7 @@ impl Results {
             for kind in 0..misses::KINDS.len() {
                 let _ = write!(s, " {} |", m.cell(kind));
             }
-            let uncached: u64 = m.by_kind.iter().map(|t| t.uncached_tokens).sum();
-            let points = 100.0 * uncached as f64 / m.prompt_tokens.max(1) as f64;
-            let _ = writeln!(s, " {points:.1} |");
+            let _ = writeln!(s, " {} |", m.all());
         }
         s
     }
