@@ -1,5 +1,5 @@
 //! What kvroute costs, counted in instructions instead of seconds: every Envoy config of
-//! `overhead` (`plain`, `floor`, `floor+header`, `kvroute`, and `kvroute-b` with
+//! `overhead` (`plain`, `floor`, `floor+header`, `floor+reads`, `kvroute`, and `kvroute-b` with
 //! `--compare-wasm`) runs under valgrind's callgrind, which counts the instructions its process
 //! executes, the filter's compiled wasm included. Counting is on only while a config is measured:
 //! a few requests to settle, then N requests of each kind (1 KB and 24 KB prompts, and 1 KB
@@ -60,7 +60,14 @@ pub async fn instructions(
     compare_wasm: Option<&Path>,
     keep_dumps: Option<&Path>,
 ) -> Result<(), String> {
-    let known = ["plain", "floor", "floor+header", "kvroute", "kvroute-b"];
+    let known = [
+        "plain",
+        "floor",
+        "floor+header",
+        "floor+reads",
+        "kvroute",
+        "kvroute-b",
+    ];
     let wanted = wanted_configs(&known, configs, compare_wasm.is_some())?;
     let requests = requests.max(1);
     let mut plugin_config = plugin_config;
@@ -302,12 +309,23 @@ fn print_counts(counts: &[Count], requests: usize) {
         if let (Some(kv), Some(header), Some(floor)) =
             (get("kvroute"), get("floor+header"), get("floor"))
         {
+            let own = match get("floor+reads") {
+                Some(reads) => format!(
+                    "the host calls kvroute makes (floor+reads − floor+header) {}, kvroute's own \
+                     code (kvroute − floor+reads) {}",
+                    thousands(reads - header, true),
+                    thousands(kv - reads, true),
+                ),
+                None => format!(
+                    "kvroute's own (kvroute − floor+header) {}",
+                    thousands(kv - header, true)
+                ),
+            };
             println!(
                 "{kind}: kvroute − floor = {}; of which Envoy honouring the header (floor+header − \
-                 floor) {}, kvroute's own (kvroute − floor+header) {}",
+                 floor) {}, {own}",
                 thousands(kv - floor, true),
                 thousands(header - floor, true),
-                thousands(kv - header, true),
             );
         }
         if let (Some(a), Some(b)) = (get("kvroute"), get("kvroute-b")) {

@@ -1,14 +1,17 @@
 //! What kvroute costs: CPU per request and latency added, for 1 KB and 24 KB prompts, next to
 //! plain Envoy, the floor (a filter that only pauses for the body and reads it), the floor that
 //! also writes the routing header for Envoy's `override_host` (`floor+header`: what honouring the
-//! header costs Envoy, whoever writes it), and the peer routers as a hop (smg, vllm-router).
+//! header costs Envoy, whoever writes it), the floor that also makes the host calls kvroute makes
+//! on its common path and ignores their answers (`floor+reads`: what asking Envoy costs, apart
+//! from kvroute's own code), and the peer routers as a hop (smg, vllm-router).
 //! With `--compare-wasm`, another build of the filter runs as `kvroute-b` beside `kvroute`, so a
 //! change's cost is measured in one run rather than across runs on a noisy machine.
 //!
 //! Every config runs at once against the same in-process backends, and every client sends each
 //! body to every config in turn (rotating which goes first), so machine noise (this box is shared)
 //! hits all alike; the numbers that matter are differences and ratios, not absolute values.
-//! `floor`, `floor+header`, `kvroute` and `kvroute-b` are measured over plain Envoy; `plain`,
+//! `floor`, `floor+header`, `floor+reads`, `kvroute` and `kvroute-b` are measured over plain
+//! Envoy; `plain`,
 //! `smg` and `vllm-router` over going straight to a backend (the peers are a hop behind the
 //! gateway a user already has). Each process's CPU while idle is reported too: work that is not
 //! per request (kvroute's polls, health checks) is part of the CPU per request at a given rate.
@@ -40,10 +43,11 @@ const IDLE: Duration = Duration::from_secs(3);
 const VLLM_ROUTER_POLICY: &str = "cache_aware";
 
 /// The configs measured, in table order.
-const CONFIGS: [&str; 7] = [
+const CONFIGS: [&str; 8] = [
     "plain",
     "floor",
     "floor+header",
+    "floor+reads",
     "kvroute",
     "kvroute-b",
     "smg",
@@ -93,7 +97,7 @@ impl Target {
 
     fn over(&self) -> &'static str {
         match self.name {
-            "floor" | "floor+header" | "kvroute" | "kvroute-b" => "plain",
+            "floor" | "floor+header" | "floor+reads" | "kvroute" | "kvroute-b" => "plain",
             _ => "backend",
         }
     }
@@ -325,6 +329,12 @@ pub(crate) fn envoy_configs(
             },
         ),
         (
+            "floor+reads",
+            Lb::FloorHeader {
+                plugin_config: json!({ "header_values": header_values, "reads": true }),
+            },
+        ),
+        (
             "kvroute",
             Lb::Kvroute {
                 plugin_config: plugin_config.clone(),
@@ -400,18 +410,26 @@ fn print_ratios(rows: &[Row]) {
         if let (Some(a), Some(b)) = (kv.cpu_us_per_request, floor.cpu_us_per_request) {
             line += &format!(" kvroute CPU/request − floor's = {:+.0} µs;", a - b);
         }
-        if let Some(header) = get("floor+header") {
-            if let (Some(a), Some(h), Some(b)) = (
-                kv.cpu_us_per_request,
-                header.cpu_us_per_request,
-                floor.cpu_us_per_request,
-            ) {
-                line += &format!(
-                    " of which Envoy honouring the header (floor+header − floor) {:+.0} µs, \
-                     kvroute's own (kvroute − floor+header) {:+.0} µs;",
-                    h - b,
-                    a - h
-                );
+        let cpu = |config: &str| get(config).and_then(|r| r.cpu_us_per_request);
+        if let (Some(a), Some(h), Some(b)) =
+            (kv.cpu_us_per_request, cpu("floor+header"), cpu("floor"))
+        {
+            line += &format!(
+                " of which Envoy honouring the header (floor+header − floor) {:+.0} µs",
+                h - b
+            );
+            match cpu("floor+reads") {
+                Some(r) => {
+                    line += &format!(
+                        ", the host calls kvroute makes (floor+reads − floor+header) {:+.0} µs, \
+                         kvroute's own code (kvroute − floor+reads) {:+.0} µs;",
+                        r - h,
+                        a - r
+                    )
+                }
+                None => {
+                    line += &format!(", kvroute's own (kvroute − floor+header) {:+.0} µs;", a - h)
+                }
             }
         }
         if let (Some(a), Some(b)) = (kv.added_p50_us, get("smg").and_then(|s| s.added_p50_us)) {
