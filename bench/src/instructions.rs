@@ -22,7 +22,7 @@ use kvroute_harness::{Envoy, EnvoyOptions};
 use serde_json::Value;
 use tokio::process::Command;
 
-use crate::overhead::{bodies, envoy_configs, quiet_backends, send, wanted_configs};
+use crate::overhead::{bodies, envoy_configs, quiet_backends, send, wanted_configs, ENVOY_CONFIGS};
 
 /// Concurrent clients while a config is counted: the Envoy under valgrind is the bottleneck.
 const CLIENTS: usize = 4;
@@ -60,15 +60,7 @@ pub async fn instructions(
     compare_wasm: Option<&Path>,
     keep_dumps: Option<&Path>,
 ) -> Result<(), String> {
-    let known = [
-        "plain",
-        "floor",
-        "floor+header",
-        "floor+reads",
-        "kvroute",
-        "kvroute-b",
-    ];
-    let wanted = wanted_configs(&known, configs, compare_wasm.is_some())?;
+    let wanted = wanted_configs(&ENVOY_CONFIGS, configs, compare_wasm.is_some())?;
     let requests = requests.max(1);
     let mut plugin_config = plugin_config;
     if let Some(fields) = plugin_config.as_object_mut() {

@@ -42,17 +42,17 @@ const IDLE: Duration = Duration::from_secs(3);
 /// vllm-router's policy here: its cache-aware one, like smg's.
 const VLLM_ROUTER_POLICY: &str = "cache_aware";
 
-/// The configs measured, in table order.
-const CONFIGS: [&str; 8] = [
+/// The Envoy configs, in table order (`instructions` counts these).
+pub(crate) const ENVOY_CONFIGS: [&str; 6] = [
     "plain",
     "floor",
     "floor+header",
     "floor+reads",
     "kvroute",
     "kvroute-b",
-    "smg",
-    "vllm-router",
 ];
+/// The peer routers, measured as a hop, after the Envoy configs.
+const PEERS: [&str; 2] = ["smg", "vllm-router"];
 /// Addresses `floor+header` lists per request: the chosen one and one fallback, as kvroute's
 /// default `fallback_endpoints` (1) has it.
 const FLOOR_HEADER_ADDRESSES: usize = 2;
@@ -110,7 +110,8 @@ pub async fn overhead(
     json_out: Option<&Path>,
     compare_wasm: Option<&Path>,
 ) -> Result<(), String> {
-    let wanted = wanted_configs(&CONFIGS, configs, compare_wasm.is_some())?;
+    let known: Vec<&str> = ENVOY_CONFIGS.into_iter().chain(PEERS).collect();
+    let wanted = wanted_configs(&known, configs, compare_wasm.is_some())?;
     let load_before = load_average();
     let (_backends, addrs) = quiet_backends().await?;
     let workers: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
@@ -130,7 +131,7 @@ pub async fn overhead(
             peer: None,
         });
     }
-    for name in ["smg", "vllm-router"].into_iter().filter(|n| wanted(n)) {
+    for name in PEERS.into_iter().filter(|n| wanted(n)) {
         let peer = match name {
             "smg" => peers::start_smg_on(&workers).await,
             _ => peers::start_vllm_router_on(VLLM_ROUTER_POLICY, &workers).await,
@@ -200,7 +201,7 @@ pub async fn overhead(
         }
     }
     rows.sort_by_key(|r| {
-        let at = CONFIGS.iter().position(|c| *c == r.config);
+        let at = known.iter().position(|c| *c == r.config);
         (r.prompt_bytes, at)
     });
     let load_after = load_average();
