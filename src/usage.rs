@@ -67,9 +67,9 @@ pub fn parse(tail: &[u8]) -> Option<Usage> {
         let Some(rest) = rest.strip_prefix(b":") else {
             continue;
         };
-        let mut values = serde_json::Deserializer::from_slice(rest).into_iter::<Option<Raw>>();
-        match values.next() {
-            Some(Ok(Some(raw))) => {
+        let mut de = serde_json::Deserializer::from_slice(rest);
+        match <Option<Raw> as serde::Deserialize>::deserialize(&mut de) {
+            Ok(Some(raw)) => {
                 let cached = raw
                     .prompt_tokens_details
                     .and_then(|d| d.cached_tokens)
@@ -87,7 +87,7 @@ pub fn parse(tail: &[u8]) -> Option<Usage> {
 }
 
 fn rfind(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).rposition(|w| w == needle)
+    memchr::memmem::rfind(hay, needle)
 }
 
 fn trim_start(b: &[u8]) -> &[u8] {
