@@ -60,7 +60,7 @@ impl Tail {
 pub fn parse(tail: &[u8]) -> Option<Usage> {
     const NEEDLE: &[u8] = b"\"usage\"";
     let mut end = tail.len();
-    while let Some(at) = rfind(&tail[..end], NEEDLE) {
+    while let Some(at) = memchr::memmem::rfind(&tail[..end], NEEDLE) {
         end = at;
         let rest = &tail[at + NEEDLE.len()..];
         let rest = trim_start(rest);
@@ -84,10 +84,6 @@ pub fn parse(tail: &[u8]) -> Option<Usage> {
         }
     }
     None
-}
-
-fn rfind(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    memchr::memmem::rfind(hay, needle)
 }
 
 fn trim_start(b: &[u8]) -> &[u8] {
