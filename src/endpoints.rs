@@ -5,6 +5,7 @@ use std::borrow::Cow;
 
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 
 use crate::engine::{EngineLoad, EngineLoads};
 use crate::rendezvous::endpoint_id;
@@ -252,17 +253,11 @@ struct SocketAddress<'a> {
 struct Stat<'a> {
     #[serde(borrow)]
     name: Cow<'a, str>,
-    /// A uint64 in proto JSON: a string, or a number from some writers.
-    #[serde(default)]
-    value: Option<StatValue<'a>>,
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum StatValue<'a> {
-    Number(u64),
-    #[serde(borrow)]
-    Text(Cow<'a, str>),
+    /// A uint64 in proto JSON: a string, or a number from some writers. Kept as written and
+    /// read only for the one stat kvroute uses (an untagged enum would build and drop an error
+    /// for every string value of every host on every poll).
+    #[serde(borrow, default)]
+    value: Option<&'a RawValue>,
 }
 
 /// A host is usable unless a health check or outlier detection failed it, or EDS says it is not
@@ -309,10 +304,7 @@ impl HostStatus<'_> {
             .stats
             .iter()
             .find(|s| s.name == "rq_active")
-            .and_then(|s| match s.value.as_ref()? {
-                StatValue::Number(n) => Some(*n),
-                StatValue::Text(t) => t.parse().ok(),
-            })
+            .and_then(|s| s.value?.get().trim_matches('"').parse().ok())
             .unwrap_or(0);
         Some(Host {
             addr,
