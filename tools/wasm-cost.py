@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""The filter's own cost per request, without Envoy: runs kvroute.wasm under wasmtime with a
-stand-in proxy-wasm host, and prints the wasm instructions each callback executes (wasmtime's
-fuel, deterministic) and the host calls a request makes.
+"""The filter's own cost per request and per idle tick, without Envoy: runs kvroute.wasm under
+wasmtime with a stand-in proxy-wasm host, and prints the wasm instructions each callback executes
+(wasmtime's fuel, deterministic) and the host calls a request makes; then the same for idle ticks
+every 100 ms, with the poll round (the admin `/clusters` and each engine's `/metrics`) every
+500 ms that this VM, holding the poll lease, makes for a pool of `--hosts` endpoints.
 
 The stand-in host answers the calls the filter makes the way Envoy does for the shipped config
 (the admin `/clusters` and engine `/metrics` polls, shared data, headers, bodies, properties)
@@ -12,6 +14,7 @@ counts that. With `--perf`, no fuel is counted and wasmtime writes /tmp/perf-<pi
 `perf record -g` over this script names the filter's functions.
 
     wasm-cost.py target/wasm32-wasip1/release/kvroute.wasm [--requests N] [--bytes 1024,24576]
+        [--hosts 4] [--ticks 50]
 """
 import argparse
 import json
@@ -20,21 +23,32 @@ import sys
 
 import wasmtime
 
-ENDPOINTS = [("127.0.0.1", 8001 + i) for i in range(4)]
 CONFIG = json.dumps({
     "policy": "cache_aware",
     "admin_cluster": "kvroute_admin",
     "engine_metrics_cluster": "inference_pool",
     "stats_interval_ms": 500,
 }).encode()
-CLUSTERS = json.dumps({"cluster_statuses": [{
-    "name": "inference_pool",
-    "host_statuses": [{
-        "address": {"socket_address": {"address": a, "port_value": p}},
-        "stats": [{"name": "rq_active", "value": "0"}],
-        "health_status": {"eds_health_status": "HEALTHY"},
-    } for a, p in ENDPOINTS],
-}]}).encode()
+# The stats Envoy's admin `/clusters?format=json` lists for each host.
+HOST_STATS = [("cx_connect_fail", "COUNTER"), ("cx_total", "COUNTER"), ("rq_error", "COUNTER"),
+              ("rq_success", "COUNTER"), ("rq_timeout", "COUNTER"), ("rq_total", "COUNTER"),
+              ("cx_active", "GAUGE"), ("rq_active", "GAUGE")]
+
+
+def clusters(hosts):
+    """The admin `/clusters` document for a pool of `hosts` endpoints, as Envoy writes it."""
+    return json.dumps({"cluster_statuses": [{
+        "name": "inference_pool",
+        "host_statuses": [{
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": 8001 + i}},
+            "stats": [{"name": name, "type": kind, "value": "0"} for name, kind in HOST_STATS],
+            "health_status": {"eds_health_status": "HEALTHY"},
+            "weight": 1,
+            "locality": {},
+        } for i in range(hosts)],
+    }]}).encode()
+
+
 ENGINE_METRICS = b"""vllm:num_requests_running{model_name="m"} 2.0
 vllm:num_requests_waiting{model_name="m"} 0.0
 vllm:request_success_total{model_name="m",finished_reason="stop"} 100.0
@@ -67,7 +81,8 @@ def body(i, size):
 class Host:
     """Envoy's side of the ABI, for one VM."""
 
-    def __init__(self, path, fuel):
+    def __init__(self, path, fuel, hosts):
+        self.clusters = clusters(hosts)
         config = wasmtime.Config()
         config.consume_fuel = fuel
         if not fuel:
@@ -206,16 +221,19 @@ class Host:
         self.write(token_ptr, struct.pack("<I", token))
         return OK
 
-    def tick(self):
-        """The root's tick, then an answer to each call it made (a poll)."""
-        self.now_ns += 500_000_000
-        self.run("proxy_on_tick", ROOT)
+    def tick(self, ms=500):
+        """The root's tick `ms` after the last, then an answer to each call it made (a poll).
+        Returns the wasm instructions of the tick and of the answers."""
+        self.now_ns += ms * 1_000_000
+        spent = self.run("proxy_on_tick", ROOT)[1]
+        answers = 0
         calls, self.pending_calls = self.pending_calls, []
         for token, admin in calls:
-            answer = CLUSTERS if admin else ENGINE_METRICS
+            answer = self.clusters if admin else ENGINE_METRICS
             self.maps[CALL_RESPONSE_HEADERS] = [(b":status", b"200")]
             self.buffers[CALL_RESPONSE_BODY] = answer
-            self.run("proxy_on_http_call_response", ROOT, token, 1, len(answer), 0)
+            answers += self.run("proxy_on_http_call_response", ROOT, token, 1, len(answer), 0)[1]
+        return spent, answers
 
     def request(self, ctx, payload):
         """One request and its response through the filter: wasm instructions per callback."""
@@ -251,51 +269,85 @@ class Host:
         return spent, bool(chosen)
 
 
+def started(args, size):
+    """A VM configured, past the warm-up (ten polls) and with every body seen: the common path.
+    Returns it and the next context id."""
+    host = Host(args.wasm, fuel=not args.perf, hosts=args.hosts)
+    host.run("proxy_on_context_create", ROOT, 0)
+    host.run("proxy_on_vm_start", ROOT, 0)
+    if host.run("proxy_on_configure", ROOT, len(CONFIG))[0] != 1:
+        sys.exit("the filter refused the config")
+    ctx = ROOT + 1
+    for _ in range(24):
+        host.tick()
+        for _ in range(16):
+            host.request(ctx, body(ctx, size))
+            ctx += 1
+    host.calls.clear()
+    return host, ctx
+
+
+def print_calls(host, n, per):
+    print(f"  host calls per {per}:")
+    for name, count in sorted(host.calls.items()):
+        print(f"    {name:40} {count / n:6.2f}")
+
+
+def requests(args, size):
+    host, ctx = started(args, size)
+    totals = dict.fromkeys(CALLBACKS, 0)
+    routed = 0
+    for i in range(args.requests):
+        if i % 100 == 0:
+            # The polls go on (a stale snapshot is a fallback), uncounted.
+            calls = dict(host.calls)
+            host.tick()
+            host.calls = calls
+        spent, chosen = host.request(ctx, body(ctx, size))
+        for export, n in spent.items():
+            totals[export] += n
+        routed += chosen
+        ctx += 1
+    n = args.requests
+    print(f"\n{size} B prompts, {n} requests after the warm-up ({routed} routed):")
+    if not args.perf:
+        print("  wasm instructions per request (wasmtime fuel), by callback:")
+        for export, spent in totals.items():
+            print(f"    {export:28} {spent / n:9.0f}")
+        print(f"    {'all':28} {sum(totals.values()) / n:9.0f}")
+    print_calls(host, n, "request")
+
+
+def ticks(args):
+    """Idle ticks every 100 ms; this VM holds the poll lease, so every fifth tick polls."""
+    host, _ = started(args, 1024)
+    n = args.ticks
+    spent = answers = 0
+    for _ in range(n):
+        tick, answered = host.tick(ms=100)
+        spent += tick
+        answers += answered
+    print(f"\n{n} idle ticks, 100 ms apart, {args.hosts} endpoints (a poll every 500 ms):")
+    if not args.perf:
+        print(f"  wasm instructions per tick: {spent / n:.0f}; per poll round's answers (the "
+              f"admin /clusters and {args.hosts} engines' /metrics): {answers / (n / 5):.0f}")
+    print_calls(host, n, "tick")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("wasm")
     parser.add_argument("--requests", type=int, default=2000, help="requests counted per size")
     parser.add_argument("--bytes", default="1024,24576", help="prompt sizes, comma-separated")
+    parser.add_argument("--hosts", type=int, default=4, help="endpoints in the pool")
+    parser.add_argument("--ticks", type=int, default=50, help="idle ticks counted (0: none)")
     parser.add_argument("--perf", action="store_true",
                         help="no fuel; write a perf map of the filter's functions")
     args = parser.parse_args()
-    for size in [int(b) for b in args.bytes.split(",")]:
-        host = Host(args.wasm, fuel=not args.perf)
-        host.run("proxy_on_context_create", ROOT, 0)
-        host.run("proxy_on_vm_start", ROOT, 0)
-        if host.run("proxy_on_configure", ROOT, len(CONFIG))[0] != 1:
-            sys.exit("the filter refused the config")
-        ctx = ROOT + 1
-        # Past the warm-up (ten polls) and every body seen: the common path.
-        for i in range(24):
-            host.tick()
-            for _ in range(16):
-                host.request(ctx, body(ctx, size))
-                ctx += 1
-        host.calls.clear()
-        totals = dict.fromkeys(CALLBACKS, 0)
-        routed = 0
-        for i in range(args.requests):
-            if i % 100 == 0:
-                # The polls go on (a stale snapshot is a fallback), uncounted.
-                calls = dict(host.calls)
-                host.tick()
-                host.calls = calls
-            spent, chosen = host.request(ctx, body(ctx, size))
-            for export, n in spent.items():
-                totals[export] += n
-            routed += chosen
-            ctx += 1
-        n = args.requests
-        print(f"\n{size} B prompts, {n} requests after the warm-up ({routed} routed):")
-        if not args.perf:
-            print("  wasm instructions per request (wasmtime fuel), by callback:")
-            for export, spent in totals.items():
-                print(f"    {export:28} {spent / n:9.0f}")
-            print(f"    {'all':28} {sum(totals.values()) / n:9.0f}")
-        print("  host calls per request:")
-        for name, count in sorted(host.calls.items()):
-            print(f"    {name:40} {count / n:6.2f}")
+    for size in [int(b) for b in args.bytes.split(",") if b]:
+        requests(args, size)
+    if args.ticks > 0:
+        ticks(args)
 
 
 if __name__ == "__main__":
