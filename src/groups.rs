@@ -228,8 +228,10 @@ impl Tally {
 /// moment, and place the groups differently meanwhile.
 #[derive(Debug, Default)]
 pub struct FleetVolume {
-    /// Each engine's finished-requests counter at the last observation.
-    last: HashMap<String, f64>,
+    /// Each engine's finished-requests counter at the last observation, with the observation
+    /// that last saw the engine (an engine the latest one did not list is forgotten).
+    last: HashMap<String, (f64, u64)>,
+    observations: u64,
     volume: f64,
     at_ms: Option<u64>,
 }
@@ -238,20 +240,28 @@ impl FleetVolume {
     /// Takes in the engines' counters (address, requests finished since it started) at `now_ms`.
     /// An engine seen for the first time only sets its baseline; a counter that went down (the
     /// engine restarted) counts from zero.
+    /// (Every worker does this on every tick: the counters are updated in place, not rebuilt.)
     pub fn observe<'a>(&mut self, totals: impl IntoIterator<Item = (&'a str, f64)>, now_ms: u64) {
+        self.observations += 1;
+        let this = self.observations;
         let mut added = 0.0;
-        let mut next = HashMap::new();
         for (addr, total) in totals {
-            if let Some(&before) = self.last.get(addr) {
-                added += if total >= before {
-                    total - before
-                } else {
-                    total
-                };
+            match self.last.get_mut(addr) {
+                Some((before, seen)) => {
+                    added += if total >= *before {
+                        total - *before
+                    } else {
+                        total
+                    };
+                    *before = total;
+                    *seen = this;
+                }
+                None => {
+                    self.last.insert(addr.to_string(), (total, this));
+                }
             }
-            next.insert(addr.to_string(), total);
         }
-        self.last = next;
+        self.last.retain(|_, &mut (_, seen)| seen == this);
         let age = self.at_ms.map_or(0, |at| now_ms.saturating_sub(at));
         self.volume = self.volume * decay(age) + added;
         self.at_ms = Some(now_ms);
@@ -1247,6 +1257,9 @@ mod tests {
         assert!((fleet.share(65.0) - 1.0).abs() < 1e-9);
         // The volume decays like the group counts.
         fleet.observe([("a:1", 5.0)], 1000 + HALF_LIFE_MS);
+        assert!((fleet.share(32.5) - 1.0).abs() < 1e-9);
+        // An engine that left and came back starts from a new baseline.
+        fleet.observe([("a:1", 5.0), ("b:1", 500.0)], 1000 + HALF_LIFE_MS);
         assert!((fleet.share(32.5) - 1.0).abs() < 1e-9);
     }
 
