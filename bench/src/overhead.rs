@@ -11,10 +11,10 @@
 //! body to every config in turn (rotating which goes first), so machine noise (this box is shared)
 //! hits all alike; the numbers that matter are differences and ratios, not absolute values.
 //! `floor`, `floor+header`, `floor+reads`, `kvroute` and `kvroute-b` are measured over plain
-//! Envoy; `plain`,
-//! `smg` and `vllm-router` over going straight to a backend (the peers are a hop behind the
-//! gateway a user already has). Each process's CPU while idle is reported too: work that is not
-//! per request (kvroute's polls, health checks) is part of the CPU per request at a given rate.
+//! Envoy; `plain`, `smg` and `vllm-router` over going straight to a backend (the peers are a hop
+//! behind the gateway a user already has). Each process's CPU while idle is reported too: work
+//! that is not per request (kvroute's polls, health checks) is part of the CPU per request at a
+//! given rate.
 
 use std::net::SocketAddr;
 use std::path::Path;
