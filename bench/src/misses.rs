@@ -26,7 +26,7 @@ pub struct Tally {
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Misses {
     pub prompt_tokens: u64,
-    pub by_kind: [Tally; 5],
+    pub by_kind: [Tally; KINDS.len()],
 }
 
 /// The group of a workload user tag (`u<group>-<member>-<episode>`, `u<group>-t<tenant>-...`,
