@@ -71,8 +71,7 @@ impl PrefixKeys {
         shape: Shape,
     ) -> PrefixKeys {
         let text = text.as_ref();
-        let model = xxh3_64(model.as_bytes());
-        let model = salt.map_or(model, |s| xxh3_64_with_seed(s.as_bytes(), model));
+        let model = seed(model, salt);
         let chunk_size = shape.chunk_size.max(1);
         let head = head.min(text.len());
         let mut keys = Vec::with_capacity(text.len().div_ceil(chunk_size).min(shape.max_chunks));
@@ -110,10 +109,17 @@ impl PrefixKeys {
     }
 }
 
+/// What the chain of a prompt to `model` (with vLLM's `cache_salt`, if any) starts from: key -1.
+/// Whoever computes keys from the same bytes (the engine index from decoded KV blocks) starts here.
+pub fn seed(model: &str, salt: Option<&str>) -> u64 {
+    let model = xxh3_64(model.as_bytes());
+    salt.map_or(model, |s| xxh3_64_with_seed(s.as_bytes(), model))
+}
+
 /// The key after `previous` for the next chunk: the chunk hashed alone, then mixed with the key
 /// before it. (Seeding a chunk's hash with the previous key instead costs xxh3 a secret derived
 /// from the seed for each chunk longer than 240 bytes: a third of the hashing at 512-byte chunks.)
-fn chain(previous: u64, chunk: &[u8]) -> u64 {
+pub fn chain(previous: u64, chunk: &[u8]) -> u64 {
     xxh3_64_with_seed(&xxh3_64(chunk).to_le_bytes(), previous)
 }
 
