@@ -14,6 +14,7 @@ pub mod config;
 pub mod counters;
 pub mod endpoints;
 pub mod engine;
+pub mod engine_index;
 pub mod eviction;
 pub mod freshness;
 pub mod groups;
