@@ -18,6 +18,7 @@ use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::rendezvous::endpoint_id;
+use crate::slots;
 use crate::store::{self, SharedStore, Update};
 
 /// Records per slot.
@@ -158,7 +159,7 @@ impl<'s, S: SharedStore + ?Sized> EngineIndex<'s, S> {
     /// who holds it. Engines hold a prefix's blocks from the first, so presence is monotone along
     /// the chain: probes the last key, then 2, 4, 8, ... back from it, then bisects.
     pub fn longest_match(&self, keys: &[u64], status: &Status) -> Option<(usize, Vec<u32>)> {
-        longest(keys.len(), 0, |i| self.holders(keys[i], status))
+        slots::longest(keys.len(), 0, |i| self.holders(keys[i], status))
     }
 
     /// Applies one answer of the feed, at `now_ms`, and records the new status. Changes are
@@ -252,40 +253,6 @@ fn drop_holder(records: &mut Vec<Record>, key: u64, id: u32) {
     records.retain(|r| !r.holders.is_empty());
 }
 
-/// The deepest index in `from..n` for which `probe` finds something, as a count (index + 1),
-/// with what it found, for a presence that is monotone (found at i implies found below i): probes
-/// the last index, then 2, 4, 8, ... back from it, then bisects between the deepest hit and the
-/// shallowest miss above it.
-pub fn longest<T>(
-    n: usize,
-    from: usize,
-    mut probe: impl FnMut(usize) -> Option<T>,
-) -> Option<(usize, T)> {
-    if from >= n {
-        return None;
-    }
-    let (mut miss, mut step) = (n, 1usize);
-    let (mut lo, mut best) = loop {
-        let i = n.saturating_sub(step).max(from);
-        if let Some(found) = probe(i) {
-            break (i, found);
-        }
-        if i == from {
-            return None;
-        }
-        miss = i;
-        step = step.saturating_mul(2);
-    };
-    while miss - lo > 1 {
-        let mid = lo + (miss - lo) / 2;
-        match probe(mid) {
-            Some(found) => (lo, best) = (mid, found),
-            None => miss = mid,
-        }
-    }
-    Some((lo + 1, best))
-}
-
 fn encode(records: &[Record]) -> Vec<u8> {
     let mut out = Vec::with_capacity(1 + records.len() * RECORD_LEN);
     out.push(VERSION);
@@ -303,29 +270,20 @@ fn encode(records: &[Record]) -> Vec<u8> {
 
 /// Decodes a slot; anything malformed (another version, a torn value) reads as an empty slot.
 fn decode(bytes: &[u8]) -> Vec<Record> {
-    let Some((&VERSION, body)) = bytes.split_first() else {
-        return Vec::new();
-    };
-    if body.len() % RECORD_LEN != 0 || body.len() / RECORD_LEN > WAYS {
-        return Vec::new();
-    }
-    body.chunks_exact(RECORD_LEN)
+    slots::records(bytes, VERSION, RECORD_LEN, WAYS)
+        .chunks_exact(RECORD_LEN)
         .filter_map(decode_record)
         .collect()
 }
 
 fn decode_record(r: &[u8]) -> Option<Record> {
     let u32_at = |i: usize| r.get(i..i + 4)?.try_into().ok().map(u32::from_le_bytes);
-    let key = u64::from_le_bytes(r.get(..8)?.try_into().ok()?);
     let count = usize::from(*r.get(16)?).min(MAX_HOLDERS);
-    let holders = (0..count)
-        .map(|i| u32_at(17 + 4 * i))
-        .collect::<Option<Vec<u32>>>()?;
     Some(Record {
-        key,
+        key: u64::from_le_bytes(r.get(..8)?.try_into().ok()?),
         generation: u32_at(8)?,
         changed: u32_at(12)?,
-        holders,
+        holders: slots::u32s(r, 17, count)?,
     })
 }
 
@@ -455,18 +413,6 @@ mod tests {
             4 * WAYS - 4,
             "the new keys pushed out slot 0's oldest"
         );
-    }
-
-    #[test]
-    fn longest_finds_the_boundary_of_a_monotone_presence() {
-        for n in 0..40 {
-            for held in 0..=n {
-                let found = longest(n, 0, |i| (i < held).then_some(i));
-                let want = (held > 0).then(|| (held, held - 1));
-                assert_eq!(found, want, "n {n} held {held}");
-            }
-        }
-        assert_eq!(longest(10, 4, |i| (i < 3).then_some(i)), None);
     }
 
     #[test]

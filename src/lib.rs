@@ -26,6 +26,7 @@ pub mod rendezvous;
 pub mod request;
 pub mod retention;
 pub mod router;
+pub mod slots;
 pub mod store;
 pub mod suspects;
 pub mod usage;
