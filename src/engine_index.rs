@@ -270,10 +270,7 @@ fn encode(records: &[Record]) -> Vec<u8> {
 
 /// Decodes a slot; anything malformed (another version, a torn value) reads as an empty slot.
 fn decode(bytes: &[u8]) -> Vec<Record> {
-    slots::records(bytes, VERSION, RECORD_LEN, WAYS)
-        .chunks_exact(RECORD_LEN)
-        .filter_map(decode_record)
-        .collect()
+    slots::decode(bytes, VERSION, RECORD_LEN, WAYS, decode_record)
 }
 
 fn decode_record(r: &[u8]) -> Option<Record> {

@@ -14,6 +14,20 @@ pub fn records(value: &[u8], version: u8, record_len: usize, ways: usize) -> &[u
     }
 }
 
+/// Every record of a slot value (see [`records`]), each decoded by `record`.
+pub fn decode<T>(
+    value: &[u8],
+    version: u8,
+    record_len: usize,
+    ways: usize,
+    record: impl Fn(&[u8]) -> Option<T>,
+) -> Vec<T> {
+    records(value, version, record_len, ways)
+        .chunks_exact(record_len)
+        .filter_map(record)
+        .collect()
+}
+
 /// `count` little-endian u32s of a record, from byte `at`.
 pub fn u32s(record: &[u8], at: usize, count: usize) -> Option<Vec<u32>> {
     (0..count)
