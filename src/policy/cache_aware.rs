@@ -49,6 +49,11 @@ use crate::store::SharedStore;
 /// prefixes' writes to a handful per second instead of one per chunk per request.
 pub const REFRESH_MS: u64 = 1000;
 
+/// How long a worker goes by the engine index's status it read (a request reads it again after
+/// that): the records it reads must be of the generation the status names, and a full resync
+/// starts a new one. Read on requests rather than on the tick, which a busy worker runs late.
+pub const INDEX_STATUS_MS: u64 = 100;
+
 /// Poll intervals (`stats_interval_ms`) a gateway waits, seeing groups, before it places them
 /// by the balanced assignment rather than by their first rendezvous choice.
 pub const WARMUP_POLLS: u64 = 10;
@@ -101,8 +106,9 @@ struct GroupView {
     /// Each endpoint's eviction horizon ([`eviction`]) as the last request that found a match
     /// read it: the holders its record keeps when [`Policy::routed`] rewrites it.
     horizons: HashMap<u32, u64>,
-    /// The engine index's status as of this worker's last tick.
+    /// The engine index's status, and when this worker read it (see [`INDEX_STATUS_MS`]).
     index: Option<engine_index::Status>,
+    index_read_ms: Option<u64>,
 }
 
 impl GroupView {
@@ -244,9 +250,6 @@ impl Policy for CacheAware {
     /// ([`leader`]), weighs the groups and publishes the weights, else adopts the leader's.
     fn tick(&self, store: &dyn SharedStore, now_ms: u64, completed: &[(&str, f64)]) -> usize {
         let mut view = self.view.borrow_mut();
-        if self.index.is_some() {
-            view.index = engine_index::Status::read(store);
-        }
         let born = *view.born_ms.get_or_insert(now_ms);
         view.tally.sync(store, now_ms);
         view.fleet.observe(completed.iter().copied(), now_ms);
@@ -315,11 +318,19 @@ impl CacheAware {
         order: &[usize],
     ) -> Option<usize> {
         let index = self.index.as_ref()?;
-        let view = self.view.borrow();
+        let mut view = self.view.borrow_mut();
+        let now = input.now_ms;
+        if view
+            .index_read_ms
+            .is_none_or(|at| now.saturating_sub(at) >= INDEX_STATUS_MS)
+        {
+            view.index = engine_index::Status::read(input.store);
+            view.index_read_ms = Some(now);
+        }
         let status = view
             .index
             .as_ref()
-            .filter(|s| s.fresh(input.now_ms, index.max_age_ms))?;
+            .filter(|s| s.fresh(now, index.max_age_ms))?;
         let keys = &input.keys.keys;
         let (depth, holders) =
             EngineIndex::new(input.store, index.capacity).longest_match(keys, status)?;
