@@ -11,6 +11,7 @@
 //! galloping back from its last key (the newest keys of a conversation are the ones its next turn
 //! finds), then bisecting: about 2·log2(new chunks) reads. Older keys of a conversation are never
 //! refreshed and age out of their slots first, which a search from the end does not mind.
+use crate::slots;
 use crate::store::{self, SharedStore, Update};
 
 /// Records per slot.
@@ -69,33 +70,8 @@ impl<'s, S: SharedStore + ?Sized> AffinityMap<'s, S> {
     /// key, then 2, 4, 8, ... back from it, then bisects between the deepest hit and the
     /// shallowest miss above it.
     pub fn longest_match(&self, keys: &[u64], from: usize) -> Option<Match> {
-        let n = keys.len();
-        if from >= n {
-            return None;
-        }
-        let (mut miss, mut step) = (n, 1usize);
-        let (mut lo, mut best) = loop {
-            let i = n.saturating_sub(step).max(from);
-            if let Some(record) = self.get(keys[i]) {
-                break (i, record);
-            }
-            if i == from {
-                return None;
-            }
-            miss = i;
-            step = step.saturating_mul(2);
-        };
-        while miss - lo > 1 {
-            let mid = lo + (miss - lo) / 2;
-            match self.get(keys[mid]) {
-                Some(record) => (lo, best) = (mid, record),
-                None => miss = mid,
-            }
-        }
-        Some(Match {
-            depth: lo + 1,
-            record: best,
-        })
+        let (depth, record) = slots::longest(keys.len(), from, |i| self.get(keys[i]))?;
+        Some(Match { depth, record })
     }
 
     /// Records that `endpoint` now holds the prefixes `keys`, stamped `now_ms`. Returns how many
@@ -198,43 +174,22 @@ fn encode(records: &[Record]) -> Vec<u8> {
 
 /// The record of `key` in a slot, decoding nothing else.
 fn find(bytes: &[u8], key: u64) -> Option<Record> {
-    let Some((&VERSION, body)) = bytes.split_first() else {
-        return None;
-    };
-    if body.len() % RECORD_LEN != 0 || body.len() / RECORD_LEN > WAYS {
-        return None;
-    }
     let wanted = key.to_le_bytes();
-    let at = body
+    slots::records(bytes, VERSION, RECORD_LEN, WAYS)
         .chunks_exact(RECORD_LEN)
-        .position(|r| r[..8] == wanted)?;
-    decode_record(&body[at * RECORD_LEN..(at + 1) * RECORD_LEN])
+        .find(|r| r[..8] == wanted)
+        .and_then(decode_record)
 }
 
 /// Decodes a slot; anything malformed (another version, a torn value) reads as an empty slot.
 fn decode(bytes: &[u8]) -> Vec<Record> {
-    let Some((&VERSION, body)) = bytes.split_first() else {
-        return Vec::new();
-    };
-    if body.len() % RECORD_LEN != 0 || body.len() / RECORD_LEN > WAYS {
-        return Vec::new();
-    }
-    body.chunks_exact(RECORD_LEN)
-        .filter_map(decode_record)
-        .collect()
+    slots::decode(bytes, VERSION, RECORD_LEN, WAYS, decode_record)
 }
 
 fn decode_record(r: &[u8]) -> Option<Record> {
     let u64_at = |i: usize| r.get(i..i + 8)?.try_into().ok().map(u64::from_le_bytes);
     let count = usize::from(*r.get(16)?).min(MAX_HOLDERS);
-    let holders = (0..count)
-        .map(|i| {
-            r.get(17 + 4 * i..21 + 4 * i)?
-                .try_into()
-                .ok()
-                .map(u32::from_le_bytes)
-        })
-        .collect::<Option<Vec<u32>>>()?;
+    let holders = slots::u32s(r, 17, count)?;
     Some(Record {
         key: u64_at(0)?,
         stamp_ms: u64_at(8)?,

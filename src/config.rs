@@ -82,6 +82,15 @@ pub struct Config {
     /// evicted; a younger prefix may still be prefilling (`eviction_grace_ms`). Set it above the
     /// fleet's p99 time to first token.
     pub eviction_grace_ms: u64,
+    /// Envoy cluster of kvroute-indexer, which follows the engines' KV-cache events; set, kvroute
+    /// prefers the endpoint whose engine holds the longest prefix of a request (`index_cluster`).
+    pub index_cluster: Option<String>,
+    /// Path of the indexer's change feed (`index_path`).
+    pub index_path: String,
+    /// Shared-data slots of the engine index, each holding a few keys (`engine_index_capacity`).
+    /// Size it to the keys the fleet's caches hold: KV tokens of all replicas × bytes per token /
+    /// `chunk_size`.
+    pub engine_index_capacity: u32,
 }
 
 impl Default for Config {
@@ -109,6 +118,9 @@ impl Default for Config {
             unsafe_trap_path_for_tests: None,
             tools_position: ToolsAt::default(),
             eviction_grace_ms: 5000,
+            index_cluster: None,
+            index_path: "/v1/changes".to_string(),
+            engine_index_capacity: 16384,
         }
     }
 }
@@ -140,6 +152,13 @@ fn err(field: &str, reason: impl Into<String>) -> ConfigError {
 }
 
 impl Config {
+    /// Whether `cluster` is one kvroute polls (the admin, the indexer) rather than routes to.
+    pub fn is_own_cluster(&self, cluster: &str) -> bool {
+        [&self.admin_cluster, &self.index_cluster]
+            .iter()
+            .any(|own| own.as_deref() == Some(cluster))
+    }
+
     /// Parses the plugin configuration. Empty input means all defaults.
     pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         if bytes.iter().all(u8::is_ascii_whitespace) {
@@ -183,13 +202,7 @@ impl Config {
                 "admin_cluster" => c.admin_cluster = optional_name(f, v)?,
                 "clusters" => c.clusters = names(f, v)?,
                 "engine_metrics_cluster" => c.engine_metrics_cluster = optional_name(f, v)?,
-                "engine_metrics_path" => {
-                    let path = string(f, v)?;
-                    if !path.starts_with('/') {
-                        return Err(err(f, format!("{path:?} must start with '/'")));
-                    }
-                    c.engine_metrics_path = path.to_string();
-                }
+                "engine_metrics_path" => c.engine_metrics_path = path(f, v)?,
                 "stats_interval_ms" => c.stats_interval_ms = int(f, v, 50, 3_600_000)?,
                 "endpoints" => c.endpoints = endpoints(f, v)?,
                 "max_body_bytes" => c.max_body_bytes = int(f, v, 1, 64 << 20)? as usize,
@@ -199,13 +212,10 @@ impl Config {
                 }
                 "fallback_endpoints" => c.fallback_endpoints = int(f, v, 0, 8)? as usize,
                 "eviction_grace_ms" => c.eviction_grace_ms = int(f, v, 0, 3_600_000)?,
-                "unsafe_trap_path_for_tests" => {
-                    let path = string(f, v)?;
-                    if !path.starts_with('/') {
-                        return Err(err(f, format!("{path:?} must start with '/'")));
-                    }
-                    c.unsafe_trap_path_for_tests = Some(path.to_string());
-                }
+                "index_cluster" => c.index_cluster = optional_name(f, v)?,
+                "index_path" => c.index_path = path(f, v)?,
+                "engine_index_capacity" => c.engine_index_capacity = int(f, v, 1, 1 << 24)? as u32,
+                "unsafe_trap_path_for_tests" => c.unsafe_trap_path_for_tests = Some(path(f, v)?),
                 "tools_position" => {
                     let name = string(f, v)?;
                     c.tools_position = ToolsAt::ALL
@@ -230,6 +240,15 @@ impl Config {
 fn string<'v>(field: &str, v: &'v Value) -> Result<&'v str, ConfigError> {
     v.as_str()
         .ok_or_else(|| err(field, format!("must be a string, got {v}")))
+}
+
+/// A URL path: starts with '/'.
+fn path(field: &str, v: &Value) -> Result<String, ConfigError> {
+    let path = string(field, v)?;
+    if !path.starts_with('/') {
+        return Err(err(field, format!("{path:?} must start with '/'")));
+    }
+    Ok(path.to_string())
 }
 
 /// A cluster name; empty means none.
@@ -341,7 +360,8 @@ mod tests {
                 "clusters":["pool","other"],
                 "engine_metrics_cluster":"pool","engine_metrics_path":"/m",
                 "endpoints":["127.0.0.1:8001"],"max_body_bytes":1000,"affinity_capacity":64,
-                "debug_header":true,"fallback_endpoints":0,"tools_position":"before_last_user"}"#,
+                "debug_header":true,"fallback_endpoints":0,"tools_position":"before_last_user",
+                "index_cluster":"indexer","index_path":"/changes","engine_index_capacity":99}"#,
         )
         .unwrap();
         assert_eq!(c.policy, PolicyKind::Session);
@@ -357,6 +377,11 @@ mod tests {
         assert_eq!(c.engine_metrics_path, "/m");
         assert!(c.debug_header);
         assert_eq!(c.tools_position, ToolsAt::BeforeLastUser);
+        assert_eq!(c.index_cluster.as_deref(), Some("indexer"));
+        assert_eq!(
+            (c.index_path.as_str(), c.engine_index_capacity),
+            ("/changes", 99)
+        );
     }
 
     #[test]
@@ -376,6 +401,8 @@ mod tests {
             (r#"{"affinity_capacity":0}"#, "affinity_capacity"),
             (r#"{"tools_position":"first"}"#, "tools_position"),
             (r#"{"tools_position":1}"#, "tools_position"),
+            (r#"{"index_path":"changes"}"#, "index_path"),
+            (r#"{"engine_index_capacity":0}"#, "engine_index_capacity"),
             (
                 r#"{"engine_metrics_path":"metrics"}"#,
                 "engine_metrics_path",

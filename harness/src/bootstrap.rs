@@ -14,6 +14,8 @@ use std::time::Duration;
 pub const POOL_CLUSTER: &str = "inference_pool";
 /// Cluster through which kvroute polls Envoy's own admin `/clusters`.
 pub const ADMIN_CLUSTER: &str = "kvroute_admin";
+/// Cluster through which kvroute polls kvroute-indexer's change feed (precise mode).
+pub const INDEXER_CLUSTER: &str = "kvroute_indexer";
 const WASM_FILTER: &str = "envoy.filters.http.wasm";
 
 /// What to change in the shipped bootstrap.
@@ -32,6 +34,8 @@ pub struct Patch<'a> {
     pub wasm_plugin_like: bool,
     /// Points the admin cluster here instead of at Envoy's own admin.
     pub admin_target: Option<SocketAddr>,
+    /// Points the indexer cluster here (the shipped address otherwise).
+    pub indexer: Option<SocketAddr>,
     /// Names the upstream that answered in the [`UPSTREAM_HEADER`] response header (the front of
     /// a scaled-out router: which instance served the request).
     pub name_upstream: bool,
@@ -66,6 +70,11 @@ pub fn render(shipped: &str, patch: &Patch) -> Result<String, HarnessError> {
                 let own = SocketAddr::from(([127, 0, 0, 1], patch.admin_port));
                 let admin = patch.admin_target.unwrap_or(own);
                 set_endpoints(cluster, &[admin])?;
+            }
+            Some(INDEXER_CLUSTER) => {
+                if let Some(indexer) = patch.indexer {
+                    set_endpoints(cluster, &[indexer])?;
+                }
             }
             _ => {}
         }
@@ -276,6 +285,7 @@ mod tests {
             active_health_checks,
             wasm_plugin_like: false,
             admin_target: None,
+            indexer: None,
             name_upstream: false,
         };
         serde_yaml::from_str(&render(&shipped(), &patch).unwrap()).unwrap()
@@ -295,6 +305,7 @@ mod tests {
                 active_health_checks: false,
                 wasm_plugin_like: false,
                 admin_target: None,
+                indexer: None,
                 name_upstream,
             };
             render(&shipped(), &patch).unwrap()
@@ -322,6 +333,7 @@ mod tests {
                 active_health_checks: true,
                 wasm_plugin_like,
                 admin_target: None,
+                indexer: None,
                 name_upstream: false,
             };
             render(&shipped(), &patch).unwrap()

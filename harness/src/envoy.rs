@@ -55,6 +55,9 @@ pub struct EnvoyOptions {
     /// Where the `kvroute_admin` cluster points instead of Envoy's own admin: a fake admin, or a
     /// [`Gate`](crate::gate::Gate) that forwards to [`Envoy::admin_url`] until told to fail.
     pub admin_target: Option<SocketAddr>,
+    /// Where the `kvroute_indexer` cluster points: a kvroute-indexer (precise mode, with the
+    /// plugin config's `index_cluster`).
+    pub indexer: Option<SocketAddr>,
     /// Name the upstream that answered each request in a response header
     /// ([`bootstrap::UPSTREAM_HEADER`]): a front over router instances says which one served it.
     pub name_upstream: bool,
@@ -81,6 +84,7 @@ impl Default for EnvoyOptions {
             log_level: "warn".into(),
             wasm_plugin_like: false,
             admin_target: None,
+            indexer: None,
             name_upstream: false,
             kvroute_wasm: None,
             run_under: Vec::new(),
@@ -125,6 +129,7 @@ impl Envoy {
                 active_health_checks: opts.active_health_checks,
                 wasm_plugin_like: opts.wasm_plugin_like,
                 admin_target: opts.admin_target,
+                indexer: opts.indexer,
                 name_upstream: opts.name_upstream,
             },
         )?;

@@ -69,9 +69,11 @@ pub fn clusters_json(
 }
 
 /// An HTTP server on 127.0.0.1 that answers every request with one JSON document, whatever its
-/// query (as an Envoy without `/clusters?filter` would), counting them.
+/// query (as an Envoy without `/clusters?filter` would), counting them. The document and the
+/// status can be changed while it runs (a fake kvroute-indexer's feed, an indexer that fails).
 pub struct FakeAdmin {
     addr: SocketAddr,
+    answer: Arc<std::sync::Mutex<(u16, Bytes)>>,
     served: Arc<AtomicU64>,
     last_path: Arc<std::sync::Mutex<String>>,
     accept: JoinHandle<()>,
@@ -82,21 +84,27 @@ impl FakeAdmin {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let served = Arc::new(AtomicU64::new(0));
-        let body = Bytes::from(document);
+        let answer = Arc::new(std::sync::Mutex::new((200, Bytes::from(document))));
         let counter = served.clone();
         let last_path = Arc::new(std::sync::Mutex::new(String::new()));
         let last = last_path.clone();
+        let current = answer.clone();
         let accept = tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
-                let (body, counter, last) = (body.clone(), counter.clone(), last.clone());
+                let (current, counter, last) = (current.clone(), counter.clone(), last.clone());
                 let svc = hyper::service::service_fn(move |req: Request<_>| {
                     if let (Ok(mut path), Some(asked)) = (last.lock(), req.uri().path_and_query()) {
                         *path = asked.to_string();
                     }
                     counter.fetch_add(1, Ordering::SeqCst);
+                    let (status, body) = current
+                        .lock()
+                        .map(|a| a.clone())
+                        .unwrap_or((500, Bytes::new()));
                     let resp = Response::builder()
+                        .status(status)
                         .header("content-type", "application/json")
-                        .body(Full::new(body.clone()));
+                        .body(Full::new(body));
                     async move { Ok::<_, Infallible>(resp.expect("static response")) }
                 });
                 tokio::spawn(
@@ -107,6 +115,7 @@ impl FakeAdmin {
         });
         Ok(FakeAdmin {
             addr,
+            answer,
             served,
             last_path,
             accept,
@@ -115,6 +124,13 @@ impl FakeAdmin {
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Answers from now on with `status` and `document`.
+    pub fn answer(&self, status: u16, document: String) {
+        if let Ok(mut a) = self.answer.lock() {
+            *a = (status, Bytes::from(document));
+        }
     }
 
     /// Path and query of the last request.

@@ -37,6 +37,7 @@ use hashbrown::HashMap;
 use super::load::{first_not_overloaded, least_loaded, mean_load, rendezvous_order, Thresholds};
 use super::{Candidate, Decision, Input, Pick, Policy};
 use crate::affinity::{AffinityMap, Match};
+use crate::engine_index::{self, EngineIndex};
 use crate::eviction;
 use crate::groups::{self, FleetVolume, Tally};
 use crate::homes::Held;
@@ -47,6 +48,11 @@ use crate::store::SharedStore;
 /// A prefix record younger than this is not rewritten when a request follows it: it keeps hot
 /// prefixes' writes to a handful per second instead of one per chunk per request.
 pub const REFRESH_MS: u64 = 1000;
+
+/// How long a worker goes by the engine index's status it read (a request reads it again after
+/// that): the records it reads must be of the generation the status names, and a full resync
+/// starts a new one. Read on requests rather than on the tick, which a busy worker runs late.
+pub const INDEX_STATUS_MS: u64 = 100;
 
 /// Poll intervals (`stats_interval_ms`) a gateway waits, seeing groups, before it places them
 /// by the balanced assignment rather than by their first rendezvous choice.
@@ -62,8 +68,18 @@ pub struct CacheAware {
     cache_threshold: f64,
     thresholds: Thresholds,
     warmup_ms: u64,
+    /// What the engines say they hold, when an indexer is configured.
+    index: Option<IndexUse>,
     /// This worker's copy of the groups table and the homes computed from it.
     view: RefCell<GroupView>,
+}
+
+/// How the policy reads the engine index ([`engine_index`]).
+struct IndexUse {
+    /// Its shared-data slots.
+    capacity: u32,
+    /// How long after the indexer's last answer the index still counts.
+    max_age_ms: u64,
 }
 
 #[derive(Default)]
@@ -90,6 +106,9 @@ struct GroupView {
     /// Each endpoint's eviction horizon ([`eviction`]) as the last request that found a match
     /// read it: the holders its record keeps when [`Policy::routed`] rewrites it.
     horizons: HashMap<u32, u64>,
+    /// The engine index's status, and when this worker read it (see [`INDEX_STATUS_MS`]).
+    index: Option<engine_index::Status>,
+    index_read_ms: Option<u64>,
 }
 
 impl GroupView {
@@ -115,12 +134,24 @@ impl CacheAware {
             cache_threshold,
             thresholds,
             warmup_ms,
+            index: None,
             view: RefCell::new(GroupView {
                 homes: Held::new(hold_ms),
                 token: RandomState::new().hash_one(0u8),
                 ..GroupView::default()
             }),
         }
+    }
+
+    /// Prefers, before anything this gateway remembers, the endpoint whose engine reports holding
+    /// the longest prefix of a request (`capacity`: the engine index's slots; `max_age_ms`: how
+    /// long after the indexer's last answer the index still counts).
+    pub fn with_engine_index(mut self, capacity: u32, max_age_ms: u64) -> Self {
+        self.index = Some(IndexUse {
+            capacity,
+            max_age_ms,
+        });
+        self
     }
 
     /// The home among `candidates` of the request's group, or of its conversation where the
@@ -157,6 +188,18 @@ impl CacheAware {
 
 impl Policy for CacheAware {
     fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
+        let mut order = rendezvous_order(candidates, input.keys.group);
+        let home = self.home(candidates, input.keys, &order, input.now_ms);
+        if let Some(at) = order.iter().position(|&i| i == home) {
+            order[..=at].rotate_right(1);
+        }
+        if let Some(index) = self.engine_holder(candidates, input, &order) {
+            return Some(Pick {
+                index,
+                decision: Decision::Engine,
+                matched: None,
+            });
+        }
         // Only a match past the head counts (see `holder`): a request without earlier turns looks
         // nothing up, and one with them only at its history.
         let map = AffinityMap::new(input.store, self.capacity);
@@ -170,11 +213,6 @@ impl Policy for CacheAware {
                 .holders
                 .retain(|&h| eviction::still_held(&horizons, h, stamp));
             self.view.borrow_mut().horizons = horizons;
-        }
-        let mut order = rendezvous_order(candidates, input.keys.group);
-        let home = self.home(candidates, input.keys, &order, input.now_ms);
-        if let Some(at) = order.iter().position(|&i| i == home) {
-            order[..=at].rotate_right(1);
         }
         let (index, decision) = match self.holder(candidates, input, &order, matched.as_ref()) {
             Some(i) => (i, Decision::Affinity),
@@ -268,6 +306,44 @@ impl Policy for CacheAware {
 }
 
 impl CacheAware {
+    /// The first endpoint in `order` (the group's, its home first) whose engine holds the
+    /// longest prefix of the request any engine holds, and is not overloaded, if that prefix
+    /// covers at least `cache_threshold` of the request and the index is fresh. A prefix no
+    /// engine holds, or a shallow one (a short preamble many groups share), is placed as without
+    /// the index.
+    fn engine_holder(
+        &self,
+        candidates: &[Candidate],
+        input: &Input,
+        order: &[usize],
+    ) -> Option<usize> {
+        let index = self.index.as_ref()?;
+        let mut view = self.view.borrow_mut();
+        let now = input.now_ms;
+        if view
+            .index_read_ms
+            .is_none_or(|at| now.saturating_sub(at) >= INDEX_STATUS_MS)
+        {
+            view.index = engine_index::Status::read(input.store);
+            view.index_read_ms = Some(now);
+        }
+        let status = view
+            .index
+            .as_ref()
+            .filter(|s| s.fresh(now, index.max_age_ms))?;
+        let keys = &input.keys.keys;
+        let (depth, holders) =
+            EngineIndex::new(input.store, index.capacity).longest_match(keys, status)?;
+        if (depth as f64) < self.cache_threshold * keys.len() as f64 {
+            return None;
+        }
+        let mean = mean_load(candidates);
+        order.iter().copied().find(|&i| {
+            let c = &candidates[i];
+            holders.contains(&c.id) && !self.thresholds.overloaded(c, mean)
+        })
+    }
+
     /// The first holder of the matched prefix in the group's order that is not overloaded and
     /// likely still keeps it (its engine has not written its free cache over since), if the
     /// match reaches past the head and covers enough of the request. A match within the head is
@@ -742,5 +818,70 @@ mod tests {
         c.iter_mut().for_each(|c| c.queueing = true);
         let p = route(&policy(), &c, &keys("q"), &MemoryStore::new());
         assert_eq!((p.index, p.decision), (1, Decision::Balance));
+    }
+
+    /// A policy reading an engine index, and an index where `holder` (a candidate's address)
+    /// holds the first `depth` keys of `keys`, as the indexer answered at `now`.
+    fn indexed(
+        store: &MemoryStore,
+        keys: &PrefixKeys,
+        holder: &str,
+        depth: usize,
+        now: u64,
+    ) -> CacheAware {
+        let feed = crate::engine_index::Feed {
+            epoch: 1,
+            version: 1,
+            full: true,
+            endpoints: vec![holder.to_string()],
+            stale: Vec::new(),
+            changes: keys.keys[..depth].iter().map(|&k| (0, 1, k)).collect(),
+        };
+        EngineIndex::new(store, 64).apply(&feed, now).unwrap();
+        let p = policy().with_engine_index(64, 1000);
+        p.tick(store, now, &[]);
+        p
+    }
+
+    #[test]
+    fn the_endpoint_whose_engine_holds_the_prefix_wins_over_the_home() {
+        let c = candidates(&[0, 0, 0, 0]);
+        let keys = follow_up("g", "an earlier turn and a new question");
+        let home = order(&c, &keys)[0];
+        let other = (home + 1) % c.len();
+        let store = MemoryStore::new();
+        let p = indexed(&store, &keys, c[other].addr, keys.keys.len() - 1, 10);
+        let pick = p.pick(&c, &input(&keys, &store)).unwrap();
+        assert_eq!((pick.index, pick.decision), (other, Decision::Engine));
+        // Overloaded, it is passed over: the request goes home as without the index.
+        let mut busy = c.clone();
+        busy[other].load = 50;
+        let pick = p.pick(&busy, &input(&keys, &store)).unwrap();
+        assert_eq!((pick.index, pick.decision), (home, Decision::Home));
+    }
+
+    #[test]
+    fn a_stale_index_or_a_shallow_match_leaves_the_request_to_its_home() {
+        let c = candidates(&[0, 0, 0, 0]);
+        let keys = ask(
+            "g",
+            "a question long enough to span several chunks of its own",
+        );
+        let home = order(&c, &keys)[0];
+        let other = (home + 1) % c.len();
+        let store = MemoryStore::new();
+        // A shared preamble: one chunk of many.
+        let shallow = indexed(&store, &keys, c[other].addr, 1, 10);
+        let pick = shallow.pick(&c, &input(&keys, &store)).unwrap();
+        assert_eq!((pick.index, pick.decision), (home, Decision::Home));
+        let store = MemoryStore::new();
+        let deep = indexed(&store, &keys, c[other].addr, keys.keys.len(), 10);
+        let at = |now_ms| Input {
+            now_ms,
+            ..input(&keys, &store)
+        };
+        assert_eq!(deep.pick(&c, &at(1010)).unwrap().decision, Decision::Engine);
+        let late = deep.pick(&c, &at(1011)).unwrap();
+        assert_eq!((late.index, late.decision), (home, Decision::Home));
     }
 }

@@ -42,6 +42,8 @@ impl Candidate<'_> {
 /// Why an endpoint was picked. Each is a counter and a debug-header value, so names are stable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
+    /// Followed the prefix to an endpoint whose engine reports holding it (the engine index).
+    Engine,
     /// Followed the prefix to an endpoint this gateway saw serve it.
     Affinity,
     /// The group's home: first in its rendezvous order, not overloaded.
@@ -57,7 +59,8 @@ pub enum Decision {
 }
 
 impl Decision {
-    pub const ALL: [Decision; 8] = [
+    pub const ALL: [Decision; 9] = [
+        Decision::Engine,
         Decision::Affinity,
         Decision::Home,
         Decision::Spread,
@@ -70,6 +73,7 @@ impl Decision {
 
     pub fn name(self) -> &'static str {
         match self {
+            Decision::Engine => "engine",
             Decision::Affinity => "affinity",
             Decision::Home => "home",
             Decision::Spread => "spread",
@@ -140,13 +144,22 @@ pub fn build(config: &Config) -> Box<dyn Policy> {
         rel: config.balance_rel_threshold,
     };
     match config.policy {
-        PolicyKind::CacheAware => Box::new(cache_aware::CacheAware::new(
-            config.affinity_capacity,
-            config.cache_threshold,
-            thresholds,
-            config.stats_interval_ms * cache_aware::WARMUP_POLLS,
-            config.stats_interval_ms * cache_aware::HOLD_POLLS,
-        )),
+        PolicyKind::CacheAware => {
+            let policy = cache_aware::CacheAware::new(
+                config.affinity_capacity,
+                config.cache_threshold,
+                thresholds,
+                config.stats_interval_ms * cache_aware::WARMUP_POLLS,
+                config.stats_interval_ms * cache_aware::HOLD_POLLS,
+            );
+            Box::new(match config.index_cluster {
+                Some(_) => policy.with_engine_index(
+                    config.engine_index_capacity,
+                    crate::freshness::max_age_ms(config.stats_interval_ms),
+                ),
+                None => policy,
+            })
+        }
         PolicyKind::RoundRobin => Box::new(round_robin::RoundRobin),
         PolicyKind::LeastRequest => Box::new(least_request::LeastRequest),
         PolicyKind::Session => Box::new(session::Session),

@@ -14,6 +14,7 @@ use super::root::{Shared, HOSTS_KEY};
 use crate::counters;
 use crate::endpoints::{self, Snapshot};
 use crate::engine::{self, EngineLoad, EngineLoads, Metrics};
+use crate::engine_index::{EngineIndex, Feed, Status};
 use crate::rendezvous::endpoint_id;
 use crate::store::{self, SharedStore};
 
@@ -28,6 +29,8 @@ const ENGINE_VERSION: u8 = 1;
 #[derive(Default)]
 pub struct Poller {
     admin: Option<u32>,
+    /// The call to the indexer's change feed.
+    index: Option<u32>,
     /// Engine metrics calls: token → host address.
     engines: HashMap<u32, String>,
     /// The admin answer, held until the engines' answers are in too.
@@ -41,6 +44,16 @@ pub struct Poller {
     /// in that gap at every poll of a row.
     excess: HashMap<u32, (u64, u32)>,
 }
+
+/// The engine index's counters, defined at configure time when an indexer is configured.
+pub const INDEX_COUNTERS: [&str; 6] = [
+    "kvroute.index.poll_ok",
+    "kvroute.index.poll_failed",
+    "kvroute.index.resyncs",
+    "kvroute.index.held",
+    "kvroute.index.dropped",
+    "kvroute.index.overflowed",
+];
 
 /// Admin answers in a row that must show kvroute's count above Envoy's before it is lowered.
 const EXCESS_POLLS: u32 = 3;
@@ -62,10 +75,27 @@ impl Poller {
             let m = &mut shared.metrics;
             m.add(MetricType::Counter, "kvroute.engine_poll.failed", late);
         }
+        if self.index.take().is_some() {
+            shared.metrics.count("kvroute.index.poll_failed");
+        }
         self.reports.clear();
         self.engines.clear();
         let config = &shared.router.config;
         let timeout = Duration::from_millis(config.stats_interval_ms.max(1000));
+        if let Some(cluster) = config.index_cluster.as_deref() {
+            // Changes since what the index holds; an indexer of another epoch answers in full.
+            let (epoch, version) = Status::read(&HostStore).map_or((0, 0), |s| s.since());
+            let path = format!("{}?epoch={epoch}&since={version}", config.index_path);
+            let headers = vec![
+                (":method", "GET"),
+                (":path", path.as_str()),
+                (":authority", cluster),
+            ];
+            match hostcalls::dispatch_http_call(cluster, headers, None, vec![], timeout) {
+                Ok(token) => self.index = Some(token),
+                Err(_) => shared.metrics.count("kvroute.index.poll_failed"),
+            }
+        }
         let keep =
             endpoints::Keep::only(&config.clusters, config.engine_metrics_cluster.as_deref());
         let path = endpoints::admin_clusters_path(keep);
@@ -110,7 +140,10 @@ impl Poller {
             Some(200) => body,
             _ => None,
         };
-        if self.admin == Some(token) {
+        if self.index == Some(token) {
+            self.index = None;
+            index_response(shared, ok_body);
+        } else if self.admin == Some(token) {
             self.admin = None;
             self.snapshot = admin_response(shared, ok_body, status);
             if let Some(snapshot) = self.snapshot.take() {
@@ -139,11 +172,11 @@ impl Poller {
     /// Lowers in-flight counts that stay above Envoy's own `rq_active` (streams whose end kvroute
     /// never saw, as across a VM reload).
     fn correct_inflight(&mut self, shared: &mut Shared, snapshot: &Snapshot) {
-        let admin = shared.router.config.admin_cluster.as_deref();
+        let config = &shared.router.config;
         let mut active: HashMap<u32, (u64, &str)> = HashMap::new();
         for (_, hosts) in snapshot
             .iter()
-            .filter(|(name, _)| Some(name.as_str()) != admin)
+            .filter(|(name, _)| !config.is_own_cluster(name))
         {
             for h in hosts {
                 let a = active.entry(h.id()).or_insert((0, h.addr.as_str()));
@@ -211,6 +244,45 @@ impl Poller {
     }
 }
 
+/// Applies the indexer's answer to the engine index, counting what it changed.
+fn index_response(shared: &mut Shared, body: Option<Vec<u8>>) {
+    let feed = body.and_then(|b| serde_json::from_slice::<Feed>(&b).ok());
+    let Some(feed) = feed else {
+        shared.metrics.count("kvroute.index.poll_failed");
+        return;
+    };
+    let capacity = shared.router.config.engine_index_capacity;
+    let m = &mut shared.metrics;
+    match EngineIndex::new(&HostStore, capacity).apply(&feed, now_ms()) {
+        Ok(applied) => {
+            m.count("kvroute.index.poll_ok");
+            if applied.full {
+                m.count("kvroute.index.resyncs");
+            }
+            m.add(
+                MetricType::Counter,
+                "kvroute.index.held",
+                applied.held as i64,
+            );
+            m.add(
+                MetricType::Counter,
+                "kvroute.index.dropped",
+                applied.dropped as i64,
+            );
+            let overflowed = applied.overflowed as i64;
+            m.add(MetricType::Counter, "kvroute.index.overflowed", overflowed);
+            m.gauge("kvroute.index.stale_engines", feed.stale.len() as u64);
+        }
+        Err(e) => {
+            let _ = hostcalls::log(
+                LogLevel::Warn,
+                &format!("kvroute: the indexer's answer was not applied: {e:?}"),
+            );
+            m.count("kvroute.index.poll_failed");
+        }
+    }
+}
+
 /// The admin `/clusters` answer as a snapshot, counted and logged when it is not one.
 fn admin_response(
     shared: &mut Shared,
@@ -234,10 +306,10 @@ fn admin_response(
             return None;
         }
     };
-    let admin = shared.router.config.admin_cluster.as_deref();
+    let config = &shared.router.config;
     let known = snapshot
         .iter()
-        .filter(|(name, _)| Some(name.as_str()) != admin)
+        .filter(|(name, _)| !config.is_own_cluster(name))
         .flat_map(|(_, hosts)| hosts)
         .filter(|h| h.healthy)
         .count();

@@ -339,6 +339,11 @@ impl RootContext for Root {
         metrics.define_counter("kvroute.suspect_learned");
         metrics.define_counter("kvroute.inflight_corrected");
         metrics.define_counter("kvroute.engine_poll.stale");
+        if config.index_cluster.is_some() {
+            for name in super::poll::INDEX_COUNTERS {
+                metrics.define_counter(name);
+            }
+        }
         for name in super::response::COUNTERS {
             metrics.define_counter(name);
         }
