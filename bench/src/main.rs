@@ -15,6 +15,7 @@ mod repeats;
 mod report;
 mod routers;
 mod sim_process;
+mod stamp;
 mod stats;
 mod workload;
 

@@ -3,6 +3,7 @@
 use crate::driver::{RunOutcome, Sample};
 use crate::misses::{self, Misses};
 use crate::sim_process::FleetState;
+use crate::stamp::Stamp;
 use crate::stats::{max_over_min, percentile, ratio};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -12,6 +13,9 @@ use std::path::Path;
 /// `results.json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Results {
+    /// The build measured and when ([`Stamp`]); absent in files written before stamping.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stamp: Option<Stamp>,
     pub workload: Value,
     pub fleet: Value,
     /// Worker threads of each Envoy the run started (`compare --envoy-workers`); each worker has
@@ -170,6 +174,13 @@ impl Results {
     pub fn markdown(&self) -> String {
         let name = self.workload["name"].as_str().unwrap_or("workload");
         let mut s = format!("## {name}\n\n");
+        if let Some(stamp) = &self.stamp {
+            let _ = writeln!(
+                s,
+                "Build {}, run {} (kvroute-bench compare).\n",
+                stamp.commit, stamp.date
+            );
+        }
         if self.envoy_workers != crate::routers::ENVOY_WORKERS {
             let _ = writeln!(s, "Each Envoy ran {} workers.\n", self.envoy_workers);
         }
@@ -319,6 +330,16 @@ impl Results {
                 m.prefix_hit_rate * 100.0,
             );
         }
+        if let Some(stamp) = &self.stamp {
+            let _ = writeln!(
+                s,
+                "<text x=\"8\" y=\"{:.0}\" font-size=\"11\" fill=\"#666\">{} · build {} · {}</text>",
+                height - 6.0,
+                xml_escape(self.workload["name"].as_str().unwrap_or("workload")),
+                xml_escape(&stamp.commit),
+                xml_escape(&stamp.date),
+            );
+        }
         s += "</svg>\n";
         s
     }
@@ -390,6 +411,7 @@ mod tests {
             &state(&[(100, 50, 3), (100, 30, 1)]),
         );
         Results {
+            stamp: None,
             workload: serde_json::json!({"name": "t"}),
             fleet: serde_json::json!({"replicas": 2}),
             envoy_workers: 2,
@@ -489,6 +511,20 @@ mod tests {
         assert!(with_usage
             .markdown()
             .contains("| round_robin | 75.0 (1) | 0.0 (0) | 0.0 (0) | 0.0 (0) | 0.0 (0) | 75.0 |"));
+        let stamped = Results {
+            stamp: Some(Stamp {
+                commit: "abc1234".into(),
+                date: "2026-11-27T09:00Z".into(),
+            }),
+            ..results()
+        };
+        assert!(stamped
+            .markdown()
+            .contains("Build abc1234, run 2026-11-27T09:00Z"));
+        assert!(stamped.svg().contains("build abc1234 · 2026-11-27T09:00Z"));
+        let back: Results =
+            serde_json::from_str(&serde_json::to_string(&stamped).unwrap()).unwrap();
+        assert_eq!(back.stamp, stamped.stamp);
         let eight = Results {
             envoy_workers: 8,
             ..results()
