@@ -12,7 +12,7 @@
 #               one run each, into bench/results/<workload>/ (results.json, results.md, ttft.svg,
 #               stamped with the build's commit and the run's date); commit what it writes
 #   make peers  installs the peer routers (smg, vllm-router), each in its own venv
-.PHONY: run bench peers bench-all bench-overhead bench-instructions bench-placement bench-results
+.PHONY: run bench peers bench-all bench-overhead bench-instructions bench-placement bench-results bench-summary
 
 BENCH := target/release/kvroute-bench
 PEERS := .work/peers
@@ -60,7 +60,8 @@ bench-placement: deps build peers
 # The generated results the READMEs quote: one set per workload, for the build checked out.
 # `make bench-results RESULTS_SETS=llm-d` regenerates one. Each set: its fleet and its routers.
 RESULTS_DIR := bench/results
-RESULTS_SETS ?= llm-d zipf-pressure grouped-pressure agentic multimodal tenants
+RESULTS_ALL := llm-d zipf-pressure grouped-pressure agentic multimodal tenants
+RESULTS_SETS ?= $(RESULTS_ALL)
 RESULTS_SCALE := round_robin,kvroute,kvroute@3,smg,smg@3,oracle
 RESULTS_SHAPES := round_robin,kvroute,smg,oracle
 RESULTS_FLEET.llm-d := default
@@ -76,6 +77,12 @@ bench-results: deps build peers
 	  $(BENCH) compare --fleet bench/fleets/$(or $(RESULTS_FLEET.$(s)),default).json \
 	    --workload bench/workloads/$(s).json --routers $(or $(RESULTS_ROUTERS.$(s)),$(RESULTS_SHAPES)) \
 	    --out $(RESULTS_DIR)/$(s);)
+	$(MAKE) --no-print-directory bench-summary
+
+# README's results table from every set present (bench/results/summary.md, and README.md's block).
+bench-summary: bins
+	@ws=""; for s in $(RESULTS_ALL); do [ -f $(RESULTS_DIR)/$$s/results.json ] && ws="$$ws,$$s"; done; \
+	  $(BENCH) summary --results $(RESULTS_DIR) --workloads $${ws#,} --readme README.md
 
 # A peer that fails to install is left without its marker; `compare` then reports it as skipped.
 peers:

@@ -345,6 +345,86 @@ impl Results {
     }
 }
 
+/// README's results table: one column per workload of `dir` (`dir/<workload>/results.json`, in
+/// the order of `workloads`), one row per router, each cell the prefix hit rate · TTFT p90, then
+/// each workload's ceiling and the build and date its file was stamped with.
+pub fn summary(dir: &Path, workloads: &[String]) -> Result<String, String> {
+    let mut sets = Vec::new();
+    for w in workloads {
+        let path = dir.join(w).join("results.json");
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let r: Results =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        sets.push((w.as_str(), r));
+    }
+    let mut routers: Vec<&str> = Vec::new();
+    for (_, r) in &sets {
+        for m in r.measured() {
+            if !routers.contains(&m.router.as_str()) {
+                routers.push(&m.router);
+            }
+        }
+    }
+    let mut s = "| router |".to_string();
+    for (w, _) in &sets {
+        let _ = write!(s, " {w} |");
+    }
+    s += "\n|---|";
+    s += &"---:|".repeat(sets.len());
+    s += "\n";
+    for router in routers {
+        let _ = write!(s, "| {router} |");
+        for (_, r) in &sets {
+            match r.measured().find(|m| m.router == router) {
+                Some(m) => {
+                    let _ = write!(s, " {} |", cell(m));
+                }
+                None => s += " |",
+            }
+        }
+        s += "\n";
+    }
+    s += "| ceiling |";
+    for (_, r) in &sets {
+        match r.ceiling_hit_rate {
+            Some(c) => {
+                let _ = write!(s, " {:.1}% |", c * 100.0);
+            }
+            None => s += " |",
+        }
+    }
+    s += "\n| build, date |";
+    for (_, r) in &sets {
+        match &r.stamp {
+            Some(st) => {
+                let _ = write!(s, " {}, {} |", st.commit, st.date);
+            }
+            None => s += " unstamped |",
+        }
+    }
+    s += "\n";
+    Ok(s)
+}
+
+/// `text` with the lines between its `<!-- results` line and its `<!-- /results -->` line
+/// replaced by `table`; `None` without both.
+pub fn replace_block(text: &str, table: &str) -> Option<String> {
+    let open = text.find("<!-- results")?;
+    let body = open + text[open..].find('\n')? + 1;
+    let close = body + text[body..].find("<!-- /results -->")?;
+    Some(format!("{}{table}{}", &text[..body], &text[close..]))
+}
+
+/// One router on one workload in [`summary`]: hit rate · TTFT p90.
+pub fn cell(m: &Measured) -> String {
+    format!(
+        "{:.1}% · {} ms",
+        m.prefix_hit_rate * 100.0,
+        ms(m.ttft_ms.p90)
+    )
+}
+
 fn ms(x: Option<f64>) -> String {
     x.map_or("-".into(), |v| format!("{v:.0}"))
 }
@@ -530,6 +610,40 @@ mod tests {
             ..results()
         };
         assert!(eight.markdown().contains("Each Envoy ran 8 workers."));
+    }
+
+    #[test]
+    fn the_summary_has_a_column_per_workload_and_a_row_per_router() {
+        let dir = std::env::temp_dir().join(format!("kvroute-summary-{}", std::process::id()));
+        let mut a = results();
+        a.ceiling_hit_rate = Some(0.8781);
+        a.stamp = Some(Stamp {
+            commit: "abc1234".into(),
+            date: "2026-11-27T09:00Z".into(),
+        });
+        a.write_all(&dir.join("a")).unwrap();
+        let mut b = results();
+        if let RouterResult::Measured(m) = &mut b.results[0] {
+            m.router = "kvroute".into();
+        }
+        b.write_all(&dir.join("b")).unwrap();
+        let table = summary(&dir, &["a".into(), "b".into()]).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines[0], "| router | a | b |");
+        assert_eq!(lines[2], "| round_robin | 40.0% · 19 ms | |");
+        assert_eq!(lines[3], "| kvroute | | 40.0% · 19 ms |");
+        assert_eq!(lines[4], "| ceiling | 87.8% | |");
+        assert_eq!(
+            lines[5],
+            "| build, date | abc1234, 2026-11-27T09:00Z | unstamped |"
+        );
+        let readme = "# r\n<!-- results: x -->\nold\n<!-- /results -->\nafter\n";
+        assert_eq!(
+            replace_block(readme, "| t |\n").as_deref(),
+            Some("# r\n<!-- results: x -->\n| t |\n<!-- /results -->\nafter\n")
+        );
+        assert_eq!(replace_block("no block", "| t |\n"), None);
     }
 
     #[test]
