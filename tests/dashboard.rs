@@ -32,7 +32,17 @@ impl MetricRef {
     }
 }
 
-/// PromQL words that are not metric names: aggregations (`sum by (x) (...)`), operators.
+/// PromQL words followed by a list of labels, not metrics: `by (instance)`, `on (le)`.
+const GROUPING: &[&str] = &[
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+];
+
+/// PromQL words that are not metric names: aggregations (`sum by (x) (...)`) and operators.
 const KEYWORDS: &[&str] = &[
     "sum",
     "min",
@@ -48,12 +58,6 @@ const KEYWORDS: &[&str] = &[
     "count_values",
     "limitk",
     "limit_ratio",
-    "by",
-    "without",
-    "on",
-    "ignoring",
-    "group_left",
-    "group_right",
     "and",
     "or",
     "unless",
@@ -130,16 +134,7 @@ fn metric_refs(expr: &str) -> Result<Vec<MetricRef>, String> {
                 next += 1;
             }
             let call = s.get(next) == Some(&'(');
-            if [
-                "by",
-                "without",
-                "on",
-                "ignoring",
-                "group_left",
-                "group_right",
-            ]
-            .contains(&word.as_str())
-            {
+            if GROUPING.contains(&word.as_str()) {
                 if call {
                     i = close(next, '(', ')')? + 1;
                 }
@@ -290,12 +285,8 @@ async fn every_dashboard_query_names_a_metric_kvroute_or_vllm_exposes() {
     let http = reqwest::Client::new();
     let url = format!("{}/v1/chat/completions", envoy.url());
     for i in 0..6 {
-        let body = json!({
-            "model": sim.spec.model, "max_tokens": 4, "stream": i % 2 == 0,
-            "stream_options": {"include_usage": true},
-            "messages": [{"role": "system", "content": "You answer briefly. ".repeat(60)},
-                         {"role": "user", "content": format!("question {i}")}],
-        });
+        let mut body = common::sim_question(&sim.spec.model, i, 4, i % 2 == 0);
+        body["stream_options"] = json!({"include_usage": true});
         let resp = http.post(&url).json(&body).send().await.expect("request");
         assert_eq!(resp.status(), 200);
         resp.bytes().await.expect("body");
