@@ -8,8 +8,11 @@
 #               kvroute, each Envoy under valgrind's callgrind (counts that ignore the machine's load)
 #   make bench-placement  the placement issue's three lines, each run PLACEMENT_REPEAT times with
 #               the next seeds (compare --repeat): Zipf and grouped under cache pressure, llm-d
+#   make bench-results  the README's tables: each workload of RESULTS_SETS through its routers,
+#               one run each, into bench/results/<workload>/ (results.json, results.md, ttft.svg,
+#               stamped with the build's commit and the run's date); commit what it writes
 #   make peers  installs the peer routers (smg, vllm-router), each in its own venv
-.PHONY: run bench peers bench-all bench-overhead bench-instructions bench-placement
+.PHONY: run bench peers bench-all bench-overhead bench-instructions bench-placement bench-results bench-summary
 
 BENCH := target/release/kvroute-bench
 PEERS := .work/peers
@@ -53,6 +56,33 @@ bench-placement: deps build peers
 	$(BENCH) compare --fleet bench/fleets/pressure.json --workload bench/workloads/zipf-pressure.json --routers kvroute,smg,oracle --repeat $(PLACEMENT_REPEAT) --out $(BENCH_OUT)/placement-zipf
 	$(BENCH) compare --fleet bench/fleets/pressure.json --workload bench/workloads/grouped-pressure.json --routers kvroute,kvroute@3 --repeat $(PLACEMENT_REPEAT) --out $(BENCH_OUT)/placement-grouped
 	$(BENCH) compare --fleet $(BENCH_FLEET) --workload bench/workloads/llm-d.json --routers kvroute,oracle --repeat $(PLACEMENT_REPEAT) --out $(BENCH_OUT)/placement-llm-d
+
+# The generated results the READMEs quote: one set per workload, for the build checked out.
+# `make bench-results RESULTS_SETS=llm-d` regenerates one. Each set: its fleet and its routers.
+RESULTS_DIR := bench/results
+RESULTS_ALL := llm-d zipf-pressure grouped-pressure agentic multimodal tenants
+RESULTS_SETS ?= $(RESULTS_ALL)
+RESULTS_SCALE := round_robin,kvroute,kvroute@3,smg,smg@3,oracle
+RESULTS_SHAPES := round_robin,kvroute,smg,oracle
+RESULTS_FLEET.llm-d := default
+RESULTS_FLEET.zipf-pressure := pressure
+RESULTS_FLEET.grouped-pressure := pressure
+RESULTS_ROUTERS.llm-d := $(RESULTS_SCALE)
+RESULTS_ROUTERS.zipf-pressure := $(RESULTS_SCALE)
+RESULTS_ROUTERS.grouped-pressure := $(RESULTS_SCALE)
+
+bench-results: deps build peers
+	@set -e; $(foreach s,$(RESULTS_SETS),\
+	  echo "bench-results: $(s)"; \
+	  $(BENCH) compare --fleet bench/fleets/$(or $(RESULTS_FLEET.$(s)),default).json \
+	    --workload bench/workloads/$(s).json --routers $(or $(RESULTS_ROUTERS.$(s)),$(RESULTS_SHAPES)) \
+	    --out $(RESULTS_DIR)/$(s);)
+	$(MAKE) --no-print-directory bench-summary
+
+# README's results table from every set present (bench/results/summary.md, and README.md's block).
+bench-summary: bins
+	@ws=""; for s in $(RESULTS_ALL); do [ -f $(RESULTS_DIR)/$$s/results.json ] && ws="$$ws,$$s"; done; \
+	  $(BENCH) summary --results $(RESULTS_DIR) --workloads $${ws#,} --readme README.md
 
 # A peer that fails to install is left without its marker; `compare` then reports it as skipped.
 peers:

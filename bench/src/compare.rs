@@ -5,6 +5,7 @@ use crate::misses;
 use crate::report::{measure, Measured, Results, RouterResult};
 use crate::routers::{Router, Running};
 use crate::sim_process::SimFleet;
+use crate::stamp::Stamp;
 use crate::workload::{Api, Workload};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -42,6 +43,7 @@ pub async fn compare(
     routers: &[Router],
     workers: u32,
 ) -> Result<Results, String> {
+    let stamp = Stamp::now();
     let mut results = Vec::new();
     let mut samples = Vec::new();
     let mut sent = 0;
@@ -135,6 +137,7 @@ pub async fn compare(
     }
     let round = |x: f64| (x * 1e5).round() / 1e5;
     Ok(Results {
+        stamp: Some(stamp),
         workload: serde_json::to_value(workload).map_err(|e| e.to_string())?,
         fleet: fleet_spec.clone(),
         envoy_workers: workers,

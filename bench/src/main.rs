@@ -15,6 +15,7 @@ mod repeats;
 mod report;
 mod routers;
 mod sim_process;
+mod stamp;
 mod stats;
 mod workload;
 
@@ -63,6 +64,19 @@ enum Cmd {
     },
     /// kvroute vs round robin on a small embedded fleet and workload (about a minute).
     Demo,
+    /// README's results table from DIR/<workload>/results.json: a column per workload, a row per
+    /// router, each cell the prefix hit rate and TTFT p90; printed, and written to DIR/summary.md.
+    Summary {
+        /// Where `make bench-results` wrote the sets.
+        #[arg(long, default_value = "bench/results")]
+        results: PathBuf,
+        /// The workloads (subdirectories of DIR), in column order, comma-separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        workloads: Vec<String>,
+        /// Also put the table into FILE, between its `<!-- results` and `<!-- /results -->` lines.
+        #[arg(long, value_name = "FILE")]
+        readme: Option<PathBuf>,
+    },
     /// CPU per request and latency kvroute adds, next to plain Envoy, the floor filter, smg and
     /// vllm-router, all measured in one interleaved run.
     Overhead {
@@ -133,6 +147,25 @@ fn main() {
                     run_compare(fleet, workload, routers, out, n, b, envoy_workers).await
                 }
                 Cmd::Demo => demo::demo().await,
+                Cmd::Summary {
+                    results,
+                    workloads,
+                    readme,
+                } => {
+                    let table = report::summary(&results, &workloads)?;
+                    let path = results.join("summary.md");
+                    std::fs::write(&path, &table)
+                        .map_err(|e| format!("{}: {e}", path.display()))?;
+                    if let Some(readme) = readme {
+                        let io = |e: std::io::Error| format!("{}: {e}", readme.display());
+                        let text = std::fs::read_to_string(&readme).map_err(io)?;
+                        let text = report::replace_block(&text, &table)
+                            .ok_or_else(|| format!("{}: no results block", readme.display()))?;
+                        std::fs::write(&readme, text).map_err(io)?;
+                    }
+                    print!("{table}");
+                    Ok(())
+                }
                 Cmd::Overhead {
                     seconds,
                     plugin_config,

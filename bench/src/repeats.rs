@@ -299,6 +299,7 @@ mod tests {
 
     fn run(results: Vec<RouterResult>) -> Results {
         Results {
+            stamp: None,
             workload: json!({"name": "w"}),
             fleet: json!({}),
             envoy_workers: 2,

@@ -3,6 +3,7 @@
 use crate::driver::{RunOutcome, Sample};
 use crate::misses::{self, Misses};
 use crate::sim_process::FleetState;
+use crate::stamp::Stamp;
 use crate::stats::{max_over_min, percentile, ratio};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -12,6 +13,9 @@ use std::path::Path;
 /// `results.json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Results {
+    /// The build measured and when ([`Stamp`]); absent in files written before stamping.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stamp: Option<Stamp>,
     pub workload: Value,
     pub fleet: Value,
     /// Worker threads of each Envoy the run started (`compare --envoy-workers`); each worker has
@@ -170,6 +174,13 @@ impl Results {
     pub fn markdown(&self) -> String {
         let name = self.workload["name"].as_str().unwrap_or("workload");
         let mut s = format!("## {name}\n\n");
+        if let Some(stamp) = &self.stamp {
+            let _ = writeln!(
+                s,
+                "Build {}, run {} (kvroute-bench compare).\n",
+                stamp.commit, stamp.date
+            );
+        }
         if self.envoy_workers != crate::routers::ENVOY_WORKERS {
             let _ = writeln!(s, "Each Envoy ran {} workers.\n", self.envoy_workers);
         }
@@ -319,9 +330,99 @@ impl Results {
                 m.prefix_hit_rate * 100.0,
             );
         }
+        if let Some(stamp) = &self.stamp {
+            let _ = writeln!(
+                s,
+                "<text x=\"8\" y=\"{:.0}\" font-size=\"11\" fill=\"#666\">{} · build {} · {}</text>",
+                height - 6.0,
+                xml_escape(self.workload["name"].as_str().unwrap_or("workload")),
+                xml_escape(&stamp.commit),
+                xml_escape(&stamp.date),
+            );
+        }
         s += "</svg>\n";
         s
     }
+}
+
+/// README's results table: one column per workload of `dir` (`dir/<workload>/results.json`, in
+/// the order of `workloads`), one row per router, each cell the prefix hit rate · TTFT p90, then
+/// each workload's ceiling and the build and date its file was stamped with.
+pub fn summary(dir: &Path, workloads: &[String]) -> Result<String, String> {
+    let mut sets = Vec::new();
+    for w in workloads {
+        let path = dir.join(w).join("results.json");
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let r: Results =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        sets.push((w.as_str(), r));
+    }
+    let mut routers: Vec<&str> = Vec::new();
+    for (_, r) in &sets {
+        for m in r.measured() {
+            if !routers.contains(&m.router.as_str()) {
+                routers.push(&m.router);
+            }
+        }
+    }
+    let mut s = "| router |".to_string();
+    for (w, _) in &sets {
+        let _ = write!(s, " {w} |");
+    }
+    s += "\n|---|";
+    s += &"---:|".repeat(sets.len());
+    s += "\n";
+    for router in routers {
+        let _ = write!(s, "| {router} |");
+        for (_, r) in &sets {
+            match r.measured().find(|m| m.router == router) {
+                Some(m) => {
+                    let _ = write!(s, " {} |", cell(m));
+                }
+                None => s += " |",
+            }
+        }
+        s += "\n";
+    }
+    s += "| ceiling |";
+    for (_, r) in &sets {
+        match r.ceiling_hit_rate {
+            Some(c) => {
+                let _ = write!(s, " {:.1}% |", c * 100.0);
+            }
+            None => s += " |",
+        }
+    }
+    s += "\n| build, date |";
+    for (_, r) in &sets {
+        match &r.stamp {
+            Some(st) => {
+                let _ = write!(s, " {}, {} |", st.commit, st.date);
+            }
+            None => s += " unstamped |",
+        }
+    }
+    s += "\n";
+    Ok(s)
+}
+
+/// `text` with the lines between its `<!-- results` line and its `<!-- /results -->` line
+/// replaced by `table`; `None` without both.
+pub fn replace_block(text: &str, table: &str) -> Option<String> {
+    let open = text.find("<!-- results")?;
+    let body = open + text[open..].find('\n')? + 1;
+    let close = body + text[body..].find("<!-- /results -->")?;
+    Some(format!("{}{table}{}", &text[..body], &text[close..]))
+}
+
+/// One router on one workload in [`summary`]: hit rate · TTFT p90.
+pub fn cell(m: &Measured) -> String {
+    format!(
+        "{:.1}% · {} ms",
+        m.prefix_hit_rate * 100.0,
+        ms(m.ttft_ms.p90)
+    )
 }
 
 fn ms(x: Option<f64>) -> String {
@@ -390,6 +491,7 @@ mod tests {
             &state(&[(100, 50, 3), (100, 30, 1)]),
         );
         Results {
+            stamp: None,
             workload: serde_json::json!({"name": "t"}),
             fleet: serde_json::json!({"replicas": 2}),
             envoy_workers: 2,
@@ -489,11 +591,59 @@ mod tests {
         assert!(with_usage
             .markdown()
             .contains("| round_robin | 75.0 (1) | 0.0 (0) | 0.0 (0) | 0.0 (0) | 0.0 (0) | 75.0 |"));
+        let stamped = Results {
+            stamp: Some(Stamp {
+                commit: "abc1234".into(),
+                date: "2026-11-27T09:00Z".into(),
+            }),
+            ..results()
+        };
+        assert!(stamped
+            .markdown()
+            .contains("Build abc1234, run 2026-11-27T09:00Z"));
+        assert!(stamped.svg().contains("build abc1234 · 2026-11-27T09:00Z"));
+        let back: Results =
+            serde_json::from_str(&serde_json::to_string(&stamped).unwrap()).unwrap();
+        assert_eq!(back.stamp, stamped.stamp);
         let eight = Results {
             envoy_workers: 8,
             ..results()
         };
         assert!(eight.markdown().contains("Each Envoy ran 8 workers."));
+    }
+
+    #[test]
+    fn the_summary_has_a_column_per_workload_and_a_row_per_router() {
+        let dir = std::env::temp_dir().join(format!("kvroute-summary-{}", std::process::id()));
+        let mut a = results();
+        a.ceiling_hit_rate = Some(0.8781);
+        a.stamp = Some(Stamp {
+            commit: "abc1234".into(),
+            date: "2026-11-27T09:00Z".into(),
+        });
+        a.write_all(&dir.join("a")).unwrap();
+        let mut b = results();
+        if let RouterResult::Measured(m) = &mut b.results[0] {
+            m.router = "kvroute".into();
+        }
+        b.write_all(&dir.join("b")).unwrap();
+        let table = summary(&dir, &["a".into(), "b".into()]).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines[0], "| router | a | b |");
+        assert_eq!(lines[2], "| round_robin | 40.0% · 19 ms | |");
+        assert_eq!(lines[3], "| kvroute | | 40.0% · 19 ms |");
+        assert_eq!(lines[4], "| ceiling | 87.8% | |");
+        assert_eq!(
+            lines[5],
+            "| build, date | abc1234, 2026-11-27T09:00Z | unstamped |"
+        );
+        let readme = "# r\n<!-- results: x -->\nold\n<!-- /results -->\nafter\n";
+        assert_eq!(
+            replace_block(readme, "| t |\n").as_deref(),
+            Some("# r\n<!-- results: x -->\n| t |\n<!-- /results -->\nafter\n")
+        );
+        assert_eq!(replace_block("no block", "| t |\n"), None);
     }
 
     #[test]
