@@ -5,52 +5,13 @@
 
 mod common;
 
-use common::{chat_body, debug_config, kv_stat, system_prompt, Fleet};
-use kvroute_harness::backend::STREAM_CHUNKS;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use common::load::{wait_until, Load};
+use common::{debug_config, kv_stat, Fleet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const CLIENTS: usize = 8;
 const GROUPS: usize = 12;
-
-/// What the clients saw.
-#[derive(Default)]
-struct Tally {
-    ok: AtomicU64,
-    failures: Mutex<Vec<String>>,
-}
-
-/// One streamed chat request; `Err` says what was wrong with the answer.
-async fn stream_once(client: &reqwest::Client, url: &str, body: String) -> Result<usize, String> {
-    let resp = client
-        .post(url)
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .map_err(|e| format!("send: {e}"))?;
-    let status = resp.status().as_u16();
-    let backend = resp
-        .headers()
-        .get("x-backend")
-        .and_then(|v| v.to_str().ok()?.parse().ok());
-    let text = resp.text().await.map_err(|e| format!("body: {e}"))?;
-    let events = text.matches("data: {").count();
-    if status != 200 || events != STREAM_CHUNKS || !text.contains("data: [DONE]") {
-        return Err(format!("status {status}, {events} events: {text:.200}"));
-    }
-    backend.ok_or_else(|| "no x-backend header".to_string())
-}
-
-/// Waits until `ok` holds, or fails after `timeout` saying `what`.
-async fn wait_until(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !ok() {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_stopped_under_streamed_load_fails_no_request_and_comes_back() {
@@ -67,32 +28,7 @@ async fn a_replica_stopped_under_streamed_load_fails_no_request_and_comes_back()
         b.set_delay(Duration::from_millis(20));
     }
     let url = format!("{}/v1/chat/completions", fleet.envoy.url());
-    let tally = Arc::new(Tally::default());
-    let done = Arc::new(AtomicBool::new(false));
-    let mut clients = Vec::new();
-    for c in 0..CLIENTS {
-        let (tally, done, url) = (tally.clone(), done.clone(), url.clone());
-        clients.push(tokio::spawn(async move {
-            let client = common::client();
-            let mut i = 0;
-            while !done.load(Ordering::Relaxed) {
-                // Mostly the shared groups, sometimes a new prefix, which kvroute places anew.
-                let group = if i % 4 == 3 {
-                    1000 + c * 10_000 + i
-                } else {
-                    (c + i) % GROUPS
-                };
-                let body = chat_body(&system_prompt(group), &format!("q {c}-{i}"), true);
-                match stream_once(&client, &url, body.to_string()).await {
-                    Ok(_) => {
-                        tally.ok.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(e) => tally.failures.lock().unwrap().push(e),
-                }
-                i += 1;
-            }
-        }));
-    }
+    let load = Load::start(url, CLIENTS, GROUPS);
     let victim = &fleet.backends[1];
     wait_until("the victim serves traffic", Duration::from_secs(60), || {
         victim.completed() >= 5
@@ -122,11 +58,11 @@ async fn a_replica_stopped_under_streamed_load_fails_no_request_and_comes_back()
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // A few more seconds' worth of requests with the replica stopped.
-    let ok_at_stop = tally.ok.load(Ordering::Relaxed);
+    let ok_at_stop = load.ok();
     wait_until(
         "200 more requests completed",
         Duration::from_secs(120),
-        || tally.ok.load(Ordering::Relaxed) >= ok_at_stop + 200,
+        || load.ok() >= ok_at_stop + 200,
     )
     .await;
     let refused = victim.refused();
@@ -147,13 +83,7 @@ async fn a_replica_stopped_under_streamed_load_fails_no_request_and_comes_back()
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    done.store(true, Ordering::Relaxed);
-    for c in clients {
-        c.await.expect("client task");
-    }
-
-    let failures = tally.failures.lock().unwrap().clone();
-    let ok = tally.ok.load(Ordering::Relaxed);
+    let (ok, failures) = load.stop().await;
     let retried = retries().await;
     let overflow = pool_stat("upstream_rq_retry_overflow").await;
     println!(

@@ -2,6 +2,8 @@
 //! reports which backend answered.
 #![allow(dead_code)] // each test file uses a different subset
 
+pub mod load;
+
 use kvroute_harness::backend::Backend;
 use kvroute_harness::{Envoy, EnvoyOptions, Lb};
 use serde_json::{json, Value};
