@@ -1,0 +1,159 @@
+#![cfg(not(target_arch = "wasm32"))]
+//! A replica that answers 5xx costs no request: Envoy retries a 500, 502 or 504 from the first
+//! attempt once, on the next address kvroute listed. A request that makes every replica fail (a
+//! poison prompt) so reaches two of them, never more, whatever retry headers its client sent; a
+//! client's own error (4xx) goes back as it is, unretried, and blames no replica.
+
+mod common;
+
+use common::{
+    ask, chat_body, debug_config, kv_stat, served_by, system_prompt, take_routing_headers,
+};
+use common::{Fleet, Reply};
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+/// A marker in a prompt that the poisoned backends fail on.
+const POISON: &str = "kvroute-test-poison-7f3a";
+
+/// Requests each backend received so far.
+fn received(fleet: &Fleet) -> Vec<u64> {
+    fleet.backends.iter().map(|b| b.received()).collect()
+}
+
+/// The backends that received a request since `before` (each index once per request).
+fn reached_since(fleet: &Fleet, before: &[u64]) -> Vec<usize> {
+    let now = received(fleet);
+    let mut reached = Vec::new();
+    for (i, (n, b)) in now.iter().zip(before).enumerate() {
+        reached.extend(std::iter::repeat_n(i, (n - b) as usize));
+    }
+    reached
+}
+
+/// A poisoned question to `group`, with extra request `headers`.
+async fn poisoned(fleet: &Fleet, group: usize, headers: &[(&str, &str)]) -> (Reply, bool) {
+    let body = chat_body(&system_prompt(group), &format!("{POISON} {group}"), false);
+    let mut req = fleet
+        .client
+        .post(format!("{}/v1/chat/completions", fleet.envoy.url()))
+        .header("content-type", "application/json")
+        .body(body.to_string());
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = req
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("request failed: {e}"));
+    let stamped = resp.headers().contains_key("x-kvroute-attempt");
+    let status = resp.status().as_u16();
+    let backend = resp
+        .headers()
+        .get("x-backend")
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let body = resp.bytes().await.expect("response body").to_vec();
+    let reply = Reply {
+        status,
+        backend,
+        decision: None,
+        body,
+    };
+    (reply, stamped)
+}
+
+/// `cluster.inference_pool.<name>`, 0 when absent.
+async fn pool_stat(fleet: &Fleet, name: &str) -> u64 {
+    let name = format!("cluster.inference_pool.{name}");
+    fleet
+        .envoy
+        .stat(&name)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_every_replica_fails_reaches_two_of_them() {
+    let fleet = Fleet::kvroute(4, debug_config(), |_| {}).await;
+    for b in &fleet.backends {
+        b.set_poison(Some((POISON, 500)));
+    }
+    take_routing_headers(&fleet);
+    // The second and third requests' clients ask for more retries on any 5xx: Envoy takes no
+    // retry policy from a client it does not trust, so one client cannot spread its poison.
+    let asks: [&[(&str, &str)]; 3] = [
+        &[],
+        &[("x-envoy-retry-on", "5xx"), ("x-envoy-max-retries", "5")],
+        &[
+            ("x-envoy-retry-on", "retriable-status-codes"),
+            ("x-envoy-retriable-status-codes", "500"),
+            ("x-envoy-max-retries", "5"),
+        ],
+    ];
+    for (g, headers) in asks.iter().enumerate() {
+        let before = received(&fleet);
+        let (reply, stamped) = poisoned(&fleet, g, headers).await;
+        assert_eq!(
+            reply.status,
+            500,
+            "{:?}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        assert_eq!(reply.body, b"poisoned");
+        assert!(!stamped, "the retry policy's stamp reached the client");
+        let mut reached = reached_since(&fleet, &before);
+        reached.sort();
+        let named = take_routing_headers(&fleet);
+        assert_eq!(
+            reached.len(),
+            2,
+            "request {g} reached backends {reached:?} (named {named:?}), not two"
+        );
+        assert_ne!(reached[0], reached[1], "retried on the same backend");
+        // Both attempts went where kvroute listed: its choice, then its fallback.
+        let listed: BTreeSet<&str> = named[0].split(',').map(str::trim).collect();
+        let addrs: Vec<String> = reached
+            .iter()
+            .map(|&i| fleet.backends[i].addr().to_string())
+            .collect();
+        for addr in &addrs {
+            assert!(listed.contains(addr.as_str()), "{addr} not in {named:?}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_error_goes_back_unretried_and_blames_no_replica() {
+    let fleet = Fleet::kvroute(4, debug_config(), |_| {}).await;
+    for b in &fleet.backends {
+        b.set_poison(Some((POISON, 400)));
+    }
+    served_by(&fleet, &fleet.chat(&ask(0, 0)).await);
+    take_routing_headers(&fleet);
+    for round in 0..3 {
+        let before = received(&fleet);
+        let (reply, stamped) = poisoned(&fleet, 0, &[]).await;
+        assert_eq!(reply.status, 400);
+        assert_eq!(
+            reply.body, b"poisoned",
+            "the client's error reaches it unchanged"
+        );
+        assert!(!stamped, "the retry policy's stamp reached the client");
+        let reached = reached_since(&fleet, &before);
+        assert_eq!(reached.len(), 1, "round {round}: reached {reached:?}");
+        // It went to kvroute's choice, the first address it listed.
+        let named = take_routing_headers(&fleet);
+        let first = named[0].split(',').next().unwrap_or_default().trim();
+        assert_eq!(first, fleet.backends[reached[0]].addr().to_string());
+        // And the next request of the group settles the first's end (on_log) on that worker.
+        served_by(&fleet, &fleet.chat(&ask(0, round + 1)).await);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        kv_stat(&fleet, "suspect_marked").await,
+        0,
+        "a 400 marked a replica"
+    );
+    assert_eq!(pool_stat(&fleet, "upstream_rq_retry").await, 0);
+}
