@@ -2,7 +2,8 @@
 //! A replica that answers 5xx costs no request: Envoy retries a 500, 502 or 504 from the first
 //! attempt once, on the next address kvroute listed. A request that makes every replica fail (a
 //! poison prompt) so reaches two of them, never more, whatever retry headers its client sent; a
-//! client's own error (4xx) goes back as it is, unretried, and blames no replica.
+//! client's own error (4xx) goes back as it is, unretried, and blames no replica; a server error
+//! the retry does not replay marks the replica that answered it suspect.
 
 mod common;
 
@@ -156,4 +157,30 @@ async fn a_client_error_goes_back_unretried_and_blames_no_replica() {
         "a 400 marked a replica"
     );
     assert_eq!(pool_stat(&fleet, "upstream_rq_retry").await, 0);
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_error_the_retry_does_not_replay_still_marks_the_replica() {
+    // 507 (insufficient storage) is a server error outside the retried 500, 502 and 504: it
+    // reaches the client from the replica kvroute chose, which kvroute then marks suspect.
+    let fleet = Fleet::kvroute(4, debug_config(), |_| {}).await;
+    for b in &fleet.backends {
+        b.set_poison(Some((POISON, 507)));
+    }
+    take_routing_headers(&fleet);
+    let before = received(&fleet);
+    let (reply, _) = poisoned(&fleet, 0, &[]).await;
+    assert_eq!(reply.status, 507);
+    let reached = reached_since(&fleet, &before);
+    assert_eq!(reached.len(), 1, "reached {reached:?}");
+    let named = take_routing_headers(&fleet);
+    let first = named[0].split(',').next().unwrap_or_default().trim();
+    assert_eq!(first, fleet.backends[reached[0]].addr().to_string());
+    let marked = fleet.envoy.wait_for_stat(
+        "kvroute.suspect_marked",
+        |v| v >= 1,
+        Duration::from_secs(10),
+    );
+    marked
+        .await
+        .unwrap_or_else(|e| panic!("the replica that answered 507 was not marked: {e}"));
 }
