@@ -10,27 +10,12 @@ mod common;
 use common::{
     ask, chat_body, debug_config, kv_stat, served_by, system_prompt, take_routing_headers,
 };
-use common::{Fleet, Reply};
+use common::{reached_since, received, Fleet, Reply};
 use std::collections::BTreeSet;
 use std::time::Duration;
 
 /// A marker in a prompt that the poisoned backends fail on.
 const POISON: &str = "kvroute-test-poison-7f3a";
-
-/// Requests each backend received so far.
-fn received(fleet: &Fleet) -> Vec<u64> {
-    fleet.backends.iter().map(|b| b.received()).collect()
-}
-
-/// The backends that received a request since `before` (each index once per request).
-fn reached_since(fleet: &Fleet, before: &[u64]) -> Vec<usize> {
-    let now = received(fleet);
-    let mut reached = Vec::new();
-    for (i, (n, b)) in now.iter().zip(before).enumerate() {
-        reached.extend(std::iter::repeat_n(i, (n - b) as usize));
-    }
-    reached
-}
 
 /// A poisoned question to `group`, with extra request `headers`.
 async fn poisoned(fleet: &Fleet, group: usize, headers: &[(&str, &str)]) -> (Reply, bool) {

@@ -419,3 +419,18 @@ pub async fn kvroute_envoy_over(sim: &kvroute_sim::fleet::Fleet, plugin_config: 
         .unwrap_or_else(|e| panic!("{e}"));
     envoy
 }
+
+/// Requests each backend received so far.
+pub fn received(fleet: &Fleet) -> Vec<u64> {
+    fleet.backends.iter().map(|b| b.received()).collect()
+}
+
+/// The backends that received a request since `before` (each index once per request).
+pub fn reached_since(fleet: &Fleet, before: &[u64]) -> Vec<usize> {
+    let now = received(fleet);
+    let mut reached = Vec::new();
+    for (i, (n, b)) in now.iter().zip(before).enumerate() {
+        reached.extend(std::iter::repeat_n(i, (n - b) as usize));
+    }
+    reached
+}
