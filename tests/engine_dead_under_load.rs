@@ -7,11 +7,10 @@
 
 mod common;
 
-use common::load::{wait_until, Load};
-use common::{debug_config, kv_stat, Fleet};
+use common::load::{assert_none_failed, fleet_under_load, wait_until};
+use common::{kv_stat, pool_stat, Fleet};
 use kvroute::suspects::SUSPECT_MS;
 use std::collections::BTreeSet;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const CLIENTS: usize = 8;
@@ -42,23 +41,8 @@ impl Failure {
 async fn a_replica_answering_500_under_streamed_load_fails_no_request(failure: Failure) {
     let _serial = SERIAL.lock().await;
     // The shipped health check's pace (1 s), and a quick kvroute poll.
-    let fleet = Arc::new(
-        Fleet::kvroute(4, debug_config(), |o| {
-            o.health_check_interval = Some(Duration::from_secs(1))
-        })
-        .await,
-    );
-    // A little generation time, so streams overlap the failure as they would on a real engine.
-    for b in &fleet.backends {
-        b.set_delay(Duration::from_millis(20));
-    }
-    let url = format!("{}/v1/chat/completions", fleet.envoy.url());
-    let load = Load::start(url, CLIENTS, GROUPS);
+    let (fleet, load) = fleet_under_load(Duration::from_secs(1), CLIENTS, GROUPS, VICTIM).await;
     let victim = &fleet.backends[VICTIM];
-    wait_until("the victim serves traffic", Duration::from_secs(60), || {
-        victim.completed() >= 20
-    })
-    .await;
     // The groups the victim was home to (or one of the homes of).
     let its_groups: BTreeSet<usize> = load
         .served_since(0)
@@ -108,25 +92,13 @@ async fn a_replica_answering_500_under_streamed_load_fails_no_request(failure: F
     )
     .await;
     let (ok, failures) = load.stop().await;
-    let retries = fleet
-        .envoy
-        .stat("cluster.inference_pool.upstream_rq_retry")
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .unwrap_or(0);
+    let retries = pool_stat(&fleet, "upstream_rq_retry").await;
     println!(
         "{ok} streamed requests ok, {} failed; {failed_there} reached the failing replica, {retries} \
          retries, {marks} suspect marks",
         failures.len()
     );
-    assert!(
-        failures.is_empty(),
-        "{} of {} requests failed, e.g. {:?}\n{}",
-        failures.len(),
-        ok + failures.len() as u64,
-        &failures[..failures.len().min(5)],
-        fleet.envoy.log_tail()
-    );
+    assert_none_failed(&fleet, ok, &failures);
     // Its share was a quarter of the requests; marked, it gets a few as each mark expires.
     assert!(
         failed_there * 8 <= ok_while_failing,

@@ -10,7 +10,7 @@ mod common;
 use common::{
     ask, chat_body, debug_config, kv_stat, served_by, system_prompt, take_routing_headers,
 };
-use common::{reached_since, received, Fleet, Reply};
+use common::{pool_stat, reached_since, received, Fleet, Reply};
 use std::collections::BTreeSet;
 use std::time::Duration;
 
@@ -48,23 +48,18 @@ async fn poisoned(fleet: &Fleet, group: usize, headers: &[(&str, &str)]) -> (Rep
     (reply, stamped)
 }
 
-/// `cluster.inference_pool.<name>`, 0 when absent.
-async fn pool_stat(fleet: &Fleet, name: &str) -> u64 {
-    let name = format!("cluster.inference_pool.{name}");
+/// Four backends behind kvroute, each answering `status` to a prompt with the marker.
+async fn poisoned_fleet(status: u16) -> Fleet {
+    let fleet = Fleet::kvroute(4, debug_config(), |_| {}).await;
+    for b in &fleet.backends {
+        b.set_poison(Some((POISON, status)));
+    }
     fleet
-        .envoy
-        .stat(&name)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .unwrap_or(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_every_replica_fails_reaches_two_of_them() {
-    let fleet = Fleet::kvroute(4, debug_config(), |_| {}).await;
-    for b in &fleet.backends {
-        b.set_poison(Some((POISON, 500)));
-    }
+    let fleet = poisoned_fleet(500).await;
     take_routing_headers(&fleet);
     // The second and third requests' clients ask for more retries on any 5xx: Envoy takes no
     // retry policy from a client it does not trust, so one client cannot spread its poison.
@@ -111,10 +106,7 @@ async fn a_request_every_replica_fails_reaches_two_of_them() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_error_goes_back_unretried_and_blames_no_replica() {
-    let fleet = Fleet::kvroute(4, debug_config(), |_| {}).await;
-    for b in &fleet.backends {
-        b.set_poison(Some((POISON, 400)));
-    }
+    let fleet = poisoned_fleet(400).await;
     served_by(&fleet, &fleet.chat(&ask(0, 0)).await);
     take_routing_headers(&fleet);
     for round in 0..3 {
@@ -143,14 +135,12 @@ async fn a_client_error_goes_back_unretried_and_blames_no_replica() {
     );
     assert_eq!(pool_stat(&fleet, "upstream_rq_retry").await, 0);
 }
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_error_the_retry_does_not_replay_still_marks_the_replica() {
     // 507 (insufficient storage) is a server error outside the retried 500, 502 and 504: it
     // reaches the client from the replica kvroute chose, which kvroute then marks suspect.
-    let fleet = Fleet::kvroute(4, debug_config(), |_| {}).await;
-    for b in &fleet.backends {
-        b.set_poison(Some((POISON, 507)));
-    }
+    let fleet = poisoned_fleet(507).await;
     take_routing_headers(&fleet);
     let before = received(&fleet);
     let (reply, _) = poisoned(&fleet, 0, &[]).await;

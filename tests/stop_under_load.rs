@@ -5,9 +5,8 @@
 
 mod common;
 
-use common::load::{wait_until, Load};
-use common::{debug_config, kv_stat, Fleet};
-use std::sync::Arc;
+use common::load::{assert_none_failed, fleet_under_load, wait_until};
+use common::{kv_stat, pool_stat};
 use std::time::{Duration, Instant};
 
 const CLIENTS: usize = 8;
@@ -17,38 +16,10 @@ const GROUPS: usize = 12;
 async fn a_replica_stopped_under_streamed_load_fails_no_request_and_comes_back() {
     // Envoy's health check is slow here (30 s), so nothing but the failed requests themselves can
     // tell Envoy or kvroute that the replica stopped: requests certainly reach it while stopped.
-    let fleet = Arc::new(
-        Fleet::kvroute(4, debug_config(), |o| {
-            o.health_check_interval = Some(Duration::from_secs(30))
-        })
-        .await,
-    );
-    // A little generation time, so streams overlap the stop as they would on a real engine.
-    for b in &fleet.backends {
-        b.set_delay(Duration::from_millis(20));
-    }
-    let url = format!("{}/v1/chat/completions", fleet.envoy.url());
-    let load = Load::start(url, CLIENTS, GROUPS);
+    let (fleet, load) = fleet_under_load(Duration::from_secs(30), CLIENTS, GROUPS, 1).await;
     let victim = &fleet.backends[1];
-    wait_until("the victim serves traffic", Duration::from_secs(60), || {
-        victim.completed() >= 5
-    })
-    .await;
-
     victim.stop().await;
-    let pool_stat = |name: &'static str| {
-        let fleet = fleet.clone();
-        async move {
-            let name = format!("cluster.inference_pool.{name}");
-            fleet
-                .envoy
-                .stat(&name)
-                .await
-                .unwrap_or_else(|e| panic!("{e}"))
-                .unwrap_or(0)
-        }
-    };
-    let retries = || pool_stat("upstream_rq_retry");
+    let retries = || pool_stat(&fleet, "upstream_rq_retry");
     let deadline = Instant::now() + Duration::from_secs(60);
     while retries().await == 0 || kv_stat(&fleet, "suspect_marked").await == 0 {
         assert!(
@@ -85,18 +56,11 @@ async fn a_replica_stopped_under_streamed_load_fails_no_request_and_comes_back()
     }
     let (ok, failures) = load.stop().await;
     let retried = retries().await;
-    let overflow = pool_stat("upstream_rq_retry_overflow").await;
+    let overflow = pool_stat(&fleet, "upstream_rq_retry_overflow").await;
     println!(
         "{ok} streamed requests ok, {} failed; {retried} retries ({overflow} refused by the retry \
          budget); the stopped replica refused {refused}",
         failures.len()
     );
-    assert!(
-        failures.is_empty(),
-        "{} of {} requests failed, e.g. {:?}\n{}",
-        failures.len(),
-        ok + failures.len() as u64,
-        &failures[..failures.len().min(5)],
-        fleet.envoy.log_tail()
-    );
+    assert_none_failed(&fleet, ok, &failures);
 }

@@ -2,7 +2,7 @@
 //! until stopped, and a tally of what came back (which backend served which group, what failed).
 #![allow(dead_code)] // each test file uses a different subset
 
-use super::{chat_body, client, system_prompt};
+use super::{chat_body, client, debug_config, system_prompt, Fleet};
 use kvroute_harness::backend::STREAM_CHUNKS;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -94,6 +94,35 @@ impl Load {
     }
 }
 
+/// Four backends behind kvroute (`debug_config`, health-checked every `health_check`), each
+/// taking 20 ms to answer so that streams overlap a failure as they would on a real engine, under
+/// `clients` clients streaming `groups` groups' requests; returns once backend `victim` has served
+/// some of them.
+pub async fn fleet_under_load(
+    health_check: Duration,
+    clients: usize,
+    groups: usize,
+    victim: usize,
+) -> (Arc<Fleet>, Load) {
+    let fleet = Arc::new(
+        Fleet::kvroute(4, debug_config(), |o| {
+            o.health_check_interval = Some(health_check)
+        })
+        .await,
+    );
+    for b in &fleet.backends {
+        b.set_delay(Duration::from_millis(20));
+    }
+    let url = format!("{}/v1/chat/completions", fleet.envoy.url());
+    let load = Load::start(url, clients, groups);
+    let victim = &fleet.backends[victim];
+    wait_until("the victim serves traffic", Duration::from_secs(60), || {
+        victim.completed() >= 20
+    })
+    .await;
+    (fleet, load)
+}
+
 /// One streamed chat request: the backend that served it; `Err` says what was wrong with the
 /// answer.
 pub async fn stream_once(
@@ -119,6 +148,19 @@ pub async fn stream_once(
         return Err(format!("status {status}, {events} events: {text:.200}"));
     }
     backend.ok_or_else(|| "no x-backend header".to_string())
+}
+
+/// Fails the test, with a few of the failures and Envoy's log, unless none of the requests
+/// failed (`ok` of them were answered in full).
+pub fn assert_none_failed(fleet: &Fleet, ok: u64, failures: &[String]) {
+    assert!(
+        failures.is_empty(),
+        "{} of {} requests failed, e.g. {:?}\n{}",
+        failures.len(),
+        ok + failures.len() as u64,
+        &failures[..failures.len().min(5)],
+        fleet.envoy.log_tail()
+    );
 }
 
 /// Waits until `ok` holds, or fails after `timeout` saying `what`.

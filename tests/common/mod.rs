@@ -225,13 +225,22 @@ pub fn debug_config() -> Value {
 
 /// `kvroute.<name>` (a counter or gauge), 0 when Envoy has not created it.
 pub async fn kv_stat(fleet: &Fleet, name: &str) -> u64 {
-    let suffix = format!("kvroute.{name}");
+    stat_or_zero(fleet, &format!("kvroute.{name}")).await
+}
+
+/// The stat whose name ends in `suffix`, 0 when Envoy has not created it.
+async fn stat_or_zero(fleet: &Fleet, suffix: &str) -> u64 {
     fleet
         .envoy
-        .stat(&suffix)
+        .stat(suffix)
         .await
         .unwrap_or_else(|e| panic!("{e}"))
         .unwrap_or(0)
+}
+
+/// `cluster.inference_pool.<name>` (Envoy's stat of the replicas' cluster), 0 when absent.
+pub async fn pool_stat(fleet: &Fleet, name: &str) -> u64 {
+    stat_or_zero(fleet, &format!("cluster.inference_pool.{name}")).await
 }
 
 /// Every `kvroute.inflight.<ip>_<port>` gauge.
