@@ -2,8 +2,8 @@
 //! `envoy/kvroute.yaml` with kvroute and with plain round robin: streamed chat requests at a steady
 //! rate, one replica answering 500 to everything (or stopped, or slowed) for a while in the middle.
 //! `cargo run --release --example failing_replica -- [--fault fail|stop|slow] [--rate 12]
-//! [--seconds 30] [--from 10] [--for 10]`, with `ENVOY_BIN`, `KVROUTE_WASM` set (`make build`; the
-//! Makefile exports both).
+//! [--seconds 30] [--from 10] [--for 10]` after `make build` (Envoy from `.venv`, the filter from
+//! `target/`, or wherever `ENVOY_BIN` and `KVROUTE_WASM` say).
 
 use kvroute_harness::{Envoy, EnvoyOptions, Lb};
 use kvroute_sim::engine::Faults;
