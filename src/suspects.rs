@@ -156,8 +156,9 @@ impl Suspects {
 
 /// Whether a routed request's outcome shows that `chosen`, the endpoint kvroute named first,
 /// failed it. `upstream` is the host that gave the final answer (Envoy's `upstream.address`),
-/// `status` its response status, `flags` Envoy's `response.flags` (needed with a 503 status, to
-/// tell the endpoint's 503 from Envoy's own).
+/// `status` its response status, `flags` Envoy's `response.flags` (needed with a 5xx status, to
+/// tell the endpoint's 503 from Envoy's own). Any 5xx is the server's failure (a vLLM whose engine
+/// died answers 500 to everything); a 4xx is the client's own error and blames nobody.
 pub fn chosen_failed(
     chosen: &str,
     upstream: Option<&str>,
@@ -168,14 +169,20 @@ pub fn chosen_failed(
         // override_host sends the first attempt to the first listed address, and retries consume
         // the following ones: an answer from any other host means that first attempt failed.
         Some(host) if host != chosen => true,
-        // The chosen host itself answered 503 (it is going away) or its stream failed.
+        // The chosen host itself answered 5xx (its engine failed, or it is going away) or its
+        // stream failed.
         Some(_) => {
-            let refused = status == Some(503) && flags & UPSTREAM_OVERFLOW_FLAG == 0;
-            refused || flags & UPSTREAM_FAILURE_FLAGS != 0
+            let failed = status.is_some_and(server_error) && flags & UPSTREAM_OVERFLOW_FLAG == 0;
+            failed || flags & UPSTREAM_FAILURE_FLAGS != 0
         }
         // No host was ever selected: nothing says the chosen one is at fault.
         None => false,
     }
+}
+
+/// Whether `status` is a server error (5xx).
+pub fn server_error(status: u16) -> bool {
+    (500..600).contains(&status)
 }
 
 /// Marks `addr` in the shared value under `key`: read, prune, mark, compare-and-swap. Returns
@@ -307,10 +314,15 @@ mod tests {
 
     #[test]
     fn a_failed_first_attempt_or_a_failing_answer_blames_the_chosen_endpoint() {
-        // Answered by the chosen endpoint: fine unless it said 503 or its stream failed.
+        // Answered by the chosen endpoint: fine unless it said 5xx or its stream failed.
         assert!(!chosen_failed(A, Some(A), Some(200), 0));
-        assert!(!chosen_failed(A, Some(A), Some(500), 0));
-        assert!(chosen_failed(A, Some(A), Some(503), 0));
+        for status in [500, 502, 503, 504, 599] {
+            assert!(chosen_failed(A, Some(A), Some(status), 0), "{status}");
+        }
+        // A 4xx is the client's error (a prompt too long, a bad field), not the endpoint's.
+        for status in [400, 404, 413, 429, 499] {
+            assert!(!chosen_failed(A, Some(A), Some(status), 0), "{status}");
+        }
         // Envoy's own 503 for a full cluster (circuit breaker overflow) is not the endpoint's.
         assert!(!chosen_failed(
             A,

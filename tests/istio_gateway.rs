@@ -11,7 +11,8 @@ mod common;
 #[path = "common/istio.rs"]
 mod istio;
 
-use common::{ask, client, served_by, warm_up, Fleet};
+use common::{ask, chat_body, client, reached_since, received, served_by, system_prompt};
+use common::{warm_up, Fleet};
 use kvroute::endpoints::{admin_clusters_path, Keep};
 use kvroute_harness::backend::Backend;
 use kvroute_harness::{paths, Envoy, EnvoyOptions, HarnessError};
@@ -103,8 +104,8 @@ fn http_filters(docs: &[Value], ecds: &Path) -> Json {
     Json::Array(chain)
 }
 
-/// The route istiod builds from the VirtualService: Istio's cluster name for the destination, and
-/// the retry policy with the predicate istiod adds.
+/// The route istiod builds from the VirtualService: its name, Istio's cluster name for the
+/// destination, and the retry policy with the predicate istiod adds.
 fn route_config(docs: &[Value]) -> (Json, String) {
     let vs = istio::object(docs, "VirtualService", "vllm");
     let http = &vs["spec"]["http"][0];
@@ -136,6 +137,7 @@ fn route_config(docs: &[Value]) -> (Json, String) {
             "name": "*:80",
             "domains": ["*"],
             "routes": [{
+                "name": http["name"].as_str().expect("the route's name"),
                 "match": { "prefix": http["match"][0]["uri"]["prefix"].as_str().expect("prefix") },
                 "route": {
                     "cluster": cluster,
@@ -220,6 +222,16 @@ fn gateway(
             (Some("CLUSTER"), Some("MERGE")) => {
                 assert_eq!(p["match"]["cluster"]["name"], Value::from(pool.as_str()));
                 merge(&mut pool_cluster, &value);
+            }
+            (Some("HTTP_ROUTE"), Some("MERGE")) => {
+                let entry = listener
+                    .pointer_mut(
+                        "/filter_chains/0/filters/0/typed_config/route_config/virtual_hosts/0/routes/0",
+                    )
+                    .expect("the route");
+                let name = &p["match"]["routeConfiguration"]["vhost"]["route"]["name"];
+                assert_eq!(Some(to_json(name)), entry.get("name").cloned());
+                merge(entry, &value);
             }
             (Some("HTTP_FILTER" | "EXTENSION_CONFIG"), _) => {}
             other => panic!("patch {other:?} not assembled here"),
@@ -364,4 +376,31 @@ async fn the_gateway_routes_by_prefix_through_the_istio_config() {
         "{}",
         fleet.envoy.log_tail()
     );
+
+    // A 500 from the first attempt is retried once, on another replica, never again: a prompt
+    // every replica fails on reaches two of them, and the stamp the retry policy reads stays in
+    // the gateway.
+    let poison = "kvroute-test-poison-istio";
+    for b in &fleet.backends {
+        b.set_poison(Some((poison, 500)));
+    }
+    let before = received(&fleet);
+    let resp = fleet
+        .client
+        .post(format!("{}/v1/chat/completions", fleet.envoy.url()))
+        .header("content-type", "application/json")
+        .body(chat_body(&system_prompt(0), poison, false).to_string())
+        .send()
+        .await
+        .expect("the poisoned request is answered");
+    assert_eq!(resp.status(), 500);
+    assert!(!resp.headers().contains_key("x-kvroute-attempt"));
+    let mut reached = reached_since(&fleet, &before);
+    reached.dedup();
+    assert_eq!(
+        reached.len(),
+        2,
+        "reached {reached:?}: not two replicas, once each"
+    );
+    assert_eq!(reached_since(&fleet, &before).len(), 2);
 }

@@ -46,8 +46,8 @@ async fn successes_keep_their_affinity_and_a_failure_withdraws_it() {
     }
     assert_eq!(withdrawn().await, 0, "a success withdrew its affinity");
 
-    // Every answer now fails (500, which Envoy does not retry): the request withdraws what it
-    // recorded, a key or two, not the successes' keys.
+    // Every answer now fails (500: Envoy retries it once, on the other replica, which fails too):
+    // the request withdraws what it recorded, a key or two, not the successes' keys.
     for r in &sim.replicas {
         r.replica.set_faults(Faults {
             fail_rate: 1.0,

@@ -5,114 +5,21 @@
 
 mod common;
 
-use common::{chat_body, debug_config, kv_stat, system_prompt, Fleet};
-use kvroute_harness::backend::STREAM_CHUNKS;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use common::load::{assert_none_failed, fleet_under_load, wait_until};
+use common::{kv_stat, pool_stat};
 use std::time::{Duration, Instant};
 
 const CLIENTS: usize = 8;
 const GROUPS: usize = 12;
 
-/// What the clients saw.
-#[derive(Default)]
-struct Tally {
-    ok: AtomicU64,
-    failures: Mutex<Vec<String>>,
-}
-
-/// One streamed chat request; `Err` says what was wrong with the answer.
-async fn stream_once(client: &reqwest::Client, url: &str, body: String) -> Result<usize, String> {
-    let resp = client
-        .post(url)
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .map_err(|e| format!("send: {e}"))?;
-    let status = resp.status().as_u16();
-    let backend = resp
-        .headers()
-        .get("x-backend")
-        .and_then(|v| v.to_str().ok()?.parse().ok());
-    let text = resp.text().await.map_err(|e| format!("body: {e}"))?;
-    let events = text.matches("data: {").count();
-    if status != 200 || events != STREAM_CHUNKS || !text.contains("data: [DONE]") {
-        return Err(format!("status {status}, {events} events: {text:.200}"));
-    }
-    backend.ok_or_else(|| "no x-backend header".to_string())
-}
-
-/// Waits until `ok` holds, or fails after `timeout` saying `what`.
-async fn wait_until(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !ok() {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_stopped_under_streamed_load_fails_no_request_and_comes_back() {
     // Envoy's health check is slow here (30 s), so nothing but the failed requests themselves can
     // tell Envoy or kvroute that the replica stopped: requests certainly reach it while stopped.
-    let fleet = Arc::new(
-        Fleet::kvroute(4, debug_config(), |o| {
-            o.health_check_interval = Some(Duration::from_secs(30))
-        })
-        .await,
-    );
-    // A little generation time, so streams overlap the stop as they would on a real engine.
-    for b in &fleet.backends {
-        b.set_delay(Duration::from_millis(20));
-    }
-    let url = format!("{}/v1/chat/completions", fleet.envoy.url());
-    let tally = Arc::new(Tally::default());
-    let done = Arc::new(AtomicBool::new(false));
-    let mut clients = Vec::new();
-    for c in 0..CLIENTS {
-        let (tally, done, url) = (tally.clone(), done.clone(), url.clone());
-        clients.push(tokio::spawn(async move {
-            let client = common::client();
-            let mut i = 0;
-            while !done.load(Ordering::Relaxed) {
-                // Mostly the shared groups, sometimes a new prefix, which kvroute places anew.
-                let group = if i % 4 == 3 {
-                    1000 + c * 10_000 + i
-                } else {
-                    (c + i) % GROUPS
-                };
-                let body = chat_body(&system_prompt(group), &format!("q {c}-{i}"), true);
-                match stream_once(&client, &url, body.to_string()).await {
-                    Ok(_) => {
-                        tally.ok.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(e) => tally.failures.lock().unwrap().push(e),
-                }
-                i += 1;
-            }
-        }));
-    }
+    let (fleet, load) = fleet_under_load(Duration::from_secs(30), CLIENTS, GROUPS, 1).await;
     let victim = &fleet.backends[1];
-    wait_until("the victim serves traffic", Duration::from_secs(60), || {
-        victim.completed() >= 5
-    })
-    .await;
-
     victim.stop().await;
-    let pool_stat = |name: &'static str| {
-        let fleet = fleet.clone();
-        async move {
-            let name = format!("cluster.inference_pool.{name}");
-            fleet
-                .envoy
-                .stat(&name)
-                .await
-                .unwrap_or_else(|e| panic!("{e}"))
-                .unwrap_or(0)
-        }
-    };
-    let retries = || pool_stat("upstream_rq_retry");
+    let retries = || pool_stat(&fleet, "upstream_rq_retry");
     let deadline = Instant::now() + Duration::from_secs(60);
     while retries().await == 0 || kv_stat(&fleet, "suspect_marked").await == 0 {
         assert!(
@@ -122,11 +29,11 @@ async fn a_replica_stopped_under_streamed_load_fails_no_request_and_comes_back()
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // A few more seconds' worth of requests with the replica stopped.
-    let ok_at_stop = tally.ok.load(Ordering::Relaxed);
+    let ok_at_stop = load.ok();
     wait_until(
         "200 more requests completed",
         Duration::from_secs(120),
-        || tally.ok.load(Ordering::Relaxed) >= ok_at_stop + 200,
+        || load.ok() >= ok_at_stop + 200,
     )
     .await;
     let refused = victim.refused();
@@ -147,26 +54,13 @@ async fn a_replica_stopped_under_streamed_load_fails_no_request_and_comes_back()
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    done.store(true, Ordering::Relaxed);
-    for c in clients {
-        c.await.expect("client task");
-    }
-
-    let failures = tally.failures.lock().unwrap().clone();
-    let ok = tally.ok.load(Ordering::Relaxed);
+    let (ok, failures) = load.stop().await;
     let retried = retries().await;
-    let overflow = pool_stat("upstream_rq_retry_overflow").await;
+    let overflow = pool_stat(&fleet, "upstream_rq_retry_overflow").await;
     println!(
         "{ok} streamed requests ok, {} failed; {retried} retries ({overflow} refused by the retry \
          budget); the stopped replica refused {refused}",
         failures.len()
     );
-    assert!(
-        failures.is_empty(),
-        "{} of {} requests failed, e.g. {:?}\n{}",
-        failures.len(),
-        ok + failures.len() as u64,
-        &failures[..failures.len().min(5)],
-        fleet.envoy.log_tail()
-    );
+    assert_none_failed(&fleet, ok, &failures);
 }

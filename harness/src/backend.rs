@@ -2,7 +2,8 @@
 //!
 //! Each backend answers `POST /v1/chat/completions` and `POST /v1/completions` (JSON, or SSE when
 //! the body has `"stream": true`), `GET /health`, `GET /metrics`, `GET /v1/models`, and 404 otherwise; every
-//! response carries `x-backend: <index>`. Knobs: delay, failing, kill, stop/resume. Health checks
+//! response carries `x-backend: <index>`. Knobs: delay, failing (with or without its health check),
+//! a poison marker, kill, stop/resume. Health checks
 //! are neither counted nor recorded, so counts are exactly the requests Envoy forwarded.
 
 use bytes::Bytes;
@@ -48,6 +49,10 @@ struct Shared {
     index: usize,
     delay_ms: AtomicU64,
     failing: AtomicBool,
+    /// Set by [`Backend::set_engine_dead`]: requests 500 while `/health` says 200.
+    engine_dead: AtomicBool,
+    /// Set by [`Backend::set_poison`]: a request whose body holds the marker gets the status.
+    poison: Mutex<Option<(Vec<u8>, u16)>>,
     /// What `/metrics` reports as `vllm:num_requests_waiting`.
     engine_waiting: AtomicU64,
     /// Set by [`Backend::set_metrics_missing`]: `/metrics` answers 404.
@@ -126,6 +131,18 @@ impl Backend {
     /// When failing, `/health` answers 503 and every other request 500.
     pub fn set_failing(&self, failing: bool) {
         self.shared.failing.store(failing, Ordering::Relaxed);
+    }
+
+    /// When set, every request but `/health` and `/metrics` is answered 500 while `/health` still
+    /// answers 200: a vLLM whose engine died under a live API server.
+    pub fn set_engine_dead(&self, dead: bool) {
+        self.shared.engine_dead.store(dead, Ordering::Relaxed);
+    }
+
+    /// A request whose body contains `marker` is answered `status` (a prompt this replica cannot
+    /// serve); `None` clears it. Such requests count as received and are recorded.
+    pub fn set_poison(&self, poison: Option<(&str, u16)>) {
+        *self.shared.poison.lock().unwrap() = poison.map(|(m, s)| (m.as_bytes().to_vec(), s));
     }
 
     /// When set, `GET /metrics` answers 404: the engine reports no load, while requests and
@@ -439,13 +456,24 @@ async fn handle(
             body: body.clone(),
         });
     }
-    if failing {
+    if failing || shared.engine_dead.load(Ordering::Relaxed) {
         return Ok(reply(
             &shared,
             StatusCode::INTERNAL_SERVER_ERROR,
             "text/plain",
             full("failing"),
         ));
+    }
+    let poisoned = shared
+        .poison
+        .lock()
+        .unwrap()
+        .as_ref()
+        .filter(|(marker, _)| contains_bytes(&body, marker))
+        .map(|(_, status)| *status);
+    if let Some(status) = poisoned {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        return Ok(reply(&shared, status, "text/plain", full("poisoned")));
     }
     let chat = match (is_post, parts.uri.path()) {
         (true, "/v1/chat/completions") => true,
@@ -500,6 +528,11 @@ async fn handle(
         "text/event-stream",
         Either::Right(rx),
     ))
+}
+
+/// Whether `needle` occurs in `haystack` (an empty needle always does).
+fn contains_bytes(haystack: &[u8], needle: &[u8]) -> bool {
+    needle.is_empty() || haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 fn reply(

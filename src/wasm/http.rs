@@ -204,21 +204,22 @@ impl Stream {
         let involved = self.routed.is_some() || self.response.pending();
         let usage = self.response.usage();
         // A response that reports usage succeeded. Only a routed request's outcome matters
-        // without one: it settles the affinity, and a 503 may blame the chosen endpoint. (In
+        // without one: it settles the affinity, and a 5xx blames the chosen endpoint. (In
         // `on_log`, which Envoy calls first, the response headers are still readable.)
         let status = match usage {
             None if self.routed.is_some() => host::status(MapType::HttpResponseHeaders),
             _ => None,
         };
+        let server_error = status.is_some_and(suspects::server_error);
         // A reset or failed connection after the response started (a replica dying mid-stream)
-        // shows only in Envoy's response flags; a response that reached its end had none. A 503
-        // needs them too: was it Envoy's own?
-        let flags = if (!self.complete && involved) || status == Some(503) {
+        // shows only in Envoy's response flags; a response that reached its end had none. A 5xx
+        // needs them too: was it Envoy's own 503 for a full cluster?
+        let flags = if (!self.complete && involved) || server_error {
             response_flags()
         } else {
             0
         };
-        if flags & UPSTREAM_FAILURE_FLAGS != 0 || status == Some(503) {
+        if flags & UPSTREAM_FAILURE_FLAGS != 0 || server_error {
             self.blame(status, flags);
         }
         let ok = flags & UPSTREAM_FAILURE_FLAGS == 0
@@ -389,7 +390,7 @@ impl HttpContext for Stream {
         if self.routed.is_some() {
             // Retries are over by now (Envoy retries only before it forwards response headers):
             // an answer from another host means the chosen one failed. Whether the chosen host
-            // answered 503 waits for the stream's end, where a successful response (one that
+            // answered 5xx waits for the stream's end, where a successful response (one that
             // reports usage) costs no status read.
             self.blame(None, 0);
         }

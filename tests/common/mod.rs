@@ -2,6 +2,8 @@
 //! reports which backend answered.
 #![allow(dead_code)] // each test file uses a different subset
 
+pub mod load;
+
 use kvroute_harness::backend::Backend;
 use kvroute_harness::{Envoy, EnvoyOptions, Lb};
 use serde_json::{json, Value};
@@ -223,13 +225,22 @@ pub fn debug_config() -> Value {
 
 /// `kvroute.<name>` (a counter or gauge), 0 when Envoy has not created it.
 pub async fn kv_stat(fleet: &Fleet, name: &str) -> u64 {
-    let suffix = format!("kvroute.{name}");
+    stat_or_zero(fleet, &format!("kvroute.{name}")).await
+}
+
+/// The stat whose name ends in `suffix`, 0 when Envoy has not created it.
+async fn stat_or_zero(fleet: &Fleet, suffix: &str) -> u64 {
     fleet
         .envoy
-        .stat(&suffix)
+        .stat(suffix)
         .await
         .unwrap_or_else(|e| panic!("{e}"))
         .unwrap_or(0)
+}
+
+/// `cluster.inference_pool.<name>` (Envoy's stat of the replicas' cluster), 0 when absent.
+pub async fn pool_stat(fleet: &Fleet, name: &str) -> u64 {
+    stat_or_zero(fleet, &format!("cluster.inference_pool.{name}")).await
 }
 
 /// Every `kvroute.inflight.<ip>_<port>` gauge.
@@ -416,4 +427,19 @@ pub async fn kvroute_envoy_over(sim: &kvroute_sim::fleet::Fleet, plugin_config: 
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     envoy
+}
+
+/// Requests each backend received so far.
+pub fn received(fleet: &Fleet) -> Vec<u64> {
+    fleet.backends.iter().map(|b| b.received()).collect()
+}
+
+/// The backends that received a request since `before` (each index once per request).
+pub fn reached_since(fleet: &Fleet, before: &[u64]) -> Vec<usize> {
+    let now = received(fleet);
+    let mut reached = Vec::new();
+    for (i, (n, b)) in now.iter().zip(before).enumerate() {
+        reached.extend(std::iter::repeat_n(i, (n - b) as usize));
+    }
+    reached
 }
