@@ -17,7 +17,7 @@ use kvroute::request::{self, Api};
 use kvroute::router::{self, RequestInfo, Router};
 use kvroute::store::{MemoryStore, SharedStore};
 use kvroute::suspects::Suspects;
-use kvroute::{body_access, counters, engine, eviction, groups};
+use kvroute::{body_access, counters, engine, eviction, placement};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
 
@@ -368,10 +368,10 @@ fn shared_data_and_admin_decoders_never_panic() {
             let _ = store.set("kvroute.load", &bytes, None);
             let _ = counters::read(&store);
             let _ = counters::add(&store, 3, -1);
-            for shard in 0..groups::SHARDS {
+            for shard in 0..placement::SHARDS {
                 let _ = store.set(&format!("kvroute.groups.{shard}"), &bytes, None);
             }
-            let _ = groups::read(&store);
+            let _ = placement::read(&store);
             let _ = store.set(eviction::KEY, &bytes, None);
             let _ = eviction::read(&store);
             eviction::raise(&store, 1, key);

@@ -4,7 +4,7 @@
 //! A request's group is its head (tools and system prompt, or first message) hashed
 //! ([`PrefixKeys::group`](crate::prefix::PrefixKeys)); its endpoints are ranked by rendezvous on
 //! that key, and its home is the first of them, or, once this gateway has been up a little while,
-//! its place in the balanced assignment of the groups it has seen ([`groups`](crate::groups)),
+//! its place in the balanced assignment of the groups it has seen ([`placement`](crate::placement)),
 //! which gateways that saw the same groups compute alike (where that splits the group, the home
 //! its conversation's hash falls to). Overload is judged from the engines' own reports, the same
 //! at every gateway:
@@ -24,7 +24,7 @@
 //! seen the groups. Within a gateway, one worker weighs the groups and the others adopt its
 //! weights ([`leader`]), so every worker sends a group to the same home. A group moves to a new
 //! home only once the assignment has kept giving it that home for a few polls
-//! ([`homes`](crate::homes)), so an assignment swaying as groups are counted one by one moves
+//! ([`homes`](crate::placement::homes)), so an assignment swaying as groups are counted one by one moves
 //! nobody. The affinity map records which endpoint served which prefix (chained
 //! chunk keys); a holder whose engine has since been found to evict what it last used by then
 //! ([`eviction`](crate::eviction)) no longer counts.
@@ -38,9 +38,9 @@ use super::load::{first_not_overloaded, least_loaded, mean_load, rendezvous_orde
 use super::{Candidate, Decision, Input, Pick, Policy};
 use crate::affinity::{AffinityMap, Match};
 use crate::eviction;
-use crate::groups::{self, FleetVolume, Tally};
-use crate::homes::Held;
-use crate::leader::{self, Published};
+use crate::placement::homes::Held;
+use crate::placement::leader::{self, Published};
+use crate::placement::{self, FleetVolume, Tally};
 use crate::prefix::PrefixKeys;
 use crate::store::SharedStore;
 
@@ -53,7 +53,7 @@ pub const REFRESH_MS: u64 = 1000;
 pub const WARMUP_POLLS: u64 = 10;
 
 /// Poll intervals the balanced assignment must keep giving a group a new home before the group
-/// moves there ([`homes`](crate::homes)).
+/// moves there ([`homes`](crate::placement::homes)).
 pub const HOLD_POLLS: u64 = 4;
 
 pub struct CacheAware {
@@ -95,7 +95,7 @@ struct GroupView {
 impl GroupView {
     /// Takes in the balanced assignment of the current weights over endpoints `ids`.
     fn assign(&mut self, ids: &[u32]) {
-        let shares = groups::shares(&self.counted, ids);
+        let shares = placement::shares(&self.counted, ids);
         let since = self.counted_ms.max(self.warm_ms.unwrap_or(0));
         self.homes.update(ids, &shares, since);
         self.assigned = true;
@@ -218,12 +218,14 @@ impl Policy for CacheAware {
         let (published, cas) = leader::read(store);
         let next = if Published::led_by(published.as_ref(), view.token, now_ms) {
             let seen = view.tally.seen();
-            let min_requests = view.fleet.min_requests(groups::own_volume(&seen, now_ms));
+            let min_requests = view
+                .fleet
+                .min_requests(placement::own_volume(&seen, now_ms));
             let weighted =
-                groups::weighted(&seen, now_ms, min_requests, now_ms.saturating_sub(born));
+                placement::weighted(&seen, now_ms, min_requests, now_ms.saturating_sub(born));
             // From the weights the gateway places by (this worker's copy of the last published
             // ones, when it takes over), so a new leader moves no group.
-            let counted = groups::steady(&view.counted, weighted);
+            let counted = placement::steady(&view.counted, weighted);
             let counted_ms = if counted == view.counted {
                 view.counted_ms
             } else {

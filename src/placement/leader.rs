@@ -1,21 +1,21 @@
 //! One balanced assignment per gateway: of an Envoy's worker VMs, the one that leads computes the
-//! weights of the groups ([`groups::weighted`]) and publishes them in shared data; the others adopt
+//! weights of the groups ([`weighted`](super::weighted)) and publishes them in shared data; the others adopt
 //! them, so every worker sends a group to the same home. Computed by each worker at its own
 //! moments, from its own history, workers disagreed on 3-8% of requests of a skewed fleet
 //! (`placement_replay --workers 2..16` on zipf-pressure).
 //!
 //! A worker leads when nothing is published yet, when it wrote what is, or when the author has not
 //! rewritten it for [`LEAD_TTL_MS`] (its VM was reloaded or stopped). The leader rewrites it when
-//! the weights change and at least every [`groups::FLUSH_MS`]. A worker that takes over continues
+//! the weights change and at least every [`FLUSH_MS`]. A worker that takes over continues
 //! from the weights it adopted, so the homes do not move.
 
-use crate::groups;
+use super::FLUSH_MS;
 use crate::store::{self, SharedStore};
 
 /// Shared-data key of the published weights.
 pub const KEY: &str = "kvroute.groups.published";
 /// A publication its author has not rewritten for this long is orphaned: any worker takes over.
-pub const LEAD_TTL_MS: u64 = 3 * groups::FLUSH_MS;
+pub const LEAD_TTL_MS: u64 = 3 * FLUSH_MS;
 
 const VERSION: u8 = 1;
 const HEADER_LEN: usize = 8 * 4;
@@ -48,7 +48,7 @@ impl Published {
                 || p.counted_ms != next.counted_ms
                 || p.warm_ms != next.warm_ms
                 || p.counted != next.counted
-                || next.written_ms.saturating_sub(p.written_ms) >= groups::FLUSH_MS
+                || next.written_ms.saturating_sub(p.written_ms) >= FLUSH_MS
         })
     }
 
@@ -147,12 +147,9 @@ mod tests {
     #[test]
     fn the_leader_rewrites_on_a_change_or_once_a_flush_interval() {
         let p = published(7, 100);
-        let same_soon = published(7, 100 + groups::FLUSH_MS - 1);
+        let same_soon = published(7, 100 + FLUSH_MS - 1);
         assert!(!Published::stale(Some(&p), &same_soon));
-        assert!(Published::stale(
-            Some(&p),
-            &published(7, 100 + groups::FLUSH_MS)
-        ));
+        assert!(Published::stale(Some(&p), &published(7, 100 + FLUSH_MS)));
         let changed = Published {
             counted: vec![(1, 8)],
             ..same_soon.clone()

@@ -1,7 +1,7 @@
 //! Homes that hold still: a group moves to the home the balanced assignment gives it only once
 //! the assignment has kept giving it that home for a while.
 //!
-//! The balanced assignment ([`groups::shares`]) is recomputed whenever a group is counted or
+//! The balanced assignment ([`shares`](super::shares)) is recomputed whenever a group is counted or
 //! dropped or a weight changes, and each time it may send a few groups elsewhere and, at the next
 //! recompute, back again: on a skewed fleet where the long tail's groups are counted one by one,
 //! the same groups swayed between two endpoints every few seconds, and every move costs a prefill
@@ -14,7 +14,7 @@
 
 use hashbrown::HashMap;
 
-use crate::groups::{self, Shares};
+use super::{home_of, Shares};
 use crate::rendezvous;
 
 /// A group's homes with their shares ([`Shares`]).
@@ -97,13 +97,13 @@ impl Held {
         }
     }
 
-    /// The home of `group`'s `conversation` at `now_ms` ([`groups::home_of`]), after it takes the
+    /// The home of `group`'s `conversation` at `now_ms` ([`home_of`]), after it takes the
     /// home the assignment has kept giving it for `hold_ms`.
     pub fn home(&mut self, group: u64, conversation: u64, now_ms: u64) -> Option<u32> {
         if self.has_held(group, now_ms) {
             self.take(group);
         }
-        groups::home_of(self.used.get(&group)?, conversation)
+        home_of(self.used.get(&group)?, conversation)
     }
 
     /// Whether `group`'s pending home has held at `now_ms`.
