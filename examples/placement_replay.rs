@@ -17,7 +17,7 @@
 //! [--gateways N] [--workers W] [--tick-ms MS] [--endpoint-sets K] [--deals D] [--ping]`.
 
 use hashbrown::HashMap;
-use kvroute::placement::homes::Held;
+use kvroute::placement::homes::Homes;
 use kvroute::placement::{self, FleetVolume, Shares, Tally};
 use kvroute::policy::cache_aware::{HOLD_POLLS, WARMUP_POLLS};
 use kvroute::rendezvous::{self, endpoint_id};
@@ -149,7 +149,7 @@ struct Worker {
     fleet: FleetVolume,
     counted: Vec<(u64, u32)>,
     shares: Shares,
-    held: Held,
+    held: Homes,
     /// `held` has taken in `shares`, computed at `shares_ms`.
     assigned: bool,
     shares_ms: u64,
@@ -168,7 +168,7 @@ impl Worker {
             fleet: FleetVolume::default(),
             counted: Vec::new(),
             shares: Shares::new(),
-            held: Held::new(HOLD_POLLS * tick_ms),
+            held: Homes::new(HOLD_POLLS * tick_ms),
             assigned: false,
             shares_ms: 0,
             phase_ms,
@@ -274,7 +274,7 @@ impl Worker {
     /// [`Worker::home`] with the homes `held` (and whether they took in the current shares).
     fn place(
         &self,
-        held: &mut Held,
+        held: &mut Homes,
         assigned: &mut bool,
         r: &Request,
         eps: &[u32],

@@ -94,23 +94,23 @@ impl<H: HostApi> Gateway<H> {
         end_of_stream: bool,
     ) -> RequestHeaders {
         let config = &self.router.config;
-        let head = router::Head::read(headers, &config.header);
+        let fields = router::HeaderFields::read(headers, &config.header);
         let mut verdict = RequestHeaders {
-            strip_routing_header: head.routing_header || headers.is_empty(),
+            strip_routing_header: fields.routing_header || headers.is_empty(),
             buffer: false,
-            content_length: head.content_length,
+            content_length: fields.content_length,
         };
         // Tests of Envoy's failure policy (unset in production, where nothing reaches the panic).
-        if config.unsafe_trap_path_for_tests.as_deref() == Some(head.path) {
+        if config.unsafe_trap_path_for_tests.as_deref() == Some(fields.path) {
             panic!("kvroute: trapping on purpose (unsafe_trap_path_for_tests)");
         }
-        let api = match router::routable(head.method, head.path) {
+        let api = match router::routable(fields.method, fields.path) {
             Err(reason) => return self.unrouted(ex, reason, verdict),
             Ok(_) if end_of_stream => return self.unrouted(ex, Fallback::EmptyBody, verdict),
             Ok(api) => api,
         };
         ex.tail = Some(Tail::default());
-        if head
+        if fields
             .content_length
             .is_some_and(|n| n > config.max_body_bytes)
         {

@@ -72,8 +72,10 @@ impl<H: HostApi> Gateway<H> {
         } = self;
         let config = &router.config;
         let timeout_ms = config.stats_interval_ms.max(1000);
-        let keep =
-            endpoints::Keep::only(&config.clusters, config.engine_metrics_cluster.as_deref());
+        let keep = endpoints::PolledClusters::new(
+            &config.clusters,
+            config.engine_metrics_cluster.as_deref(),
+        );
         let path = endpoints::admin_clusters_path(keep);
         let headers = [
             (":method", "GET"),
@@ -215,7 +217,7 @@ impl<H: HostApi> Gateway<H> {
         let config = &self.router.config;
         let parsed = match body {
             Some(body) => {
-                let keep = endpoints::Keep::only(
+                let keep = endpoints::PolledClusters::new(
                     &config.clusters,
                     config.engine_metrics_cluster.as_deref(),
                 );

@@ -23,10 +23,8 @@ pub const SHARE_UNITS: u64 = 4;
 /// endpoints as evening out takes: groups that already even out stay whole. The gap of one mean
 /// group that whole groups leave stays unsplit from three groups per endpoint on: 15 equal
 /// groups on 4 endpoints sit 4, 4, 4, 3 (27% of an even share), which is what a gateway that
-/// has not yet seen one of 16 groups computes; splitting there gave that gateway other homes for
-/// 1.7 groups on average, where the others, which saw all 16, split nothing (behind three
-/// gateways on grouped-pressure, 16 of 700 requests went to another replica than the last of
-/// their group, against 10 now, in `placement_replay`).
+/// has not yet seen one of 16 groups computes; splitting there would give that gateway other
+/// homes for some groups, where the others, which saw all 16, split nothing.
 pub fn shares(groups: &[(u64, u32)], endpoints: &[u32]) -> Shares {
     let homes = assign(groups, endpoints);
     let n = endpoints.len();

@@ -26,7 +26,7 @@ pub struct Seen {
 impl Seen {
     /// Whether the group takes a place in the assignment at `now_ms`, once this gateway has seen
     /// `min_requests` of it.
-    pub fn counts(&self, now_ms: u64, min_requests: f32) -> bool {
+    pub fn takes_place(&self, now_ms: u64, min_requests: f32) -> bool {
         self.requests >= min_requests && now_ms.saturating_sub(self.last_ms) < TTL_MS
     }
 

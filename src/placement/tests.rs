@@ -21,14 +21,13 @@ fn groups(n: u64) -> Vec<(u64, u32)> {
 
 /// Total weight homed on each endpoint.
 fn per_endpoint(homes: &HashMap<u64, u32>, groups: &[(u64, u32)], eps: &[u32]) -> Vec<u32> {
-    eps.iter()
-        .map(|e| {
-            groups
-                .iter()
-                .filter(|(g, _)| homes[g] == *e)
-                .map(|(_, w)| w)
-                .sum()
-        })
+    let whole: Shares = groups
+        .iter()
+        .map(|&(g, w)| (g, vec![(homes[&g], u64::from(w))]))
+        .collect();
+    share_loads(&whole, eps)
+        .into_iter()
+        .map(|l| l as u32)
         .collect()
 }
 

@@ -35,7 +35,6 @@ impl FleetVolume {
     /// Takes in the engines' counters (address, requests finished since it started) at `now_ms`.
     /// An engine seen for the first time only sets its baseline; a counter that went down (the
     /// engine restarted) counts from zero.
-    /// (Every worker does this on every tick: the counters are updated in place, not rebuilt.)
     pub fn observe<'a>(&mut self, totals: impl IntoIterator<Item = (&'a str, f64)>, now_ms: u64) {
         self.observations += 1;
         let this = self.observations;

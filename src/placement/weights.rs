@@ -12,13 +12,13 @@ pub const MEAN_WEIGHT: u64 = 4;
 pub const MAX_WEIGHT: u32 = 256;
 /// Counts whose variance is at most this many times their mean spread as equally popular groups'
 /// do (a Poisson count's variance is its mean): chance may explain any one of them ([`weight`]).
-/// Beyond it the groups are unequal (zipf-pressure's spread is over 30 times its mean), and a
-/// group far below the mean is a rare one, though chance could explain it alone.
+/// Beyond it the groups are unequal (a Zipf-skewed fleet's counts spread many times more), and
+/// a group far below the mean is a rare one, though chance could explain it alone.
 pub const EQUAL_SPREAD: f64 = 2.0;
-/// Below this mean count per group a gateway takes every spread for chance: counts so small
-/// (behind three gateways, zipf-pressure's stay under it for the whole run) tell the rare groups
-/// of a skewed fleet apart so unreliably that weighing them by their counts made the gateways
-/// disagree on 27% of requests instead of 10% (`placement_replay --gateways 3`).
+/// Below this mean count per group a gateway takes every spread for chance: counts so small (a
+/// gateway that sees a share of a fleet's traffic may stay under it for long) tell the rare
+/// groups of a skewed fleet apart too unreliably for gateways that each see a share to weigh
+/// them alike.
 pub const EQUAL_BELOW_MEAN: f64 = 6.0;
 /// Requests per group this gateway sees, on average, after a group's only request before it
 /// takes that group for a one-off ([`one_offs`]).
@@ -35,7 +35,7 @@ pub const ONE_OFF_REPEATS: f64 = 3.0;
 pub fn weighted(seen: &[Seen], now_ms: u64, min_requests: f32, seeing_ms: u64) -> Vec<(u64, u32)> {
     let mut counted: Vec<&Seen> = seen
         .iter()
-        .filter(|s| s.counts(now_ms, min_requests))
+        .filter(|s| s.takes_place(now_ms, min_requests))
         .collect();
     let dropped = one_offs(&counted, now_ms, seeing_ms);
     counted.retain(|s| !dropped.contains(&s.key));
@@ -59,9 +59,8 @@ pub fn weighted(seen: &[Seen], now_ms: u64, min_requests: f32, seeing_ms: u64) -
 /// has since seen [`ONE_OFF_REPEATS`] requests per group without seeing it again (an average group
 /// goes that long unseen one time in 20), and all of them where there are more of them than
 /// groups as popular as the mean would leave seen once by chance (a fleet with many one-offs).
-/// Counted as average groups, the bench's first request alone (one prompt before the run, at one
-/// of three gateways) made that gateway place a phantom seventeenth group among sixteen, with
-/// room for five on each endpoint, for its first 25 s.
+/// Counted as average groups, a single prompt one gateway alone saw would take a place there
+/// that the other gateways do not give it, and change the room every endpoint has at that one.
 fn one_offs(counted: &[&Seen], now_ms: u64, seeing_ms: u64) -> HashSet<u64> {
     let once = |s: &&&Seen| s.requests <= 1.0;
     let n = counted.len().max(1) as f64;
@@ -97,8 +96,7 @@ fn one_offs(counted: &[&Seen], now_ms: u64, seeing_ms: u64) -> HashSet<u64> {
 /// still does keeps its previous weight while it moved by one mean at most. A hot group's count
 /// wanders around the boundary between two whole means as requests come and decay, and each step
 /// across it changes the room its endpoint leaves to the others, moving the group that was
-/// last in line there and back again (on zipf-pressure one group moved twelve times in 45 s);
-/// a step of two means is a change in popularity, not noise. Both sides sorted by key.
+/// last in line there and back again; a step of two means is a change in popularity, not noise. Both sides sorted by key.
 pub fn steady(previous: &[(u64, u32)], mut next: Vec<(u64, u32)>) -> Vec<(u64, u32)> {
     let mean = MEAN_WEIGHT as u32;
     for (group, w) in next.iter_mut() {
@@ -126,8 +124,8 @@ pub fn steady(previous: &[(u64, u32)], mut next: Vec<(u64, u32)>) -> Vec<(u64, u
 /// every endpoint at that gateway alone.) Beyond both a group weighs what it is worth (a group with
 /// 9× the mean's traffic takes the room of nine, a rare one a quarter), so the endpoint that homes
 /// a hot group takes few others, the rare groups of a skewed fleet are not taken for average ones
-/// (on zipf-pressure, taking them so made the room 1.35× the traffic, and the hottest group's
-/// endpoint took a 3-mean group beside it), and the traffic stays balanced. A hot group weighs
+/// (which would make the room larger than the traffic, and leave a busy group room beside the
+/// hottest), and the traffic stays balanced. A hot group weighs
 /// whole means: its count grows and decays a little between any two ticks, and each quarter it
 /// gained or lost would change the room it leaves to the others on its endpoint, and so move one of
 /// them, losing its prefix.

@@ -34,11 +34,11 @@ use std::hash::{BuildHasher, RandomState};
 
 use hashbrown::HashMap;
 
-use super::load::{first_not_overloaded, least_loaded, mean_load, rendezvous_order, Thresholds};
+use super::load::{first_not_overloaded, least_loaded, mean_load, rendezvous_order, OverloadBound};
 use super::{Candidate, Decision, Input, Pick, Policy};
 use crate::affinity::{AffinityMap, Match};
 use crate::eviction;
-use crate::placement::homes::Held;
+use crate::placement::homes::Homes;
 use crate::placement::leader::{self, Published};
 use crate::placement::{self, FleetVolume, Tally};
 use crate::prefix::PrefixKeys;
@@ -60,7 +60,7 @@ pub struct CacheAware {
     /// Shared-data slots of the affinity map.
     capacity: u32,
     cache_threshold: f64,
-    thresholds: Thresholds,
+    overload: OverloadBound,
     warmup_ms: u64,
     /// This worker's copy of the groups table and the homes computed from it.
     view: RefCell<GroupView>,
@@ -78,13 +78,13 @@ struct GroupView {
     /// This worker's copy of the groups table and the requests it counted.
     tally: Tally,
     /// The groups that take a place, with their weights, sorted; whether their assignment is
-    /// computed for the current weights, and the homes requests go to ([`Held`]).
-    counted: Vec<(u64, u32)>,
+    /// computed for the current weights, and the homes requests go to ([`Homes`]).
+    weights: Vec<(u64, u32)>,
     assigned: bool,
     /// When the weights last changed: the assignment holds from then, or from the end of the
     /// warm-up, whichever is later.
-    counted_ms: u64,
-    homes: Held,
+    weights_ms: u64,
+    homes: Homes,
     /// The engines' finished requests lately: this gateway's share of the traffic.
     fleet: FleetVolume,
     /// Each endpoint's eviction horizon ([`eviction`]) as the last request that found a match
@@ -95,8 +95,8 @@ struct GroupView {
 impl GroupView {
     /// Takes in the balanced assignment of the current weights over endpoints `ids`.
     fn assign(&mut self, ids: &[u32]) {
-        let shares = placement::shares(&self.counted, ids);
-        let since = self.counted_ms.max(self.warm_ms.unwrap_or(0));
+        let shares = placement::shares(&self.weights, ids);
+        let since = self.weights_ms.max(self.warm_ms.unwrap_or(0));
         self.homes.update(ids, &shares, since);
         self.assigned = true;
     }
@@ -106,17 +106,17 @@ impl CacheAware {
     pub fn new(
         capacity: u32,
         cache_threshold: f64,
-        thresholds: Thresholds,
+        overload: OverloadBound,
         warmup_ms: u64,
         hold_ms: u64,
     ) -> Self {
         CacheAware {
             capacity,
             cache_threshold,
-            thresholds,
+            overload,
             warmup_ms,
             view: RefCell::new(GroupView {
-                homes: Held::new(hold_ms),
+                homes: Homes::new(hold_ms),
                 token: RandomState::new().hash_one(0u8),
                 ..GroupView::default()
             }),
@@ -139,7 +139,7 @@ impl CacheAware {
         let warm = view.warm_ms.is_some_and(|warm| now_ms >= warm);
         if !warm
             || view
-                .counted
+                .weights
                 .binary_search_by_key(&group, |&(g, _)| g)
                 .is_err()
         {
@@ -178,7 +178,7 @@ impl Policy for CacheAware {
         }
         let (index, decision) = match self.holder(candidates, input, &order, matched.as_ref()) {
             Some(i) => (i, Decision::Affinity),
-            None => match first_not_overloaded(candidates, &order, &self.thresholds) {
+            None => match first_not_overloaded(candidates, &order, &self.overload) {
                 Some((0, i)) => (i, Decision::Home),
                 Some((_, i)) => (i, Decision::Spread),
                 None => (
@@ -225,9 +225,9 @@ impl Policy for CacheAware {
                 placement::weighted(&seen, now_ms, min_requests, now_ms.saturating_sub(born));
             // From the weights the gateway places by (this worker's copy of the last published
             // ones, when it takes over), so a new leader moves no group.
-            let counted = placement::steady(&view.counted, weighted);
-            let counted_ms = if counted == view.counted {
-                view.counted_ms
+            let weights = placement::steady(&view.weights, weighted);
+            let weights_ms = if weights == view.weights {
+                view.weights_ms
             } else {
                 now_ms
             };
@@ -237,8 +237,8 @@ impl Policy for CacheAware {
                 warm_ms: published
                     .as_ref()
                     .map_or(born + self.warmup_ms, |p| p.warm_ms),
-                counted_ms,
-                counted,
+                weights_ms,
+                weights,
             };
             if Published::stale(published.as_ref(), &next) {
                 leader::write(store, &next, cas);
@@ -247,22 +247,22 @@ impl Policy for CacheAware {
         } else {
             published.unwrap_or_default()
         };
-        if next.counted != view.counted || next.counted_ms != view.counted_ms {
-            view.counted = next.counted;
-            view.counted_ms = next.counted_ms;
+        if next.weights != view.weights || next.weights_ms != view.weights_ms {
+            view.weights = next.weights;
+            view.weights_ms = next.weights_ms;
             view.assigned = false;
         }
         view.warm_ms = Some(next.warm_ms);
         // Every worker takes in each published assignment on its tick, not only when a request
         // of a group it counts comes by: its held homes then follow the published weights alone
-        // ([`Held::update`]), and the gateway's workers agree on them. (A worker that skipped
+        // ([`Homes::update`]), and the gateway's workers agree on them. (A worker that skipped
         // some assignments started a pending home's hold later than one that saw them all.)
         if !view.assigned && now_ms >= next.warm_ms && !view.homes.endpoints().is_empty() {
             let ids = view.homes.endpoints().to_vec();
             view.assign(&ids);
         }
         if now_ms >= next.warm_ms {
-            view.counted.len()
+            view.weights.len()
         } else {
             0
         }
@@ -293,7 +293,7 @@ impl CacheAware {
             let c = &candidates[i];
             m.record.holders.contains(&c.id)
                 && c.keeps(m.record.stamp_ms, input.now_ms)
-                && !self.thresholds.overloaded(c, mean)
+                && !self.overload.overloaded(c, mean)
         })
     }
 }
@@ -323,13 +323,13 @@ fn first_to_record(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::testing::{candidates, input, keys, thresholds};
+    use crate::policy::testing::{candidates, input, keys, overload};
     use crate::policy::Input;
     use crate::prefix::PrefixKeys;
     use crate::store::MemoryStore;
 
     fn policy() -> CacheAware {
-        CacheAware::new(1024, 0.3, thresholds(), 1000, 0)
+        CacheAware::new(1024, 0.3, overload(), 1000, 0)
     }
 
     /// Picks for `keys` and records the pick, as the router does.
@@ -494,7 +494,7 @@ mod tests {
         // Homes hold a second before they move. The first worker leads and routes everything;
         // the second only ticks, until the end.
         let (store, c) = (MemoryStore::new(), candidates(&[0, 0, 0, 0]));
-        let holding = || CacheAware::new(1024, 0.3, thresholds(), 1000, 1000);
+        let holding = || CacheAware::new(1024, 0.3, overload(), 1000, 1000);
         let (first, second) = (holding(), holding());
         let groups = eight_groups();
         let homes = |p, now| send_each(p, &c, &store, &groups, "the question", now);

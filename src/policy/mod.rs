@@ -9,7 +9,7 @@ mod prefix_hash;
 mod round_robin;
 mod session;
 
-pub use load::Thresholds;
+pub use load::OverloadBound;
 
 use crate::affinity::Match;
 use crate::config::{Config, PolicyKind};
@@ -135,7 +135,7 @@ pub trait Policy {
 
 /// The policy the config names.
 pub fn build(config: &Config) -> Box<dyn Policy> {
-    let thresholds = Thresholds {
+    let overload = OverloadBound {
         abs: config.balance_abs_threshold,
         rel: config.balance_rel_threshold,
     };
@@ -143,14 +143,14 @@ pub fn build(config: &Config) -> Box<dyn Policy> {
         PolicyKind::CacheAware => Box::new(cache_aware::CacheAware::new(
             config.affinity_capacity,
             config.cache_threshold,
-            thresholds,
+            overload,
             config.stats_interval_ms * cache_aware::WARMUP_POLLS,
             config.stats_interval_ms * cache_aware::HOLD_POLLS,
         )),
         PolicyKind::RoundRobin => Box::new(round_robin::RoundRobin),
         PolicyKind::LeastRequest => Box::new(least_request::LeastRequest),
         PolicyKind::Session => Box::new(session::Session),
-        PolicyKind::PrefixHash => Box::new(prefix_hash::PrefixHash { thresholds }),
+        PolicyKind::PrefixHash => Box::new(prefix_hash::PrefixHash { overload }),
     }
 }
 
@@ -205,7 +205,7 @@ pub(crate) mod testing {
         }
     }
 
-    pub fn thresholds() -> Thresholds {
-        Thresholds { abs: 2, rel: 1.5 }
+    pub fn overload() -> OverloadBound {
+        OverloadBound { abs: 2, rel: 1.5 }
     }
 }
