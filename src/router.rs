@@ -10,7 +10,7 @@ use crate::config::Config;
 use crate::counters::{self, Table};
 use crate::endpoints::Host;
 use crate::eviction::Predicted;
-use crate::policy::{self, Candidate, Decision, Input, Policy};
+use crate::policy::{self, Answer, Candidate, Decision, Input, Needs, Policy, Settled};
 use crate::prefix::{PrefixKeys, Shape};
 use crate::request::{self, Api, ParseError};
 use crate::store::SharedStore;
@@ -274,6 +274,16 @@ impl Router {
 }
 
 impl Router {
+    /// What the policy reads of a request beyond its body.
+    pub fn needs(&self) -> Needs {
+        self.policy.needs()
+    }
+
+    /// A routed request was answered: the policy settles what it learnt from routing it.
+    pub fn answered(&self, store: &dyn SharedStore, answer: &Answer) -> Settled {
+        self.policy.answered(store, answer)
+    }
+
     /// Periodic work (each worker's tick): the policy refreshes what it keeps from shared data and
     /// takes in the engines' finished-requests counters (address, count) from the last poll.
     /// Returns how many groups it now places by balance.

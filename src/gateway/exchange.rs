@@ -5,7 +5,6 @@
 use super::host::{HostApi, StreamApi};
 use super::Gateway;
 use crate::body_access;
-use crate::config::PolicyKind;
 use crate::eviction::Predicted;
 use crate::request::Api;
 use crate::router::{self, Fallback, RequestInfo, Routed};
@@ -161,15 +160,15 @@ impl<H: HostApi> Gateway<H> {
             self.fallback(ex, Fallback::NoCluster);
             return None;
         };
-        let config = &self.router.config;
         // Only the policies that use these headers pay for reading them.
-        let session = match config.policy {
-            PolicyKind::Session => stream.request_header(&config.session_header),
-            _ => None,
+        let needs = self.router.needs();
+        let session = match needs.session {
+            true => stream.request_header(&self.router.config.session_header),
+            false => None,
         };
-        let request_id = match config.policy {
-            PolicyKind::LeastRequest => stream.request_header("x-request-id"),
-            _ => None,
+        let request_id = match needs.request_id {
+            true => stream.request_header("x-request-id"),
+            false => None,
         };
         let req = RequestInfo {
             api,

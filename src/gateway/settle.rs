@@ -3,14 +3,13 @@
 //! In-flight counts move to the serving host; affinity recorded for the host kvroute chose is
 //! withdrawn when that host did not serve the request successfully, and recorded for the host
 //! that did; the engine's `usage` becomes stats, in total and per endpoint, and, when it cached
-//! clearly less than the map predicted, raises that endpoint's eviction horizon ([`eviction`]).
+//! clearly less than the map predicted, raises that endpoint's eviction horizon (the policy's
+//! prefix index settles these: [`Policy::answered`](crate::policy::Policy::answered)).
 
 use super::exchange::Exchange;
 use super::host::{HostApi, MetricKind, StreamApi};
 use super::Gateway;
-use crate::affinity::AffinityMap;
-use crate::config::PolicyKind;
-use crate::eviction;
+use crate::policy::Answer;
 use crate::rendezvous::endpoint_id;
 use crate::suspects::{self, UPSTREAM_FAILURE_FLAGS};
 use crate::usage::{Tail, Usage};
@@ -155,44 +154,28 @@ impl<H: HostApi> Gateway<H> {
         let Some(chosen) = ex.chosen.take() else {
             return;
         };
-        let config = &self.router.config;
-        if config.policy != PolicyKind::CacheAware || chosen.keys.is_empty() {
-            return;
-        }
-        let map = AffinityMap::new(&self.host, config.affinity_capacity);
-        let chosen_id = endpoint_id(&chosen.addr);
-        let held = chosen.predicted.held.min(chosen.keys.len());
-        if ok && ex.served.as_deref() == Some(chosen.addr.as_str()) {
-            // The engine says what it had cached: less than the map predicted is an eviction.
-            let horizon = usage
-                .and_then(|u| eviction::horizon(&chosen.predicted, u, config.eviction_grace_ms));
-            let raised = horizon.is_some_and(|h| eviction::raise(&self.host, chosen_id, h));
-            if raised {
-                // This request computed its prefix there again: the deepest key it followed
-                // counts again, with a stamp past the horizon.
-                let key = &chosen.keys[held.saturating_sub(1)..held];
-                map.record(key, chosen_id, self.host.now_ms());
-                self.metrics
-                    .count(&self.host, "kvroute.affinity.evictions_seen");
-            }
-            return;
-        }
-        // The chosen host did not serve this prompt: it holds no more of it than before.
-        let withdrawn = map.forget(&chosen.keys[held..], chosen_id);
-        let recorded = match (&ex.served, ok) {
-            (Some(served), true) => {
-                map.record(&chosen.keys, endpoint_id(served), self.host.now_ms())
-            }
-            _ => 0,
+        let host = &self.host;
+        let answer = Answer {
+            chosen: &chosen.addr,
+            served: ex.served.as_deref(),
+            ok,
+            usage,
+            keys: &chosen.keys,
+            predicted: &chosen.predicted,
+            now_ms: &|| host.now_ms(),
         };
+        let settled = self.router.answered(host, &answer);
         let m = &mut self.metrics;
-        if withdrawn > 0 {
-            let name = "kvroute.affinity.withdrawn";
-            m.add(&self.host, MetricKind::Counter, name, withdrawn as i64);
+        if settled.eviction_seen {
+            m.count(host, "kvroute.affinity.evictions_seen");
         }
-        if recorded > 0 {
+        if settled.withdrawn > 0 {
+            let name = "kvroute.affinity.withdrawn";
+            m.add(host, MetricKind::Counter, name, settled.withdrawn as i64);
+        }
+        if settled.recorded > 0 {
             let name = "kvroute.affinity.slots_used";
-            m.add(&self.host, MetricKind::Gauge, name, recorded as i64);
+            m.add(host, MetricKind::Gauge, name, settled.recorded as i64);
         }
     }
 }
