@@ -6,7 +6,7 @@
 //! multiple of this.
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvroute::endpoints::{decode_snapshot, encode_snapshot, parse_admin_clusters, Keep};
+use kvroute::endpoints::{decode_snapshot, encode_snapshot, parse_admin_clusters, PolledClusters};
 use kvroute_harness::mesh::clusters_json;
 
 const POOL: &str = "outbound|8000||vllm.llm.svc.cluster.local";
@@ -18,14 +18,17 @@ fn bench(c: &mut Criterion) {
     let doc = clusters_json(POOL, &pool, 1999, 10);
     println!("document: {} bytes, 2,000 clusters", doc.len());
     let routed = [POOL.to_string()];
-    let keep = Keep::only(&routed, None);
+    let keep = PolledClusters::new(&routed, None);
     assert_eq!(
         parse_admin_clusters(doc.as_bytes(), keep).unwrap()[POOL].len(),
         8
     );
     let mut group = c.benchmark_group("admin_poll_2000x10");
     group.sample_size(20);
-    for (name, keep) in [("routed_cluster", keep), ("all_clusters", Keep::ALL)] {
+    for (name, keep) in [
+        ("routed_cluster", keep),
+        ("all_clusters", PolledClusters::ALL),
+    ] {
         let snapshot = parse_admin_clusters(doc.as_bytes(), keep).unwrap();
         println!(
             "keep {name}: {} hosts, published snapshot {} bytes",

@@ -17,8 +17,8 @@
 //! [--gateways N] [--workers W] [--tick-ms MS] [--endpoint-sets K] [--deals D] [--ping]`.
 
 use hashbrown::HashMap;
-use kvroute::groups::{self, FleetVolume, Shares, Tally};
-use kvroute::homes::Held;
+use kvroute::placement::homes::Homes;
+use kvroute::placement::{self, FleetVolume, Shares, Tally};
 use kvroute::policy::cache_aware::{HOLD_POLLS, WARMUP_POLLS};
 use kvroute::rendezvous::{self, endpoint_id};
 use kvroute::store::MemoryStore;
@@ -149,7 +149,7 @@ struct Worker {
     fleet: FleetVolume,
     counted: Vec<(u64, u32)>,
     shares: Shares,
-    held: Held,
+    held: Homes,
     /// `held` has taken in `shares`, computed at `shares_ms`.
     assigned: bool,
     shares_ms: u64,
@@ -168,7 +168,7 @@ impl Worker {
             fleet: FleetVolume::default(),
             counted: Vec::new(),
             shares: Shares::new(),
-            held: Held::new(HOLD_POLLS * tick_ms),
+            held: Homes::new(HOLD_POLLS * tick_ms),
             assigned: false,
             shares_ms: 0,
             phase_ms,
@@ -193,14 +193,14 @@ impl Worker {
         self.tally.sync(table, now);
         self.fleet.observe([("engines", finished)], now);
         let all = self.tally.seen();
-        let min_requests = self.fleet.min_requests(groups::own_volume(&all, now));
+        let min_requests = self.fleet.min_requests(placement::own_volume(&all, now));
         let seeing_ms = now.saturating_sub(self.phase_ms);
-        let weighted = groups::weighted(&all, now, min_requests, seeing_ms);
-        let counted = groups::steady(&self.counted, weighted);
+        let weighted = placement::weighted(&all, now, min_requests, seeing_ms);
+        let counted = placement::steady(&self.counted, weighted);
         if counted == self.counted {
             return false;
         }
-        let next = groups::shares(&counted, eps);
+        let next = placement::shares(&counted, eps);
         let changed = moved(&self.shares, &next, &counted);
         if let Some(label) = show.filter(|_| !changed.is_empty()) {
             let added: Vec<_> = counted
@@ -274,7 +274,7 @@ impl Worker {
     /// [`Worker::home`] with the homes `held` (and whether they took in the current shares).
     fn place(
         &self,
-        held: &mut Held,
+        held: &mut Homes,
         assigned: &mut bool,
         r: &Request,
         eps: &[u32],
@@ -558,7 +558,7 @@ fn main() {
     );
     // Weights are in quarters of the mean group, so the groups' traffic is 4 per group: more
     // than that is the room the band around the mean adds (rare groups weighed as the mean).
-    let traffic = groups::MEAN_WEIGHT * r.counted as u64;
+    let traffic = placement::MEAN_WEIGHT * r.counted as u64;
     println!(
         "requests per home after 25 s {:?} (busiest/idlest {:.2}); weights at the end \
          (gateway 0): {} quarters over {} groups, {:.2}x their traffic's {traffic}",

@@ -6,8 +6,8 @@
 //! A worker counts its own requests in a [`Local`] (no host call on the request path) and writes
 //! them to the shared value once per tick with one compare-and-swap, reading back what every worker
 //! wrote: it sees its own requests at once and the other workers' a tick late. Counting each
-//! request in the shared value took four shared-data calls per request (a read and a
-//! compare-and-swap as it was routed, again as it ended), each swap racing every other worker's
+//! request in the shared value would cost four shared-data calls per request (a read and a
+//! compare-and-swap as it is routed, again as it ends), each swap racing every other worker's
 //! requests for the one key.
 
 use crate::store::{self, SharedStore, Update};

@@ -56,41 +56,42 @@ pub fn completed(snapshot: &Snapshot) -> Vec<(&str, f64)> {
     out
 }
 
-/// Which clusters a poll keeps: the named ones, or every cluster when none are named.
+/// Which clusters a poll keeps: the routed ones (every cluster when none are named), and the
+/// engines' metrics cluster.
 #[derive(Debug, Clone, Copy)]
-pub struct Keep<'a> {
-    names: &'a [String],
-    also: Option<&'a str>,
+pub struct PolledClusters<'a> {
+    routed: &'a [String],
+    engines: Option<&'a str>,
 }
 
-impl<'a> Keep<'a> {
+impl<'a> PolledClusters<'a> {
     /// Every cluster (a small Envoy config, where nothing needs skipping).
-    pub const ALL: Keep<'static> = Keep {
-        names: &[],
-        also: None,
+    pub const ALL: PolledClusters<'static> = PolledClusters {
+        routed: &[],
+        engines: None,
     };
 
-    /// `names` (all clusters if empty), plus `also` (the engine metrics cluster) when set.
-    pub fn only(names: &'a [String], also: Option<&'a str>) -> Keep<'a> {
-        Keep { names, also }
+    /// `routed` (all clusters if empty), plus `engines` (the engine metrics cluster) when set.
+    pub fn new(routed: &'a [String], engines: Option<&'a str>) -> PolledClusters<'a> {
+        PolledClusters { routed, engines }
     }
 
     fn keeps(&self, cluster: &str) -> bool {
-        self.names.is_empty()
-            || self.also == Some(cluster)
-            || self.names.iter().any(|n| n == cluster)
+        self.routed.is_empty()
+            || self.engines == Some(cluster)
+            || self.routed.iter().any(|n| n == cluster)
     }
 }
 
 /// The admin path a poll asks: `/clusters?format=json`, with a `filter` (an RE2 regex on the
 /// cluster name, which Envoy's admin applies before writing the document) naming only the kept
 /// clusters. The parser filters again, for an Envoy that ignores the parameter.
-pub fn admin_clusters_path(keep: Keep) -> String {
+pub fn admin_clusters_path(keep: PolledClusters) -> String {
     let mut path = "/clusters?format=json".to_string();
-    if keep.names.is_empty() {
+    if keep.routed.is_empty() {
         return path;
     }
-    let names = keep.names.iter().map(String::as_str).chain(keep.also);
+    let names = keep.routed.iter().map(String::as_str).chain(keep.engines);
     let alternatives: Vec<String> = names.map(regex_literal).collect();
     path.push_str("&filter=");
     let regex = format!("^(?:{})$", alternatives.join("|"));
@@ -120,7 +121,7 @@ fn regex_literal(name: &str) -> String {
 /// Reads the admin `/clusters?format=json` document, keeping the hosts (those with a socket
 /// address) of the clusters `keep` names. On a mesh gateway the document lists every cluster of
 /// the mesh, thousands of hosts: the others are skipped by the parser without being built.
-pub fn parse_admin_clusters(body: &[u8], keep: Keep) -> Result<Snapshot, String> {
+pub fn parse_admin_clusters(body: &[u8], keep: PolledClusters) -> Result<Snapshot, String> {
     let mut de = serde_json::Deserializer::from_slice(body);
     let snapshot = DocumentSeed(keep)
         .deserialize(&mut de)
@@ -131,7 +132,7 @@ pub fn parse_admin_clusters(body: &[u8], keep: Keep) -> Result<Snapshot, String>
 }
 
 /// The document: only `cluster_statuses` is read.
-struct DocumentSeed<'k>(Keep<'k>);
+struct DocumentSeed<'k>(PolledClusters<'k>);
 
 impl<'de> DeserializeSeed<'de> for DocumentSeed<'_> {
     type Value = Option<Snapshot>;
@@ -159,7 +160,7 @@ impl<'de> Visitor<'de> for DocumentSeed<'_> {
 }
 
 /// The list of clusters, each kept or skipped by name.
-struct ClustersSeed<'k>(Keep<'k>);
+struct ClustersSeed<'k>(PolledClusters<'k>);
 
 impl<'de> DeserializeSeed<'de> for ClustersSeed<'_> {
     type Value = Snapshot;
@@ -185,7 +186,7 @@ impl<'de> Visitor<'de> for ClustersSeed<'_> {
 }
 
 /// One cluster: its name and, if kept, its hosts.
-struct ClusterSeed<'k>(Keep<'k>);
+struct ClusterSeed<'k>(PolledClusters<'k>);
 
 impl<'de> DeserializeSeed<'de> for ClusterSeed<'_> {
     type Value = Option<(String, Vec<Host>)>;
@@ -357,7 +358,7 @@ mod tests {
 
     #[test]
     fn admin_clusters_give_hosts_with_health_and_active_requests() {
-        let s = parse_admin_clusters(ADMIN.as_bytes(), Keep::ALL).unwrap();
+        let s = parse_admin_clusters(ADMIN.as_bytes(), PolledClusters::ALL).unwrap();
         let pool = &s["inference_pool"];
         assert_eq!(pool.len(), 4);
         assert_eq!(
@@ -378,13 +379,16 @@ mod tests {
 
     #[test]
     fn only_the_routed_clusters_and_the_engine_cluster_are_kept() {
-        let all = parse_admin_clusters(ADMIN.as_bytes(), Keep::ALL).unwrap();
+        let all = parse_admin_clusters(ADMIN.as_bytes(), PolledClusters::ALL).unwrap();
         let routed = ["inference_pool".to_string()];
-        let s = parse_admin_clusters(ADMIN.as_bytes(), Keep::only(&routed, None)).unwrap();
+        let s = parse_admin_clusters(ADMIN.as_bytes(), PolledClusters::new(&routed, None)).unwrap();
         assert_eq!(s.keys().collect::<Vec<_>>(), ["inference_pool"]);
         assert_eq!(s["inference_pool"], all["inference_pool"]);
         let other = ["elsewhere".to_string()];
-        let s = parse_admin_clusters(ADMIN.as_bytes(), Keep::only(&other, Some("kvroute_admin")));
+        let s = parse_admin_clusters(
+            ADMIN.as_bytes(),
+            PolledClusters::new(&other, Some("kvroute_admin")),
+        );
         assert_eq!(s.unwrap().keys().collect::<Vec<_>>(), ["kvroute_admin"]);
     }
 
@@ -397,21 +401,24 @@ mod tests {
           {"host_statuses":[{"address":{"socket_address":{"address":"127.0.0.1","port_value":9}},
              "stats":[{"name":"rq_active","value":3}]}],"name":"pool"}]}"#;
         let routed = ["pool".to_string()];
-        let s = parse_admin_clusters(doc.as_bytes(), Keep::only(&routed, None)).unwrap();
+        let s = parse_admin_clusters(doc.as_bytes(), PolledClusters::new(&routed, None)).unwrap();
         assert_eq!(s.len(), 1);
         assert_eq!(s["pool"][0].addr, "127.0.0.1:9");
         assert_eq!(s["pool"][0].rq_active, 3);
         assert!(
-            parse_admin_clusters(doc.as_bytes(), Keep::ALL).is_err(),
+            parse_admin_clusters(doc.as_bytes(), PolledClusters::ALL).is_err(),
             "malformed if kept"
         );
     }
 
     #[test]
     fn the_poll_asks_envoy_for_the_kept_clusters_only() {
-        assert_eq!(admin_clusters_path(Keep::ALL), "/clusters?format=json");
+        assert_eq!(
+            admin_clusters_path(PolledClusters::ALL),
+            "/clusters?format=json"
+        );
         let routed = ["outbound|8000||vllm.llm.svc.cluster.local".to_string()];
-        let path = admin_clusters_path(Keep::only(&routed, Some("pool-2")));
+        let path = admin_clusters_path(PolledClusters::new(&routed, Some("pool-2")));
         let (base, filter) = path.split_once("&filter=").unwrap();
         assert_eq!(base, "/clusters?format=json");
         assert!(filter
@@ -436,7 +443,7 @@ mod tests {
 
     #[test]
     fn engine_loads_land_on_their_hosts() {
-        let mut s = parse_admin_clusters(ADMIN.as_bytes(), Keep::ALL).unwrap();
+        let mut s = parse_admin_clusters(ADMIN.as_bytes(), PolledClusters::ALL).unwrap();
         let load = EngineLoad::default();
         let loads = EngineLoads::from_iter([("127.0.0.1:8001".to_string(), load)]);
         apply_engine_loads(&mut s, &loads);
@@ -446,7 +453,7 @@ mod tests {
 
     #[test]
     fn snapshots_round_trip_and_garbage_is_an_error() {
-        let s = parse_admin_clusters(ADMIN.as_bytes(), Keep::ALL).unwrap();
+        let s = parse_admin_clusters(ADMIN.as_bytes(), PolledClusters::ALL).unwrap();
         assert_eq!(decode_snapshot(&encode_snapshot(&s)), Some(s.clone()));
         let mut other = encode_snapshot(&s);
         other[0] = SNAPSHOT_VERSION + 1;
@@ -457,8 +464,8 @@ mod tests {
             None,
             "so is the old bare JSON"
         );
-        assert!(parse_admin_clusters(b"<html>", Keep::ALL).is_err());
-        assert!(parse_admin_clusters(b"{}", Keep::ALL).is_err());
+        assert!(parse_admin_clusters(b"<html>", PolledClusters::ALL).is_err());
+        assert!(parse_admin_clusters(b"{}", PolledClusters::ALL).is_err());
     }
 
     #[test]

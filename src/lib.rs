@@ -3,10 +3,12 @@
 //! The routing core is plain Rust that knows nothing about the host and is tested natively:
 //! [`request`] parses the OpenAI body, [`prefix`] hashes its prompt into chained chunk keys,
 //! [`affinity`] remembers which endpoints hold which prefixes, [`endpoints`], [`engine`] and
-//! [`counters`] say which endpoints exist and how loaded they are, [`policy`] picks one, and [`router`] runs that
-//! pipeline for one request. [`store`] is the one seam to the host: Envoy's shared data in the
-//! filter, a map in tests. The proxy-wasm adapter (`wasm/`) only moves bytes between Envoy and
-//! this core.
+//! [`counters`] say which endpoints exist and how loaded they are, [`policy`] picks one, and
+//! [`router`] runs that pipeline for one request. [`gateway`] is a worker's whole routing core
+//! behind one entry type (its tick, the poll's answers, each request from its headers to its
+//! end) over a small host trait: Envoy's shared data, clock, stats and HTTP calls in the filter,
+//! in-memory ones in tests. The proxy-wasm adapter (`wasm/`) only turns Envoy's callbacks into
+//! the gateway's calls.
 
 pub mod affinity;
 pub mod body_access;
@@ -17,9 +19,8 @@ pub mod engine;
 pub mod engine_index;
 pub mod eviction;
 pub mod freshness;
-pub mod groups;
-pub mod homes;
-pub mod leader;
+pub mod gateway;
+pub mod placement;
 pub mod policy;
 pub mod prefix;
 pub mod rendezvous;

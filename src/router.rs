@@ -10,7 +10,7 @@ use crate::config::Config;
 use crate::counters::{self, Table};
 use crate::endpoints::Host;
 use crate::eviction::Predicted;
-use crate::policy::{self, Candidate, Decision, Input, Policy};
+use crate::policy::{self, Answer, Candidate, Decision, Input, Needs, Policy, Settled};
 use crate::prefix::{PrefixKeys, Shape};
 use crate::request::{self, Api, ParseError};
 use crate::store::SharedStore;
@@ -89,7 +89,7 @@ impl From<ParseError> for Fallback {
 /// which Envoy's codecs check) and values as bytes, since HTTP allows bytes 0x80-0xFF in values.
 /// A method, path or length that is not text reads as absent.
 #[derive(Debug, Default, PartialEq)]
-pub struct Head<'a> {
+pub struct HeaderFields<'a> {
     pub method: &'a str,
     pub path: &'a str,
     /// `content-length`, when the client declared one.
@@ -98,22 +98,25 @@ pub struct Head<'a> {
     pub routing_header: bool,
 }
 
-impl<'a> Head<'a> {
-    pub fn read<V: AsRef<[u8]>>(headers: &'a [(String, V)], routing_header: &str) -> Head<'a> {
-        let mut head = Head::default();
+impl<'a> HeaderFields<'a> {
+    pub fn read<V: AsRef<[u8]>>(
+        headers: &'a [(String, V)],
+        routing_header: &str,
+    ) -> HeaderFields<'a> {
+        let mut fields = HeaderFields::default();
         for (name, value) in headers {
             let text = || std::str::from_utf8(value.as_ref()).ok();
             match name.as_str() {
-                ":method" => head.method = text().unwrap_or_default(),
-                ":path" => head.path = text().unwrap_or_default(),
+                ":method" => fields.method = text().unwrap_or_default(),
+                ":path" => fields.path = text().unwrap_or_default(),
                 "content-length" => {
-                    head.content_length = text().and_then(|v| v.trim().parse().ok())
+                    fields.content_length = text().and_then(|v| v.trim().parse().ok())
                 }
-                n if n.eq_ignore_ascii_case(routing_header) => head.routing_header = true,
+                n if n.eq_ignore_ascii_case(routing_header) => fields.routing_header = true,
                 _ => {}
             }
         }
-        head
+        fields
     }
 }
 
@@ -271,6 +274,16 @@ impl Router {
 }
 
 impl Router {
+    /// What the policy reads of a request beyond its body.
+    pub fn needs(&self) -> Needs {
+        self.policy.needs()
+    }
+
+    /// A routed request was answered: the policy settles what it learnt from routing it.
+    pub fn answered(&self, store: &dyn SharedStore, answer: &Answer) -> Settled {
+        self.policy.answered(store, answer)
+    }
+
     /// Periodic work (each worker's tick): the policy refreshes what it keeps from shared data and
     /// takes in the engines' finished-requests counters (address, count) from the last poll.
     /// Returns how many groups it now places by balance.
@@ -359,7 +372,7 @@ mod tests {
     }
 
     #[test]
-    fn the_head_is_read_from_byte_values() {
+    fn the_header_fields_are_read_from_byte_values() {
         let h = |n: &str, v: &[u8]| (n.to_string(), v.to_vec());
         let headers = [
             h(":method", b"POST"),
@@ -368,10 +381,10 @@ mod tests {
             h("x-note", b"caf\xe9 \xff"),
             h("X-Gateway-Destination-Endpoint", b"10.0.0.1:80\xff"),
         ];
-        let head = Head::read(&headers, "x-gateway-destination-endpoint");
+        let fields = HeaderFields::read(&headers, "x-gateway-destination-endpoint");
         assert_eq!(
-            head,
-            Head {
+            fields,
+            HeaderFields {
                 method: "POST",
                 path: "/v1/chat/completions",
                 content_length: Some(42),
@@ -380,9 +393,9 @@ mod tests {
         );
         // A path or length that is not text reads as absent: not routable, no declared length.
         let odd = [h(":path", b"/v1/\xff"), h("content-length", b"4\xff")];
-        let head = Head::read(&odd, "x-gateway-destination-endpoint");
-        assert_eq!(head, Head::default());
-        assert_eq!(routable(head.method, head.path), Err(Fallback::Method));
+        let fields = HeaderFields::read(&odd, "x-gateway-destination-endpoint");
+        assert_eq!(fields, HeaderFields::default());
+        assert_eq!(routable(fields.method, fields.path), Err(Fallback::Method));
     }
 
     fn chat(system: &str, user: &str) -> String {

@@ -17,7 +17,7 @@ use kvroute::request::{self, Api};
 use kvroute::router::{self, RequestInfo, Router};
 use kvroute::store::{MemoryStore, SharedStore};
 use kvroute::suspects::Suspects;
-use kvroute::{body_access, counters, engine, eviction, groups};
+use kvroute::{body_access, counters, engine, eviction, placement};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
 
@@ -371,18 +371,21 @@ fn shared_data_and_admin_decoders_never_panic() {
             let _ = store.set("kvroute.load", &bytes, None);
             let _ = counters::read(&store);
             let _ = counters::add(&store, 3, -1);
-            for shard in 0..groups::SHARDS {
+            for shard in 0..placement::SHARDS {
                 let _ = store.set(&format!("kvroute.groups.{shard}"), &bytes, None);
             }
-            let _ = groups::read(&store);
+            let _ = placement::read(&store);
             let _ = store.set(eviction::KEY, &bytes, None);
             let _ = eviction::read(&store);
             eviction::raise(&store, 1, key);
             let _ = Suspects::decode(&bytes);
             let _ = endpoints::decode_snapshot(&bytes);
-            let _ = endpoints::parse_admin_clusters(&bytes, endpoints::Keep::ALL);
+            let _ = endpoints::parse_admin_clusters(&bytes, endpoints::PolledClusters::ALL);
             let only = ["inference_pool".to_string()];
-            let _ = endpoints::parse_admin_clusters(&bytes, endpoints::Keep::only(&only, None));
+            let _ = endpoints::parse_admin_clusters(
+                &bytes,
+                endpoints::PolledClusters::new(&only, None),
+            );
             let _ = engine::parse(&bytes);
             let _ = body_access::body_received(&bytes, key);
             Ok(())
@@ -419,12 +422,12 @@ fn header_maps_of_any_bytes_are_read_and_the_routing_header_always_seen() {
     let value = prop::collection::vec(any::<u8>(), 0..40);
     let map = prop::collection::vec((name, value), 0..12);
     check("header maps", map, |headers| {
-        let head = router::Head::read(&headers, "x-gateway-destination-endpoint");
+        let fields = router::HeaderFields::read(&headers, "x-gateway-destination-endpoint");
         let sent = headers
             .iter()
             .any(|(n, _)| n.eq_ignore_ascii_case("x-gateway-destination-endpoint"));
-        prop_assert_eq!(head.routing_header, sent);
-        let _ = router::routable(head.method, head.path);
+        prop_assert_eq!(fields.routing_header, sent);
+        let _ = router::routable(fields.method, fields.path);
         Ok(())
     });
 }

@@ -13,7 +13,7 @@ mod istio;
 
 use common::{ask, chat_body, client, reached_since, received, served_by, system_prompt};
 use common::{warm_up, Fleet};
-use kvroute::endpoints::{admin_clusters_path, Keep};
+use kvroute::endpoints::{admin_clusters_path, PolledClusters};
 use kvroute_harness::backend::Backend;
 use kvroute_harness::{paths, Envoy, EnvoyOptions, HarnessError};
 use serde_json::{json, Value as Json};
@@ -314,7 +314,7 @@ async fn the_gateway_routes_by_prefix_through_the_istio_config() {
     fleet.wait_endpoints_known(addrs.len()).await;
     // The admin honours the poll's filter: only the Service's cluster, not prometheus_stats.
     let pool = [istio::pool_cluster(&docs)];
-    let path = admin_clusters_path(Keep::only(&pool, Some(pool[0].as_str())));
+    let path = admin_clusters_path(PolledClusters::new(&pool, Some(pool[0].as_str())));
     let url = format!("{}{path}", fleet.envoy.admin_url());
     let listed: Json = fleet
         .client

@@ -1,11 +1,18 @@
 //! Baseline: the endpoint with the fewest requests in flight, ties broken per request.
 
 use super::load::least_loaded;
-use super::{Candidate, Decision, Input, Pick, Policy};
+use super::{Candidate, Decision, Input, Needs, Pick, Policy};
 
 pub struct LeastRequest;
 
 impl Policy for LeastRequest {
+    fn needs(&self) -> Needs {
+        Needs {
+            request_id: true,
+            ..Needs::default()
+        }
+    }
+
     fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
         let index = least_loaded(candidates, input.nonce);
         Some(Pick::new(index, Decision::LeastRequest))

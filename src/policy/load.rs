@@ -7,12 +7,12 @@ use crate::rendezvous;
 /// Bounded load: an endpoint is overloaded when its engine queues requests, or when its load
 /// exceeds `rel` times the fleet's mean load plus `abs` requests.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Thresholds {
+pub struct OverloadBound {
     pub abs: u64,
     pub rel: f64,
 }
 
-impl Thresholds {
+impl OverloadBound {
     pub fn overloaded(&self, c: &Candidate, mean: f64) -> bool {
         c.queueing || c.load as f64 > self.rel * mean + self.abs as f64
     }
@@ -44,7 +44,7 @@ pub fn least_loaded(candidates: &[Candidate], key: u64) -> usize {
 pub fn first_not_overloaded(
     candidates: &[Candidate],
     order: &[usize],
-    t: &Thresholds,
+    t: &OverloadBound,
 ) -> Option<(usize, usize)> {
     let mean = mean_load(candidates);
     order
@@ -57,11 +57,11 @@ pub fn first_not_overloaded(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::testing::{candidates, thresholds};
+    use crate::policy::testing::{candidates, overload};
 
     #[test]
     fn overload_is_a_queue_or_load_above_the_bound_over_the_mean() {
-        let t = Thresholds { abs: 2, rel: 1.5 };
+        let t = OverloadBound { abs: 2, rel: 1.5 };
         let c = candidates(&[1, 1, 1, 9]);
         let mean = mean_load(&c);
         assert_eq!(mean, 3.0);
@@ -90,15 +90,12 @@ mod tests {
     fn the_first_endpoint_not_overloaded_in_order_wins() {
         let c = candidates(&[20, 0, 0, 0]);
         assert_eq!(
-            first_not_overloaded(&c, &[0, 2, 1, 3], &thresholds()),
+            first_not_overloaded(&c, &[0, 2, 1, 3], &overload()),
             Some((1, 2))
         );
-        assert_eq!(
-            first_not_overloaded(&c, &[3, 0], &thresholds()),
-            Some((0, 3))
-        );
+        assert_eq!(first_not_overloaded(&c, &[3, 0], &overload()), Some((0, 3)));
         let mut all = candidates(&[1, 1]);
         all.iter_mut().for_each(|c| c.queueing = true);
-        assert_eq!(first_not_overloaded(&all, &[0, 1], &thresholds()), None);
+        assert_eq!(first_not_overloaded(&all, &[0, 1], &overload()), None);
     }
 }

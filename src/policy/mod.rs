@@ -1,20 +1,22 @@
 //! Policies: given the candidate endpoints (healthy, with their load) and the request, pick one.
 //! One file per policy behind one trait, built once from the config; `cache_aware` is kvroute's,
-//! the rest are baselines to compare it with.
+//! made of stages ([`pipeline`]), the rest are baselines to compare it with.
 
 pub mod cache_aware;
 mod least_request;
 mod load;
+pub mod pipeline;
 mod prefix_hash;
 mod round_robin;
 mod session;
 
-pub use load::Thresholds;
+pub use load::OverloadBound;
 
 use crate::affinity::Match;
 use crate::config::{Config, PolicyKind};
 use crate::prefix::PrefixKeys;
 use crate::store::SharedStore;
+pub use cache_aware::{Answer, Settled};
 
 /// An endpoint a request may go to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,7 +41,8 @@ impl Candidate<'_> {
     }
 }
 
-/// Why an endpoint was picked. Each is a counter and a debug-header value, so names are stable.
+/// Why an endpoint was picked: the stage of `cache_aware` that decided, or the baseline that
+/// picked. Each is a counter and a debug-header value, so names are stable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
     /// Followed the prefix to an endpoint whose engine reports holding it (the engine index).
@@ -117,8 +120,23 @@ impl Pick {
     }
 }
 
+/// What a policy reads of a request beyond its body: each is a host call the other policies
+/// skip.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Needs {
+    /// The session header's value ([`Input::session`]).
+    pub session: bool,
+    /// Something unique to the request (Envoy's `x-request-id`), for [`Input::nonce`].
+    pub request_id: bool,
+}
+
 /// A way of picking endpoints.
 pub trait Policy {
+    /// What the policy reads of the request beyond its body.
+    fn needs(&self) -> Needs {
+        Needs::default()
+    }
+
     /// Picks one of `candidates` (never empty); `None` when the policy lacks what it needs (a
     /// session policy without a session).
     fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick>;
@@ -135,35 +153,44 @@ pub trait Policy {
     fn tick(&self, _store: &dyn SharedStore, _now_ms: u64, _completed: &[(&str, f64)]) -> usize {
         0
     }
+
+    /// The request was answered (see [`Answer`]): settle what [`routed`](Self::routed) taught.
+    fn answered(&self, _store: &dyn SharedStore, _answer: &Answer) -> Settled {
+        Settled::default()
+    }
 }
 
 /// The policy the config names.
 pub fn build(config: &Config) -> Box<dyn Policy> {
-    let thresholds = Thresholds {
+    let overload = OverloadBound {
         abs: config.balance_abs_threshold,
         rel: config.balance_rel_threshold,
     };
     match config.policy {
         PolicyKind::CacheAware => {
+            let index =
+                cache_aware::AffinityIndex::new(config.affinity_capacity, config.eviction_grace_ms);
             let policy = cache_aware::CacheAware::new(
                 config.affinity_capacity,
                 config.cache_threshold,
-                thresholds,
+                overload,
                 config.stats_interval_ms * cache_aware::WARMUP_POLLS,
                 config.stats_interval_ms * cache_aware::HOLD_POLLS,
             );
+            let policy = policy.with_index(Box::new(index));
             Box::new(match config.index_cluster {
-                Some(_) => policy.with_engine_index(
+                Some(_) => policy.with_engine_index(cache_aware::EngineHolders::new(
                     config.engine_index_capacity,
                     crate::freshness::max_age_ms(config.stats_interval_ms),
-                ),
+                    config.cache_threshold,
+                )),
                 None => policy,
             })
         }
         PolicyKind::RoundRobin => Box::new(round_robin::RoundRobin),
         PolicyKind::LeastRequest => Box::new(least_request::LeastRequest),
         PolicyKind::Session => Box::new(session::Session),
-        PolicyKind::PrefixHash => Box::new(prefix_hash::PrefixHash { thresholds }),
+        PolicyKind::PrefixHash => Box::new(prefix_hash::PrefixHash { overload }),
     }
 }
 
@@ -218,7 +245,7 @@ pub(crate) mod testing {
         }
     }
 
-    pub fn thresholds() -> Thresholds {
-        Thresholds { abs: 2, rel: 1.5 }
+    pub fn overload() -> OverloadBound {
+        OverloadBound { abs: 2, rel: 1.5 }
     }
 }

@@ -1,18 +1,18 @@
 //! Baseline: consistent hashing of the prompt's first chunk with bounded load: the first endpoint in
 //! the prefix's rendezvous order that is not overloaded. No memory of where prefixes went.
 
-use super::load::{first_not_overloaded, least_loaded, rendezvous_order, Thresholds};
+use super::load::{first_not_overloaded, least_loaded, rendezvous_order, OverloadBound};
 use super::{Candidate, Decision, Input, Pick, Policy};
 
 pub struct PrefixHash {
-    pub thresholds: Thresholds,
+    pub overload: OverloadBound,
 }
 
 impl Policy for PrefixHash {
     fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
         let key = input.keys.keys.first().copied().unwrap_or(input.keys.group);
         let order = rendezvous_order(candidates, key);
-        let index = first_not_overloaded(candidates, &order, &self.thresholds)
+        let index = first_not_overloaded(candidates, &order, &self.overload)
             .map_or_else(|| least_loaded(candidates, key), |(_, i)| i);
         Some(Pick::new(index, Decision::PrefixHash))
     }
@@ -21,7 +21,7 @@ impl Policy for PrefixHash {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::testing::{candidates, input, keys, thresholds};
+    use crate::policy::testing::{candidates, input, keys, overload};
     use crate::store::MemoryStore;
 
     #[test]
@@ -31,7 +31,7 @@ mod tests {
             MemoryStore::new(),
         );
         let p = PrefixHash {
-            thresholds: thresholds(),
+            overload: overload(),
         };
         let pick = |loads: &[u64]| {
             p.pick(&candidates(loads), &input(&k, &store))

@@ -1,11 +1,18 @@
 //! Baseline: sticky sessions, by rendezvous hashing of the session header's value.
 
 use super::load::rendezvous_order;
-use super::{Candidate, Decision, Input, Pick, Policy};
+use super::{Candidate, Decision, Input, Needs, Pick, Policy};
 
 pub struct Session;
 
 impl Policy for Session {
+    fn needs(&self) -> Needs {
+        Needs {
+            session: true,
+            ..Needs::default()
+        }
+    }
+
     fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
         let index = *rendezvous_order(candidates, input.session?).first()?;
         Some(Pick::new(index, Decision::Session))

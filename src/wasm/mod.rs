@@ -1,10 +1,9 @@
 //! The proxy-wasm adapter: registers kvroute's root context with Envoy. Kept thin on purpose: the
-//! contexts move bytes between Envoy and the host-agnostic core, nothing else.
+//! contexts turn Envoy's callbacks into calls of the host-agnostic [`Gateway`](crate::gateway),
+//! and carry out what it answers.
 
 mod host;
 mod http;
-mod poll;
-mod response;
 mod root;
 
 proxy_wasm::main! {{

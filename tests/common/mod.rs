@@ -331,7 +331,7 @@ pub async fn warm_up_with(fleet: &Fleet, groups: &[Vec<Value>]) {
     // client sends on a new connection may reach it. Polls run on the same ticks, so a slow
     // machine stretches both alike.
     let start = Instant::now();
-    while start.elapsed() < Duration::from_millis(kvroute::groups::FLUSH_MS) {
+    while start.elapsed() < Duration::from_millis(kvroute::placement::FLUSH_MS) {
         wait_for_fresh_poll(fleet).await;
     }
     // Then its homes hold (`HOLD_POLLS`, 4 polls) before groups leave their first rendezvous

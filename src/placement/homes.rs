@@ -1,11 +1,11 @@
 //! Homes that hold still: a group moves to the home the balanced assignment gives it only once
 //! the assignment has kept giving it that home for a while.
 //!
-//! The balanced assignment ([`groups::shares`]) is recomputed whenever a group is counted or
+//! The balanced assignment ([`shares`](super::shares)) is recomputed whenever a group is counted or
 //! dropped or a weight changes, and each time it may send a few groups elsewhere and, at the next
-//! recompute, back again: on a skewed fleet where the long tail's groups are counted one by one,
-//! the same groups swayed between two endpoints every few seconds, and every move costs a prefill
-//! of the group's prompt where it lands. Here a group keeps its home until the assignment has
+//! recompute, back again (on a skewed fleet, whose long tail's groups are counted one by one, the
+//! same few groups can sway between two endpoints every few seconds), and every move costs a
+//! prefill of the group's prompt where it lands. Here a group keeps its home until the assignment has
 //! agreed on another for `hold_ms`; a sway shorter than that moves nothing. The held homes depend
 //! on this gateway's recent assignments only (not on which requests came by), so its workers,
 //! and gateways that compute the same assignments, agree, and a restarted gateway, which holds
@@ -14,14 +14,16 @@
 
 use hashbrown::HashMap;
 
-use crate::groups::{self, Shares};
+use super::{home_of, Shares};
 use crate::rendezvous;
 
 /// A group's homes with their shares ([`Shares`]).
 type Parts = Vec<(u32, u64)>;
 
+/// The homes requests of each group go to: the balanced assignment's, once it has kept giving them
+/// for `hold_ms`.
 #[derive(Debug, Default, Clone)]
-pub struct Held {
+pub struct Homes {
     hold_ms: u64,
     /// The endpoints the homes are for: another endpoint set starts afresh.
     ids: Vec<u32>,
@@ -31,11 +33,11 @@ pub struct Held {
     pending: HashMap<u64, (Parts, u64)>,
 }
 
-impl Held {
+impl Homes {
     pub fn new(hold_ms: u64) -> Self {
-        Held {
+        Homes {
             hold_ms,
-            ..Held::default()
+            ..Homes::default()
         }
     }
 
@@ -51,7 +53,7 @@ impl Held {
 
     /// Takes in the assignment `computed` for endpoints `ids`, in force since `since_ms`: a group
     /// new to it starts from its first rendezvous choice (where it went until it was counted), and
-    /// every group takes its home once that has held ([`Held::home`]); groups no longer in it are
+    /// every group takes its home once that has held ([`Homes::home`]); groups no longer in it are
     /// forgotten. Where the endpoints changed since the last one (a host left or came back), every
     /// group takes it as it is.
     pub fn update(&mut self, ids: &[u32], computed: &Shares, since_ms: u64) {
@@ -66,7 +68,7 @@ impl Held {
             }
         }
         // Homes that have held by now move first, as a request would have moved them
-        // ([`Held::home`]): where a group goes next does not depend on whether one of its
+        // ([`Homes::home`]): where a group goes next does not depend on whether one of its
         // requests came by this worker meanwhile, so workers that take in the same assignments
         // hold the same homes.
         self.take_held(since_ms);
@@ -97,13 +99,13 @@ impl Held {
         }
     }
 
-    /// The home of `group`'s `conversation` at `now_ms` ([`groups::home_of`]), after it takes the
+    /// The home of `group`'s `conversation` at `now_ms` ([`home_of`]), after it takes the
     /// home the assignment has kept giving it for `hold_ms`.
     pub fn home(&mut self, group: u64, conversation: u64, now_ms: u64) -> Option<u32> {
         if self.has_held(group, now_ms) {
             self.take(group);
         }
-        groups::home_of(self.used.get(&group)?, conversation)
+        home_of(self.used.get(&group)?, conversation)
     }
 
     /// Whether `group`'s pending home has held at `now_ms`.
@@ -152,7 +154,7 @@ mod tests {
 
     #[test]
     fn a_group_leaves_its_first_choice_for_its_home_once_that_held() {
-        let mut h = Held::new(2000);
+        let mut h = Homes::new(2000);
         let (first, other) = first_and_other(7);
         h.update(&IDS, &shares(&[(7, other)]), 0);
         assert_eq!(
@@ -173,7 +175,7 @@ mod tests {
 
     #[test]
     fn a_sway_shorter_than_the_hold_moves_nothing() {
-        let mut h = Held::new(2000);
+        let mut h = Homes::new(2000);
         let (first, other) = first_and_other(7);
         h.update(&IDS, &shares(&[(7, first)]), 0);
         h.update(&IDS, &shares(&[(7, other)]), 1000);
@@ -190,7 +192,7 @@ mod tests {
         // Two workers take in the same assignments; only one of them routes a request of group
         // 7 in between. Where the group goes afterwards is the same at both.
         let (first, other) = first_and_other(7);
-        let (mut seen, mut unseen) = (Held::new(2000), Held::new(2000));
+        let (mut seen, mut unseen) = (Homes::new(2000), Homes::new(2000));
         for h in [&mut seen, &mut unseen] {
             h.update(&IDS, &shares(&[(7, first)]), 0);
             h.update(&IDS, &shares(&[(7, other)]), 1000);
@@ -208,17 +210,17 @@ mod tests {
 
     #[test]
     fn without_a_hold_the_assignment_is_taken_as_it_is() {
-        let mut h = Held::new(0);
+        let mut h = Homes::new(0);
         let (first, other) = first_and_other(7);
-        h.update(&IDS, &shares(&[(7, other)]), 0);
-        assert_eq!(h.home(7, 0, 0), Some(other));
-        h.update(&IDS, &shares(&[(7, first)]), 10);
-        assert_eq!(h.home(7, 0, 10), Some(first));
+        for (home, at) in [(other, 0), (first, 10)] {
+            h.update(&IDS, &shares(&[(7, home)]), at);
+            assert_eq!(h.home(7, 0, at), Some(home));
+        }
     }
 
     #[test]
     fn on_another_endpoint_set_every_group_takes_its_home_at_once() {
-        let mut h = Held::new(2000);
+        let mut h = Homes::new(2000);
         let (first, other) = first_and_other(7);
         h.update(&IDS, &shares(&[(7, first)]), 0);
         let three = [1, 2, 3];
@@ -230,7 +232,7 @@ mod tests {
 
     #[test]
     fn a_group_dropped_from_the_assignment_is_forgotten() {
-        let mut h = Held::new(2000);
+        let mut h = Homes::new(2000);
         let (first, other) = first_and_other(7);
         h.update(&IDS, &shares(&[(7, first)]), 0);
         h.update(&IDS, &shares(&[(8, 2)]), 100);

@@ -1,21 +1,20 @@
 //! One balanced assignment per gateway: of an Envoy's worker VMs, the one that leads computes the
-//! weights of the groups ([`groups::weighted`]) and publishes them in shared data; the others adopt
-//! them, so every worker sends a group to the same home. Computed by each worker at its own
-//! moments, from its own history, workers disagreed on 3-8% of requests of a skewed fleet
-//! (`placement_replay --workers 2..16` on zipf-pressure).
+//! weights of the groups ([`weighted`](super::weighted)) and publishes them in shared data; the
+//! others adopt them, so every worker sends a group to the same home. (Each worker computing them
+//! at its own moments, from its own history, would weigh a skewed fleet's groups differently.)
 //!
 //! A worker leads when nothing is published yet, when it wrote what is, or when the author has not
 //! rewritten it for [`LEAD_TTL_MS`] (its VM was reloaded or stopped). The leader rewrites it when
-//! the weights change and at least every [`groups::FLUSH_MS`]. A worker that takes over continues
+//! the weights change and at least every [`FLUSH_MS`]. A worker that takes over continues
 //! from the weights it adopted, so the homes do not move.
 
-use crate::groups;
+use super::FLUSH_MS;
 use crate::store::{self, SharedStore};
 
 /// Shared-data key of the published weights.
 pub const KEY: &str = "kvroute.groups.published";
 /// A publication its author has not rewritten for this long is orphaned: any worker takes over.
-pub const LEAD_TTL_MS: u64 = 3 * groups::FLUSH_MS;
+pub const LEAD_TTL_MS: u64 = 3 * FLUSH_MS;
 
 const VERSION: u8 = 1;
 const HEADER_LEN: usize = 8 * 4;
@@ -30,9 +29,9 @@ pub struct Published {
     /// From when the gateway places groups by the assignment (its first leader's warm-up end).
     pub warm_ms: u64,
     /// When the weights last changed: the assignment holds from then.
-    pub counted_ms: u64,
+    pub weights_ms: u64,
     /// The groups that take a place and their weights, sorted by key.
-    pub counted: Vec<(u64, u32)>,
+    pub weights: Vec<(u64, u32)>,
 }
 
 impl Published {
@@ -45,19 +44,19 @@ impl Published {
     pub fn stale(this: Option<&Published>, next: &Published) -> bool {
         this.is_none_or(|p| {
             p.author != next.author
-                || p.counted_ms != next.counted_ms
+                || p.weights_ms != next.weights_ms
                 || p.warm_ms != next.warm_ms
-                || p.counted != next.counted
-                || next.written_ms.saturating_sub(p.written_ms) >= groups::FLUSH_MS
+                || p.weights != next.weights
+                || next.written_ms.saturating_sub(p.written_ms) >= FLUSH_MS
         })
     }
 
     fn encode(&self) -> Vec<u8> {
-        let mut body = Vec::with_capacity(HEADER_LEN + self.counted.len() * GROUP_LEN);
-        for n in [self.author, self.written_ms, self.warm_ms, self.counted_ms] {
+        let mut body = Vec::with_capacity(HEADER_LEN + self.weights.len() * GROUP_LEN);
+        for n in [self.author, self.written_ms, self.warm_ms, self.weights_ms] {
             body.extend_from_slice(&n.to_le_bytes());
         }
-        for (group, weight) in &self.counted {
+        for (group, weight) in &self.weights {
             body.extend_from_slice(&group.to_le_bytes());
             body.extend_from_slice(&weight.to_le_bytes());
         }
@@ -71,7 +70,7 @@ impl Published {
             return None;
         }
         let u64_at = |at: usize| body[at..at + 8].try_into().ok().map(u64::from_le_bytes);
-        let counted = body[HEADER_LEN..]
+        let weights = body[HEADER_LEN..]
             .chunks_exact(GROUP_LEN)
             .map(|c| {
                 let group = u64::from_le_bytes(c[..8].try_into().ok()?);
@@ -83,8 +82,8 @@ impl Published {
             author: u64_at(0)?,
             written_ms: u64_at(8)?,
             warm_ms: u64_at(16)?,
-            counted_ms: u64_at(24)?,
-            counted,
+            weights_ms: u64_at(24)?,
+            weights,
         })
     }
 }
@@ -110,8 +109,8 @@ mod tests {
             author,
             written_ms,
             warm_ms: 5,
-            counted_ms: 3,
-            counted: vec![(1, 4), (u64::MAX, 256)],
+            weights_ms: 3,
+            weights: vec![(1, 4), (u64::MAX, 256)],
         }
     }
 
@@ -147,14 +146,11 @@ mod tests {
     #[test]
     fn the_leader_rewrites_on_a_change_or_once_a_flush_interval() {
         let p = published(7, 100);
-        let same_soon = published(7, 100 + groups::FLUSH_MS - 1);
+        let same_soon = published(7, 100 + FLUSH_MS - 1);
         assert!(!Published::stale(Some(&p), &same_soon));
-        assert!(Published::stale(
-            Some(&p),
-            &published(7, 100 + groups::FLUSH_MS)
-        ));
+        assert!(Published::stale(Some(&p), &published(7, 100 + FLUSH_MS)));
         let changed = Published {
-            counted: vec![(1, 8)],
+            weights: vec![(1, 8)],
             ..same_soon.clone()
         };
         assert!(Published::stale(Some(&p), &changed));

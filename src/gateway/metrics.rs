@@ -1,0 +1,268 @@
+//! kvroute's Envoy stats (`wasmcustom.kvroute.*`), with the ids of the ones a request moves
+//! resolved once, and the per-request ones counted in the worker and written on its tick.
+//!
+//! Stats of the same name are one stat across all worker VMs. A request formats no stat name
+//! and hashes none but its endpoint's address (for per-endpoint gauges, resolved when the
+//! endpoint is first seen); the decisions and the engines' reported usage cost no metric call per
+//! request: [`Metrics::flush`] writes them.
+
+use hashbrown::HashMap;
+
+use super::host::{HostApi, MetricKind};
+use crate::policy::Decision;
+use crate::router::Fallback;
+use crate::usage::{self, Usage};
+
+#[derive(Default)]
+pub struct Metrics {
+    ids: HashMap<String, u32>,
+    routed: [Option<u32>; Decision::ALL.len()],
+    fallback: [Option<u32>; Fallback::ALL.len()],
+    match_percent: Option<u32>,
+    slots_used: Option<u32>,
+    /// The in-flight gauge of each endpoint address seen.
+    inflight: HashMap<String, [u32; 1]>,
+    /// What this worker last wrote to each endpoint's in-flight gauge.
+    inflight_shown: HashMap<String, u64>,
+    /// The usage counters (prompt tokens, cached tokens) of each endpoint address seen.
+    usage: HashMap<String, [u32; 2]>,
+    /// Usage reported since the last flush.
+    unwritten: Unwritten,
+    /// Requests routed with each decision since the last flush.
+    decided: [i64; Decision::ALL.len()],
+}
+
+/// Usage reported since the last flush: responses, prompt and cached tokens, in all and of each
+/// endpoint (an endpoint's entry stays, at zero, once seen).
+#[derive(Default)]
+struct Unwritten {
+    responses: i64,
+    tokens: [i64; 2],
+    by_endpoint: HashMap<String, [i64; 2]>,
+}
+
+impl Metrics {
+    /// Defines the per-request metrics and `counters` (all at zero, so dashboards see them
+    /// before they move).
+    pub fn new<H: HostApi + ?Sized>(h: &H, counters: &[&str]) -> Metrics {
+        let mut m = Metrics::default();
+        for (i, d) in Decision::ALL.iter().enumerate() {
+            m.routed[i] = m.id(
+                h,
+                MetricKind::Counter,
+                &format!("kvroute.routed.{}", d.name()),
+            );
+        }
+        for (i, f) in Fallback::ALL.iter().enumerate() {
+            m.fallback[i] = m.id(
+                h,
+                MetricKind::Counter,
+                &format!("kvroute.fallback.{}", f.name()),
+            );
+        }
+        m.match_percent = m.id(h, MetricKind::Histogram, "kvroute.match_percent");
+        m.slots_used = m.id(h, MetricKind::Gauge, "kvroute.affinity.slots_used");
+        for name in counters {
+            m.id(h, MetricKind::Counter, name);
+        }
+        m
+    }
+
+    fn id<H: HostApi + ?Sized>(&mut self, h: &H, kind: MetricKind, name: &str) -> Option<u32> {
+        define(h, &mut self.ids, kind, name)
+    }
+
+    pub fn count<H: HostApi + ?Sized>(&mut self, h: &H, name: &str) {
+        self.add(h, MetricKind::Counter, name, 1);
+    }
+
+    pub fn add<H: HostApi + ?Sized>(&mut self, h: &H, kind: MetricKind, name: &str, delta: i64) {
+        if let Some(id) = self.id(h, kind, name) {
+            h.increment_metric(id, delta);
+        }
+    }
+
+    pub fn gauge<H: HostApi + ?Sized>(&mut self, h: &H, name: &str, value: u64) {
+        if let Some(id) = self.id(h, MetricKind::Gauge, name) {
+            h.record_metric(id, value);
+        }
+    }
+
+    /// `kvroute.routed.<decision>`: counted now, written on the next [`flush`](Self::flush).
+    pub fn routed(&mut self, decision: Decision) {
+        if let Some(i) = Decision::ALL.iter().position(|d| *d == decision) {
+            self.decided[i] += 1;
+        }
+    }
+
+    /// `kvroute.fallback.<reason>`.
+    pub fn fallback<H: HostApi + ?Sized>(&mut self, h: &H, reason: Fallback) {
+        let at = Fallback::ALL.iter().position(|f| *f == reason);
+        increment(h, at.and_then(|i| self.fallback[i]), 1);
+    }
+
+    pub fn match_percent<H: HostApi + ?Sized>(&mut self, h: &H, percent: u64) {
+        if let Some(id) = self.match_percent {
+            h.record_metric(id, percent);
+        }
+    }
+
+    pub fn slots_used<H: HostApi + ?Sized>(&mut self, h: &H, created: i64) {
+        increment(h, self.slots_used, created);
+    }
+
+    /// The gauge mirroring kvroute's in-flight count for endpoint `addr`:
+    /// `kvroute.inflight.<ip>_<port>`, written when `value` is not what this worker last wrote.
+    pub fn inflight<H: HostApi + ?Sized>(&mut self, h: &H, addr: &str, value: u64) {
+        if self.inflight_shown.get(addr) == Some(&value) {
+            return;
+        }
+        let Metrics {
+            ids,
+            inflight,
+            inflight_shown,
+            ..
+        } = self;
+        let resolved = per_endpoint(h, ids, inflight, addr, |seg| {
+            [(MetricKind::Gauge, format!("kvroute.inflight.{seg}"))]
+        });
+        if let Some([id]) = resolved {
+            if h.record_metric(id, value) {
+                inflight_shown.entry_ref(addr).insert(value);
+            }
+        }
+    }
+
+    /// Whether this worker has written endpoint `addr`'s in-flight gauge.
+    pub fn shows_inflight(&self, addr: &str) -> bool {
+        self.inflight_shown.contains_key(addr)
+    }
+
+    /// Rewrites every in-flight gauge this worker has shown whose count (`count` of its address)
+    /// moved since, also of an endpoint no longer polled whose last requests just ended.
+    pub fn refresh_inflight<H: HostApi + ?Sized>(&mut self, h: &H, count: impl Fn(&str) -> u64) {
+        let Metrics {
+            inflight,
+            inflight_shown,
+            ..
+        } = self;
+        for (addr, shown) in inflight_shown.iter_mut() {
+            let value = count(addr);
+            if *shown == value {
+                continue;
+            }
+            if let Some([id]) = inflight.get(addr.as_str()) {
+                if h.record_metric(*id, value) {
+                    *shown = value;
+                }
+            }
+        }
+    }
+
+    /// What an engine reported for one response, served by `served` when known: counted now,
+    /// written to `kvroute.usage.*` on the next [`flush`](Self::flush).
+    pub fn usage(&mut self, served: Option<&str>, u: Usage) {
+        let tokens = [u.prompt_tokens as i64, u.cached_tokens as i64];
+        let pending = &mut self.unwritten;
+        pending.responses += 1;
+        add_tokens(&mut pending.tokens, tokens);
+        if let Some(addr) = served {
+            add_tokens(pending.by_endpoint.entry_ref(addr).or_default(), tokens);
+        }
+    }
+
+    /// Writes what was counted since the last flush: the decisions (`kvroute.routed.*`), then
+    /// `kvroute.usage.{prompt,cached}_tokens`, the same per endpoint (`.<endpoint>`), and
+    /// `kvroute.usage.responses` last, so a reader that sees the responses counted sees their
+    /// tokens too.
+    pub fn flush<H: HostApi + ?Sized>(&mut self, h: &H) {
+        for (id, n) in self.routed.iter().zip(&mut self.decided) {
+            if *n != 0 {
+                increment(h, *id, std::mem::take(n));
+            }
+        }
+        if self.unwritten.responses == 0 {
+            return;
+        }
+        let Metrics {
+            ids,
+            usage,
+            unwritten,
+            ..
+        } = self;
+        for (addr, sum) in unwritten
+            .by_endpoint
+            .iter_mut()
+            .filter(|(_, s)| **s != [0; 2])
+        {
+            let resolved = per_endpoint(h, ids, usage, addr, |seg| {
+                ["prompt_tokens", "cached_tokens"]
+                    .map(|n| (MetricKind::Counter, format!("kvroute.usage.{n}.{seg}")))
+            });
+            for (id, n) in resolved.into_iter().flatten().zip(std::mem::take(sum)) {
+                increment(h, Some(id), n);
+            }
+        }
+        let [prompt, cached] = std::mem::take(&mut unwritten.tokens);
+        let responses = std::mem::take(&mut unwritten.responses);
+        self.add(
+            h,
+            MetricKind::Counter,
+            "kvroute.usage.prompt_tokens",
+            prompt,
+        );
+        self.add(
+            h,
+            MetricKind::Counter,
+            "kvroute.usage.cached_tokens",
+            cached,
+        );
+        self.add(h, MetricKind::Counter, "kvroute.usage.responses", responses);
+    }
+}
+
+fn add_tokens(sum: &mut [i64; 2], tokens: [i64; 2]) {
+    sum[0] += tokens[0];
+    sum[1] += tokens[1];
+}
+
+/// The ids of endpoint `addr`'s stats, from `cache` once they have all been defined; else defined
+/// now from their kinds and names (`names` gets the address as a stat segment).
+fn per_endpoint<H: HostApi + ?Sized, const N: usize>(
+    h: &H,
+    ids: &mut HashMap<String, u32>,
+    cache: &mut HashMap<String, [u32; N]>,
+    addr: &str,
+    names: impl FnOnce(&str) -> [(MetricKind, String); N],
+) -> Option<[u32; N]> {
+    if let Some(found) = cache.get(addr) {
+        return Some(*found);
+    }
+    let mut resolved = [0; N];
+    for (slot, (kind, name)) in resolved.iter_mut().zip(names(&usage::stat_segment(addr))) {
+        *slot = define(h, ids, kind, &name)?;
+    }
+    cache.insert(addr.to_string(), resolved);
+    Some(resolved)
+}
+
+/// The id of the stat `name`, from `ids` or defined now (and kept there).
+fn define<H: HostApi + ?Sized>(
+    h: &H,
+    ids: &mut HashMap<String, u32>,
+    kind: MetricKind,
+    name: &str,
+) -> Option<u32> {
+    if let Some(id) = ids.get(name) {
+        return Some(*id);
+    }
+    let id = h.define_metric(kind, name)?;
+    ids.insert(name.to_string(), id);
+    Some(id)
+}
+
+fn increment<H: HostApi + ?Sized>(h: &H, id: Option<u32>, delta: i64) {
+    if let Some(id) = id {
+        h.increment_metric(id, delta);
+    }
+}

@@ -1,0 +1,451 @@
+//! The gateway driven through its entry points with an in-memory host, as the adapter drives it.
+
+use super::testing::{MemoryHost, MemoryStream};
+use super::*;
+use crate::counters;
+use crate::rendezvous::endpoint_id;
+
+const POOL: [&str; 4] = [
+    "10.0.0.1:8000",
+    "10.0.0.2:8000",
+    "10.0.0.3:8000",
+    "10.0.0.4:8000",
+];
+
+fn gateway(config: &str, host: MemoryHost) -> Gateway<MemoryHost> {
+    match Gateway::configure(config.as_bytes(), host) {
+        Ok(gateway) => gateway,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// A gateway over the static pool.
+fn static_pool(extra: &str) -> Gateway<MemoryHost> {
+    let endpoints: Vec<String> = POOL.iter().map(|a| format!("\"{a}\"")).collect();
+    let config = format!(r#"{{"endpoints":[{}]{extra}}}"#, endpoints.join(","));
+    gateway(&config, MemoryHost::at(1_000_000))
+}
+
+fn chat(system: &str, user: &str) -> String {
+    format!(
+        r#"{{"model":"m","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"{user}"}}]}}"#
+    )
+}
+
+fn headers(body: &str) -> Vec<(String, Vec<u8>)> {
+    [
+        (":method", "POST"),
+        (":path", "/v1/chat/completions"),
+        ("content-length", &body.len().to_string()),
+    ]
+    .iter()
+    .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+    .collect()
+}
+
+/// Takes a request through the request side, as the adapter does: the routing header's value.
+fn send(
+    gw: &mut Gateway<MemoryHost>,
+    ex: &mut Exchange,
+    body: &str,
+    stream: &MemoryStream,
+) -> Option<String> {
+    let verdict = gw.on_request_headers(ex, &headers(body), false);
+    assert!(verdict.buffer, "{verdict:?}");
+    assert_eq!(gw.on_request_body(ex, body.len(), true), Body::Route);
+    assert_eq!(ex.body_to_route(), Some(body.len()));
+    gw.route(ex, body.as_bytes(), stream)
+}
+
+fn usage_body(prompt: u64, cached: u64) -> Vec<u8> {
+    format!(
+        r#"{{"id":"c","choices":[],"usage":{{"prompt_tokens":{prompt},"completion_tokens":1,"prompt_tokens_details":{{"cached_tokens":{cached}}}}}}}"#
+    )
+    .into_bytes()
+}
+
+/// The shared in-flight count of endpoint `addr`.
+fn inflight(gw: &Gateway<MemoryHost>, addr: &str) -> u32 {
+    counters::read(&*gw.host().store).inflight(endpoint_id(addr))
+}
+
+#[test]
+fn a_request_routed_then_served_by_another_host_after_a_retry_settles_there_and_counts_return_to_zero(
+) {
+    let mut gw = static_pool("");
+    gw.tick(100);
+    let body = chat(&"You are a helpful assistant. ".repeat(40), "hello");
+    let mut ex = Exchange::default();
+    let stream = MemoryStream::default();
+    let Some(value) = send(&mut gw, &mut ex, &body, &stream) else {
+        panic!("not routed");
+    };
+    let listed: Vec<&str> = value.split(',').collect();
+    assert_eq!(listed.len(), 2, "the chosen endpoint and one fallback");
+    let (chosen, retried) = (listed[0].to_string(), listed[1].to_string());
+    // The tick writes the worker's own count to shared data, and the decision to its stat.
+    assert_eq!(
+        inflight(&gw, &chosen),
+        0,
+        "counted in the worker until its tick"
+    );
+    gw.tick(100);
+    assert_eq!(inflight(&gw, &chosen), 1);
+    assert_eq!(gw.host().stat("kvroute.routed.home"), 1);
+    assert_eq!(
+        gw.host().stat(&format!(
+            "kvroute.inflight.{}",
+            crate::usage::stat_segment(&chosen)
+        )),
+        1
+    );
+
+    // Envoy retried on the fallback address: the answer came from there, with usage.
+    let response = MemoryStream {
+        upstream: Some(retried.clone()),
+        body: usage_body(300, 0),
+        ..MemoryStream::default()
+    };
+    assert_eq!(gw.on_response_headers(&mut ex, false, &response), None);
+    assert_eq!(gw.host().stat("kvroute.served_elsewhere"), 1);
+    assert_eq!(
+        gw.host().stat("kvroute.suspect_marked"),
+        1,
+        "the chosen one failed"
+    );
+    gw.on_response_body(&mut ex, response.body.len(), true, &response);
+    gw.on_end(&mut ex, &response);
+    gw.on_end(&mut ex, &response); // Envoy reports the end twice: settled once
+    assert_eq!(
+        response.reads.get(),
+        2,
+        "the upstream and one body end: no status, no flags"
+    );
+    assert!(
+        gw.host().stat("kvroute.affinity.withdrawn") > 0,
+        "taken back from the chosen host"
+    );
+
+    gw.tick(100);
+    let seg = crate::usage::stat_segment(&retried);
+    assert_eq!(gw.host().stat("kvroute.usage.responses"), 1);
+    assert_eq!(gw.host().stat("kvroute.usage.prompt_tokens"), 300);
+    assert_eq!(
+        gw.host()
+            .stat(&format!("kvroute.usage.prompt_tokens.{seg}")),
+        300
+    );
+    assert_eq!(inflight(&gw, &chosen), 0);
+    assert_eq!(inflight(&gw, &retried), 0);
+    assert!(
+        counters::read(&*gw.host().store).counts.is_empty(),
+        "counts back to zero"
+    );
+    let chosen_seg = crate::usage::stat_segment(&chosen);
+    assert_eq!(gw.host().stat(&format!("kvroute.inflight.{chosen_seg}")), 0);
+
+    // The next request of the group avoids the suspect it was homed on.
+    let mut next = Exchange::default();
+    let again = send(
+        &mut gw,
+        &mut next,
+        &chat(&"You are a helpful assistant. ".repeat(40), "more"),
+        &stream,
+    );
+    assert!(again.is_some_and(|v| !v.starts_with(&chosen)));
+}
+
+#[test]
+fn a_response_its_chosen_host_served_keeps_the_affinity_and_blames_nobody() {
+    let mut gw = static_pool(r#","debug_header":true"#);
+    let body = chat(&"System prompt. ".repeat(60), "question");
+    let mut ex = Exchange::default();
+    let stream = MemoryStream::default();
+    let chosen =
+        send(&mut gw, &mut ex, &body, &stream).map(|v| v.split(',').next().map(String::from));
+    let chosen = chosen.flatten().unwrap_or_default();
+    let response = MemoryStream {
+        upstream: Some(chosen.clone()),
+        body: usage_body(200, 100),
+        ..MemoryStream::default()
+    };
+    assert_eq!(
+        gw.on_response_headers(&mut ex, false, &response),
+        Some("home")
+    );
+    gw.on_response_body(&mut ex, response.body.len(), true, &response);
+    gw.on_end(&mut ex, &response);
+    gw.tick(100);
+    let h = gw.host();
+    assert_eq!(h.stat("kvroute.suspect_marked"), 0);
+    assert_eq!(h.stat("kvroute.served_elsewhere"), 0);
+    assert_eq!(h.stat("kvroute.affinity.withdrawn"), 0);
+    assert_eq!(h.stat("kvroute.usage.cached_tokens"), 100);
+    assert!(counters::read(&*h.store).counts.is_empty());
+}
+
+/// A gateway that routed one request, answered by the endpoint it chose with `status` and
+/// Envoy's `flags`, the stream's end `complete` (reached) or not.
+fn answered_by_chosen(status: u16, flags: u64, complete: bool) -> Gateway<MemoryHost> {
+    let mut gw = static_pool("");
+    let mut ex = Exchange::default();
+    let stream = MemoryStream::default();
+    let value = send(&mut gw, &mut ex, &chat("s", "q"), &stream).unwrap_or_default();
+    let chosen = value.split(',').next().unwrap_or_default().to_string();
+    let response = MemoryStream {
+        upstream: Some(chosen),
+        status: Some(status),
+        flags,
+        ..MemoryStream::default()
+    };
+    gw.on_response_headers(&mut ex, complete, &response);
+    gw.on_end(&mut ex, &response);
+    gw.tick(100);
+    assert!(counters::read(&*gw.host().store).counts.is_empty());
+    gw
+}
+
+#[test]
+fn a_5xx_from_the_chosen_host_blames_it_unless_envoy_itself_overflowed() {
+    for status in [500, 502, 503, 504] {
+        let failed = answered_by_chosen(status, 0, true);
+        assert_eq!(failed.host().stat("kvroute.suspect_marked"), 1, "{status}");
+    }
+    for status in [400, 404, 429] {
+        let clients = answered_by_chosen(status, 0, true);
+        assert_eq!(clients.host().stat("kvroute.suspect_marked"), 0, "{status}");
+    }
+    let overflow = crate::suspects::UPSTREAM_OVERFLOW_FLAG;
+    let envoys_own = answered_by_chosen(503, overflow, true);
+    assert_eq!(envoys_own.host().stat("kvroute.suspect_marked"), 0);
+}
+
+#[test]
+fn a_stream_reset_after_the_response_started_blames_the_chosen_host() {
+    let reset = 0x10; // UR: upstream reset
+    let gw = answered_by_chosen(200, reset, false);
+    assert_eq!(gw.host().stat("kvroute.suspect_marked"), 1);
+}
+
+#[test]
+fn unroutable_requests_go_on_counted_and_a_clients_routing_header_is_stripped() {
+    let mut gw = static_pool(r#","max_body_bytes":100"#);
+    let mut ex = Exchange::default();
+    let mut get = headers("x");
+    get[0].1 = b"GET".to_vec();
+    get.push((
+        "x-gateway-destination-endpoint".into(),
+        b"1.2.3.4:80".to_vec(),
+    ));
+    let verdict = gw.on_request_headers(&mut ex, &get, true);
+    assert!(verdict.strip_routing_header && !verdict.buffer);
+    assert_eq!(gw.host().stat("kvroute.fallback.method"), 1);
+    let mut big = Exchange::default();
+    assert!(gw.on_request_headers(&mut big, &headers("x"), false).buffer);
+    assert_eq!(gw.on_request_body(&mut big, 101, false), Body::Continue);
+    assert_eq!(big.body_to_route(), None);
+    assert_eq!(gw.host().stat("kvroute.fallback.body_too_large"), 1);
+}
+
+/// An admin `/clusters` answer listing the pool with each host's `rq_active`.
+fn admin_answer(rq_active: &[u64]) -> Vec<u8> {
+    let hosts: Vec<String> = POOL
+        .iter()
+        .zip(rq_active)
+        .map(|(addr, active)| {
+            let (ip, port) = addr.split_once(':').unwrap_or_default();
+            format!(
+                r#"{{"address":{{"socket_address":{{"address":"{ip}","port_value":{port}}}}},"stats":[{{"name":"rq_active","value":"{active}","type":"GAUGE"}}],"health_status":{{"eds_health_status":"HEALTHY"}}}}"#
+            )
+        })
+        .collect();
+    format!(
+        r#"{{"cluster_statuses":[{{"name":"pool","host_statuses":[{}]}}]}}"#,
+        hosts.join(",")
+    )
+    .into_bytes()
+}
+
+/// A gateway that polls the admin cluster `admin` every second.
+fn polling() -> Gateway<MemoryHost> {
+    gateway(r#"{"admin_cluster":"admin"}"#, MemoryHost::at(1_000_000))
+}
+
+/// One poll round a second after the last: tick, then answer the admin call with `rq_active`.
+fn poll_round(gw: &mut Gateway<MemoryHost>, rq_active: &[u64]) {
+    let h = gw.host();
+    h.now.set(h.now.get() + 1000);
+    gw.tick(100);
+    let calls = gw.host().take_calls();
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(calls[0].1, "admin");
+    gw.on_poll_answer(calls[0].0, Some(200), Some(admin_answer(rq_active)));
+}
+
+#[test]
+fn the_first_poll_publishes_the_hosts_and_requests_wait_for_it() {
+    let mut gw = polling();
+    let stream = MemoryStream {
+        cluster: Some("pool".into()),
+        ..MemoryStream::default()
+    };
+    let mut early = Exchange::default();
+    assert_eq!(send(&mut gw, &mut early, &chat("s", "q"), &stream), None);
+    assert_eq!(gw.host().stat("kvroute.fallback.no_cluster"), 1);
+    assert_eq!(gw.tick_period(), 100, "fast until the first snapshot");
+    poll_round(&mut gw, &[0, 0, 0, 0]);
+    assert_eq!(gw.host().stat("kvroute.stats_poll.ok"), 1);
+    assert_eq!(gw.host().stat("kvroute.endpoints_known"), 4);
+    let mut ex = Exchange::default();
+    assert!(send(&mut gw, &mut ex, &chat("s", "q"), &stream).is_some());
+    assert_eq!(
+        stream.reads.get(),
+        2,
+        "the route's cluster, once per request"
+    );
+    // Another worker of the gateway reads the snapshot on its first request.
+    let mut other = Gateway::new(crate::config::Config::default(), gw.host().sibling());
+    let mut ex = Exchange::default();
+    let stream = MemoryStream {
+        cluster: Some("pool".into()),
+        ..MemoryStream::default()
+    };
+    let static_less = send(&mut other, &mut ex, &chat("s", "q"), &stream);
+    assert!(static_less.is_some());
+}
+
+#[test]
+fn in_flight_counts_above_envoys_for_three_polls_running_are_lowered_to_it() {
+    let mut gw = polling();
+    poll_round(&mut gw, &[0, 0, 0, 0]);
+    // Five requests whose end this gateway never saw (a VM that failed with streams in flight).
+    let lost = endpoint_id(POOL[0]);
+    counters::add(&*gw.host().store, lost, 5);
+    poll_round(&mut gw, &[2, 0, 0, 0]);
+    poll_round(&mut gw, &[1, 0, 0, 0]);
+    assert_eq!(
+        gw.host().stat("kvroute.inflight_corrected"),
+        0,
+        "two polls prove nothing"
+    );
+    assert_eq!(inflight(&gw, POOL[0]), 5);
+    poll_round(&mut gw, &[2, 0, 0, 0]);
+    // The least excess over the three answers (5 - 2, 5 - 1, 5 - 2) is removed.
+    assert_eq!(gw.host().stat("kvroute.inflight_corrected"), 3);
+    assert_eq!(inflight(&gw, POOL[0]), 2);
+    let seg = crate::usage::stat_segment(POOL[0]);
+    assert_eq!(gw.host().stat(&format!("kvroute.inflight.{seg}")), 2);
+}
+
+#[test]
+fn an_excess_that_does_not_last_three_polls_is_left_alone() {
+    let mut gw = polling();
+    poll_round(&mut gw, &[0, 0, 0, 0]);
+    counters::add(&*gw.host().store, endpoint_id(POOL[1]), 1);
+    poll_round(&mut gw, &[0, 0, 0, 0]);
+    poll_round(&mut gw, &[0, 1, 0, 0]); // Envoy caught up with it
+    poll_round(&mut gw, &[0, 0, 0, 0]);
+    poll_round(&mut gw, &[0, 0, 0, 0]);
+    assert_eq!(gw.host().stat("kvroute.inflight_corrected"), 0);
+    assert_eq!(inflight(&gw, POOL[1]), 1);
+}
+
+#[test]
+fn a_poll_that_fails_or_stays_unanswered_is_counted_failed() {
+    let mut gw = polling();
+    poll_round(&mut gw, &[0, 0, 0, 0]);
+    let h = gw.host();
+    h.now.set(h.now.get() + 1000);
+    gw.tick(100);
+    let calls = gw.host().take_calls();
+    gw.on_poll_answer(calls[0].0, Some(503), None);
+    assert_eq!(gw.host().stat("kvroute.stats_poll.failed"), 1);
+    let h = gw.host();
+    h.now.set(h.now.get() + 1000);
+    gw.tick(100); // this round's call is never answered
+    let h = gw.host();
+    h.now.set(h.now.get() + 1000);
+    gw.tick(100);
+    assert_eq!(gw.host().stat("kvroute.stats_poll.failed"), 2);
+}
+
+#[test]
+fn a_tick_takes_in_other_workers_suspect_marks_and_requests_in_flight() {
+    let mut first = static_pool("");
+    let mut second = Gateway::new(first_config(), first.host().sibling());
+    let mut ex = Exchange::default();
+    let stream = MemoryStream::default();
+    let value = send(&mut first, &mut ex, &chat("s", "q"), &stream).unwrap_or_default();
+    let listed: Vec<&str> = value.split(',').collect();
+    let response = MemoryStream {
+        upstream: Some(listed[1].to_string()),
+        ..MemoryStream::default()
+    };
+    first.on_response_headers(&mut ex, false, &response);
+    first.tick(100);
+    assert_eq!(second.host().stat("kvroute.suspect_learned"), 0);
+    second.tick(100);
+    assert_eq!(second.host().stat("kvroute.suspect_learned"), 1);
+    // The second worker sees the first's request in flight on the host that served it.
+    let seg = crate::usage::stat_segment(listed[1]);
+    assert_eq!(second.host().stat(&format!("kvroute.inflight.{seg}")), 1);
+    first.on_end(&mut ex, &response);
+    first.tick(100);
+    second.tick(100);
+    assert_eq!(second.host().stat(&format!("kvroute.inflight.{seg}")), 0);
+}
+
+fn first_config() -> crate::config::Config {
+    crate::config::Config {
+        endpoints: POOL.iter().map(|a| a.to_string()).collect(),
+        ..crate::config::Config::default()
+    }
+}
+
+/// A two-turn conversation's second turn, its first question `q1` long enough to span chunks.
+fn conversation(turns: usize) -> String {
+    let system = "You answer questions about the document. ".repeat(30);
+    let q1 = "Here is the document to read first. ".repeat(60);
+    let mut messages = vec![
+        format!(r#"{{"role":"system","content":"{system}"}}"#),
+        format!(r#"{{"role":"user","content":"{q1}"}}"#),
+    ];
+    if turns > 1 {
+        messages.push(r#"{"role":"assistant","content":"an answer"}"#.into());
+        messages.push(r#"{"role":"user","content":"and then?"}"#.into());
+    }
+    format!(r#"{{"model":"m","messages":[{}]}}"#, messages.join(","))
+}
+
+#[test]
+fn an_engine_that_cached_far_less_than_predicted_raises_its_eviction_horizon() {
+    let mut gw = static_pool(r#","eviction_grace_ms":0"#);
+    assert!(gw.host().defined("kvroute.affinity.evictions_seen"));
+    let stream = MemoryStream::default();
+    let mut first = Exchange::default();
+    let value = send(&mut gw, &mut first, &conversation(1), &stream).unwrap_or_default();
+    let chosen = value.split(',').next().unwrap_or_default().to_string();
+    let served = |cached| MemoryStream {
+        upstream: Some(chosen.clone()),
+        body: usage_body(800, cached),
+        ..MemoryStream::default()
+    };
+    let end = |gw: &mut Gateway<MemoryHost>, ex: &mut Exchange, response: &MemoryStream| {
+        gw.on_response_headers(ex, false, response);
+        gw.on_response_body(ex, response.body.len(), true, response);
+        gw.on_end(ex, response);
+    };
+    end(&mut gw, &mut first, &served(0));
+    assert_eq!(
+        gw.host().stat("kvroute.affinity.evictions_seen"),
+        0,
+        "nothing predicted"
+    );
+    gw.host().now.set(gw.host().now.get() + 10);
+    let mut second = Exchange::default();
+    let value = send(&mut gw, &mut second, &conversation(2), &stream).unwrap_or_default();
+    assert!(value.starts_with(&chosen), "follows its history");
+    end(&mut gw, &mut second, &served(0));
+    assert_eq!(gw.host().stat("kvroute.affinity.evictions_seen"), 1);
+    assert_eq!(gw.host().stat("kvroute.suspect_marked"), 0);
+}

@@ -1,0 +1,143 @@
+//! kvroute's policy: every gateway sends a request's group to the same home, and a hot group
+//! overflows along the same path, without talking to the others.
+//!
+//! A request's group is its head (tools and system prompt, or first message) hashed
+//! ([`PrefixKeys::group`](crate::prefix::PrefixKeys)); its endpoints are ranked by rendezvous on
+//! that key, and its home is the first of them, or, once this gateway has been up a little while,
+//! its place in the balanced assignment of the groups it has seen ([`group_home`]), which
+//! gateways that saw the same groups compute alike (where that splits the group, the home its
+//! conversation's hash falls to). Overload is judged from the engines' own reports, the same at
+//! every gateway. The policy is stages ([`pipeline`](crate::policy::pipeline), [`stages`]):
+//!
+//! - overloaded endpoints (the engine queues, or the load exceeds `rel` × the mean + `abs`) are
+//!   filtered out;
+//! - in precise mode, the endpoints whose engines report holding the request's longest prefix,
+//!   if it covers at least `cache_threshold` of the request and the engine index is fresh
+//!   ([`engine_prefix`]; `engine`);
+//! - a prefix of the request that reaches past its head (a conversation's history) and that the
+//!   prefix index ([`prefix_index`]) says an endpoint holds, if it covers at least
+//!   `cache_threshold` of the request: its first holder in the group's order that used it within
+//!   its engine's retention ([`retention`](crate::retention)) (`affinity`);
+//! - else the group's home (`home`), or, overloaded, the next endpoint in its order (`spread`),
+//!   so a hot group grows onto a few replicas, always the same ones, and comes back home when it
+//!   drains;
+//! - every endpoint overloaded: the least loaded (`balance`).
+//!
+//! The prefix index records which endpoint served which prefix, settled by the engines' reports
+//! once each response is in ([`PrefixIndex::answered`]).
+
+mod engine_prefix;
+mod group_home;
+mod prefix_index;
+mod stages;
+#[cfg(test)]
+mod tests;
+
+pub use engine_prefix::EngineHolders;
+pub use group_home::GroupHomes;
+pub use prefix_index::{AffinityIndex, Answer, PrefixIndex, Settled, REFRESH_MS};
+
+use super::load::{least_loaded, mean_load, rendezvous_order, OverloadBound};
+use super::pipeline::{self, Filter, Scorer, Scoring};
+use super::{Candidate, Decision, Input, Pick, Policy};
+use crate::store::SharedStore;
+
+/// Poll intervals (`stats_interval_ms`) a gateway waits, seeing groups, before it places them
+/// by the balanced assignment rather than by their first rendezvous choice.
+pub const WARMUP_POLLS: u64 = 10;
+
+/// Poll intervals the balanced assignment must keep giving a group a new home before the group
+/// moves there ([`homes`](crate::placement::homes)).
+pub const HOLD_POLLS: u64 = 4;
+
+pub struct CacheAware {
+    index: Box<dyn PrefixIndex>,
+    /// What the engines hold, in precise mode.
+    engine: Option<EngineHolders>,
+    homes: GroupHomes,
+    filters: Vec<Box<dyn Filter>>,
+    scorers: Vec<Box<dyn Scorer>>,
+}
+
+impl CacheAware {
+    /// The policy over an affinity map of `capacity` slots (whose records an engine's report
+    /// may show evicted however young: [`with_index`](Self::with_index) sets another index).
+    pub fn new(
+        capacity: u32,
+        cache_threshold: f64,
+        overload: OverloadBound,
+        warmup_ms: u64,
+        hold_ms: u64,
+    ) -> Self {
+        CacheAware {
+            index: Box::new(AffinityIndex::new(capacity, 0)),
+            engine: None,
+            homes: GroupHomes::new(warmup_ms, hold_ms),
+            filters: vec![Box::new(stages::NotOverloaded(overload))],
+            scorers: vec![
+                Box::new(stages::HistoryHolder { cache_threshold }),
+                Box::new(stages::GroupHome),
+            ],
+        }
+    }
+
+    /// Precise mode: prefers, before anything this gateway remembers, the endpoints whose engines
+    /// hold the longest prefix of a request ([`EngineHolders`]).
+    pub fn with_engine_index(mut self, engine: EngineHolders) -> Self {
+        self.engine = Some(engine);
+        self.scorers
+            .insert(0, Box::new(engine_prefix::EngineHolder));
+        self
+    }
+
+    /// Uses `index` as the prefix index.
+    pub fn with_index(mut self, index: Box<dyn PrefixIndex>) -> Self {
+        self.index = index;
+        self
+    }
+}
+
+impl Policy for CacheAware {
+    fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
+        let matched = self.index.lookup(input);
+        let group = input.keys.group;
+        let mut order = rendezvous_order(candidates, group);
+        let home = self
+            .homes
+            .home(candidates, input.keys, &order, input.now_ms);
+        if let Some(at) = order.iter().position(|&i| i == home) {
+            order[..=at].rotate_right(1);
+        }
+        let engine_holders = self.engine.as_ref().and_then(|e| e.lookup(input));
+        let scoring = Scoring {
+            candidates,
+            input,
+            order: &order,
+            matched: matched.as_ref(),
+            engine_holders: engine_holders.as_deref(),
+            mean_load: mean_load(candidates),
+        };
+        let (index, decision) = pipeline::pick(&scoring, &self.filters, &self.scorers)
+            .unwrap_or_else(|| (least_loaded(candidates, group), Decision::Balance));
+        Some(Pick {
+            index,
+            decision,
+            matched,
+        })
+    }
+
+    fn routed(&self, candidates: &[Candidate], input: &Input, pick: &Pick) -> usize {
+        self.homes
+            .count(input.store, input.keys.group, input.now_ms);
+        let chosen = candidates[pick.index].id;
+        self.index.routed(input, pick.matched.as_ref(), chosen)
+    }
+
+    fn tick(&self, store: &dyn SharedStore, now_ms: u64, completed: &[(&str, f64)]) -> usize {
+        self.homes.tick(store, now_ms, completed)
+    }
+
+    fn answered(&self, store: &dyn SharedStore, answer: &Answer) -> Settled {
+        self.index.answered(store, answer)
+    }
+}

@@ -1,0 +1,162 @@
+//! The prefix index: which endpoints hold which prefixes of a request, learnt from the requests
+//! this gateway routed and settled by what their engines report. Behind a trait, so an index the
+//! engines report themselves can stand in for the affinity map.
+
+use std::cell::RefCell;
+
+use hashbrown::HashMap;
+
+use crate::affinity::{AffinityMap, Match};
+use crate::eviction::{self, Predicted};
+use crate::policy::Input;
+use crate::prefix::PrefixKeys;
+use crate::store::SharedStore;
+use crate::usage::Usage;
+
+/// A prefix record younger than this is not rewritten when a request follows it: it keeps hot
+/// prefixes' writes to a handful per second instead of one per chunk per request.
+pub const REFRESH_MS: u64 = 1000;
+
+/// How a routed request was answered, for the index to settle what it recorded.
+pub struct Answer<'a> {
+    /// The endpoint kvroute chose.
+    pub chosen: &'a str,
+    /// The host that gave the final answer, when known.
+    pub served: Option<&'a str>,
+    /// The response succeeded.
+    pub ok: bool,
+    /// What the engine reported using (successful responses only).
+    pub usage: Option<Usage>,
+    /// The request's prefix keys and what the index predicted the chosen endpoint held.
+    pub keys: &'a [u64],
+    pub predicted: &'a Predicted,
+    /// The time, read only when something is recorded (a host call).
+    pub now_ms: &'a dyn Fn() -> u64,
+}
+
+/// What settling an answer changed in the index.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Settled {
+    /// Records taken back from a chosen endpoint that did not serve the request.
+    pub withdrawn: usize,
+    /// Records written for the first time (for the host that served instead).
+    pub recorded: usize,
+    /// The engine cached clearly less than predicted: its eviction horizon rose.
+    pub eviction_seen: bool,
+}
+
+/// Where a request's prefixes are held.
+pub trait PrefixIndex {
+    /// The longest prefix of the request past its head that some endpoint holds, with the holders
+    /// that still count.
+    fn lookup(&self, input: &Input) -> Option<Match>;
+    /// The request goes to `endpoint` (its match `matched`): what it will hold. Returns the
+    /// shared-data keys written for the first time.
+    fn routed(&self, input: &Input, matched: Option<&Match>, endpoint: u32) -> usize;
+    /// The request was answered: settles what [`routed`](Self::routed) recorded.
+    fn answered(&self, store: &dyn SharedStore, answer: &Answer) -> Settled;
+}
+
+/// The affinity map ([`AffinityMap`]) with the engines' eviction horizons ([`eviction`]).
+pub struct AffinityIndex {
+    /// Shared-data slots of the affinity map.
+    capacity: u32,
+    /// How old a record must be before an engine's report may show it evicted.
+    eviction_grace_ms: u64,
+    /// Each endpoint's eviction horizon as the last request that found a match read it: the
+    /// holders its record keeps when [`PrefixIndex::routed`] rewrites it.
+    horizons: RefCell<HashMap<u32, u64>>,
+}
+
+impl AffinityIndex {
+    pub fn new(capacity: u32, eviction_grace_ms: u64) -> AffinityIndex {
+        AffinityIndex {
+            capacity,
+            eviction_grace_ms,
+            horizons: RefCell::default(),
+        }
+    }
+}
+
+impl PrefixIndex for AffinityIndex {
+    fn lookup(&self, input: &Input) -> Option<Match> {
+        let (store, keys) = (input.store, input.keys);
+        // Only a match past the head counts (the head's place is its group's home): a request
+        // without earlier turns looks nothing up, and one with them only at its history.
+        let map = AffinityMap::new(store, self.capacity);
+        let mut matched = map.longest_match(&keys.keys, keys.head_chunks)?;
+        // Holders whose engines were since found to evict what they last used by then. Read
+        // now, not on the tick: what any worker learnt counts from its next request on.
+        let horizons = eviction::read(store);
+        let stamp = matched.record.stamp_ms;
+        (matched.record.holders).retain(|&h| eviction::still_held(&horizons, h, stamp));
+        *self.horizons.borrow_mut() = horizons;
+        Some(matched)
+    }
+
+    fn routed(&self, input: &Input, matched: Option<&Match>, endpoint: u32) -> usize {
+        let (keys, now_ms) = (input.keys, input.now_ms);
+        let from = first_to_record(keys, matched, endpoint, now_ms);
+        let horizons = self.horizons.borrow();
+        AffinityMap::new(input.store, self.capacity).record_keeping(
+            &keys.keys[from..],
+            endpoint,
+            now_ms,
+            |holder, stamp| eviction::still_held(&horizons, holder, stamp),
+        )
+    }
+
+    fn answered(&self, store: &dyn SharedStore, answer: &Answer) -> Settled {
+        let now_ms = answer.now_ms;
+        let mut settled = Settled::default();
+        let keys = answer.keys;
+        if keys.is_empty() {
+            return settled;
+        }
+        let map = AffinityMap::new(store, self.capacity);
+        let chosen = crate::rendezvous::endpoint_id(answer.chosen);
+        let held = answer.predicted.held.min(keys.len());
+        if answer.ok && answer.served == Some(answer.chosen) {
+            // The engine says what it had cached: less than the map predicted is an eviction.
+            let grace = self.eviction_grace_ms;
+            let horizon =
+                (answer.usage).and_then(|u| eviction::horizon(answer.predicted, u, grace));
+            settled.eviction_seen = horizon.is_some_and(|h| eviction::raise(store, chosen, h));
+            if settled.eviction_seen {
+                // This request computed its prefix there again: the deepest key it followed
+                // counts again, with a stamp past the horizon.
+                map.record(&keys[held.saturating_sub(1)..held], chosen, now_ms());
+            }
+            return settled;
+        }
+        // The chosen host did not serve this prompt: it holds no more of it than before.
+        settled.withdrawn = map.forget(&keys[held..], chosen);
+        if let (Some(served), true) = (answer.served, answer.ok) {
+            let id = crate::rendezvous::endpoint_id(served);
+            settled.recorded = map.record(keys, id, now_ms());
+        }
+        settled
+    }
+}
+
+/// The first key a request routed to `endpoint` records: the keys past its match (new to the
+/// map), and the deepest matched one too when it is stale or lacks `endpoint`, which is what the
+/// next turn finds first. Without a match, every key past the head (the head's place is its
+/// group's home, which needs no record).
+fn first_to_record(
+    keys: &PrefixKeys,
+    matched: Option<&Match>,
+    endpoint: u32,
+    now_ms: u64,
+) -> usize {
+    match matched {
+        Some(m)
+            if m.record.holders.contains(&endpoint)
+                && now_ms.saturating_sub(m.record.stamp_ms) < REFRESH_MS =>
+        {
+            m.depth
+        }
+        Some(m) => m.depth.saturating_sub(1),
+        None => keys.tail_from,
+    }
+}
