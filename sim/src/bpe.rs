@@ -14,7 +14,7 @@ use tokenizers::normalizers::NormalizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer, TokenizerImpl};
 
-/// Vocabulary size of the trained tokenizer (before the special tokens).
+/// Largest vocabulary the trainer may reach (special tokens included; the corpus gives fewer).
 pub const VOCAB_SIZE: usize = 4096;
 
 /// Special tokens, in id order after the vocabulary (ChatML's and the vision markers).
