@@ -7,7 +7,7 @@
 //! be filled drops the stream's blocks (what it holds now is partly unknown) and keeps the
 //! stream stale for a while, so the filter falls back to its own guesses for that endpoint.
 
-use crate::chains::{Counts, Shape, Stream};
+use crate::chains::{Shape, Stream};
 use crate::holders::Holders;
 use crate::token_bytes::TokenBytes;
 use crate::wire::Batch;
@@ -205,23 +205,6 @@ impl Index {
         stale.sort_unstable();
         stale.dedup();
         stale
-    }
-
-    /// Every stream's counters, summed.
-    pub fn counts(&self) -> Counts {
-        let mut sum = Counts::default();
-        for c in self.streams.iter().map(|e| &e.stream.counts) {
-            sum.events += c.events;
-            sum.blocks_stored += c.blocks_stored;
-            sum.blocks_removed += c.blocks_removed;
-            sum.clears += c.clears;
-            sum.orphan_blocks += c.orphan_blocks;
-            sum.multimodal_blocks += c.multimodal_blocks;
-            sum.other_medium_blocks += c.other_medium_blocks;
-            sum.other_group_blocks += c.other_group_blocks;
-            sum.malformed += c.malformed;
-        }
-        sum
     }
 
     /// Heap bytes of the index, estimated.

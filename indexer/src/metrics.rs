@@ -13,7 +13,7 @@ pub fn render(shared: &Shared) -> String {
     let mut out = String::new();
     let endpoints = index.holders.endpoints();
     type Get = fn(&crate::index::StreamEntry) -> u64;
-    let per_stream: [(&str, &str, &str, Get); 14] = [
+    let per_stream: [(&str, &str, &str, Get); 15] = [
         ("events_total", "counter", "Events received", |e| {
             e.stream.counts.events
         }),
@@ -62,6 +62,9 @@ pub fn render(shared: &Shared) -> String {
             "Events whose tokens did not fit their blocks or vocabulary",
             |e| e.stream.counts.malformed,
         ),
+        ("blocks", "gauge", "Cached blocks known", |e| {
+            e.stream.blocks() as u64
+        }),
         (
             "undecodable_messages_total",
             "counter",
@@ -102,19 +105,6 @@ pub fn render(shared: &Shared) -> String {
                 get(entry)
             );
         }
-    }
-    let _ = writeln!(
-        out,
-        "# HELP kvroute_indexer_blocks Cached blocks known.\n# TYPE kvroute_indexer_blocks gauge"
-    );
-    for entry in &index.streams {
-        let endpoint = &endpoints[entry.stream.endpoint() as usize];
-        let _ = writeln!(
-            out,
-            "kvroute_indexer_blocks{{endpoint=\"{endpoint}\",stream=\"{}\"}} {}",
-            entry.url,
-            entry.stream.blocks()
-        );
     }
     let stale = index.stale_endpoints(now, shared.staleness);
     let _ = writeln!(out, "# HELP kvroute_indexer_keys_held Prefix keys the endpoint holds.\n# TYPE kvroute_indexer_keys_held gauge");

@@ -17,7 +17,18 @@ use std::collections::BTreeSet;
 const CHUNK: usize = 512;
 
 async fn fleet(replicas: usize, block_size: usize, kv_capacity_tokens: usize) -> Fleet {
+    fleet_in(replicas, block_size, kv_capacity_tokens, "map").await
+}
+
+/// A fleet publishing events in `format` ("map" or "array").
+async fn fleet_in(
+    replicas: usize,
+    block_size: usize,
+    kv_capacity_tokens: usize,
+    format: &str,
+) -> Fleet {
     let spec = FleetSpec {
+        kv_events_format: format.into(),
         replicas,
         block_size,
         kv_capacity_tokens,
@@ -157,8 +168,8 @@ async fn held_becomes(base: &str, endpoint: &str, want: &BTreeSet<u64>) -> FeedC
     }
 }
 
-async fn keys_match_the_rendered_prompt(block: usize) {
-    let fleet = fleet(2, block, 1 << 20).await;
+async fn keys_match_the_rendered_prompt(block: usize, format: &str) {
+    let fleet = fleet_in(2, block, 1 << 20, format).await;
     let idx = indexer(&engines(&fleet), CHUNK, 3600.0).await;
     let base = format!("http://{}", idx.addr);
     settle(&fleet, std::slice::from_ref(&base)).await;
@@ -188,12 +199,17 @@ async fn keys_match_the_rendered_prompt(block: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_match_the_rendered_prompt_with_16_token_blocks() {
-    keys_match_the_rendered_prompt(16).await;
+    keys_match_the_rendered_prompt(16, "map").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_match_the_rendered_prompt_in_the_older_array_format() {
+    keys_match_the_rendered_prompt(16, "array").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_match_the_rendered_prompt_with_128_token_blocks() {
-    keys_match_the_rendered_prompt(128).await;
+    keys_match_the_rendered_prompt(128, "map").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -268,4 +284,59 @@ async fn three_indexers_and_their_clients_agree() {
         "an up-to-date client gets changes, not snapshots"
     );
     assert!(running.iter().all(|r| r.shared.epoch != 0));
+}
+
+/// Answers every connection with Envoy's `/clusters?format=json` naming `hosts`.
+async fn fake_envoy_admin(cluster: &str, hosts: Vec<std::net::SocketAddr>) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let statuses: Vec<Value> = hosts
+        .iter()
+        .map(|a| json!({"address": {"socket_address": {"address": a.ip().to_string(), "port_value": a.port()}}}))
+        .collect();
+    let body =
+        json!({"cluster_statuses": [{"name": cluster, "host_statuses": statuses}]}).to_string();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let mut buf = [0u8; 4096];
+            let _ = stream.read(&mut buf).await;
+            let reply = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(reply.as_bytes()).await;
+        }
+    });
+    url
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_found_in_envoys_admin_are_indexed() {
+    let fleet = fleet(1, 16, 1 << 20).await;
+    let replica = &fleet.replicas[0];
+    let admin = fake_envoy_admin("vllm", vec![replica.addr]).await;
+    let mut config = common::config(&[], CHUNK, 3600.0);
+    config.envoy_admin = Some(admin);
+    config.cluster = Some("vllm".into());
+    config.kv_events_port = Some(replica.kv_events_addr.port());
+    let idx = kvroute_indexer::start(config).await.unwrap();
+    let base = format!("http://{}", idx.addr);
+    let deadline = Deadline::start();
+    loop {
+        let health = get_json(&format!("{base}/health")).await;
+        if health["streams"][0]["connected"] == json!(true) {
+            assert_eq!(
+                health["streams"][0]["endpoint"],
+                json!(replica.addr.to_string())
+            );
+            break;
+        }
+        deadline
+            .tick(|| format!("the engine to be found: {health}"))
+            .await;
+    }
+    settle(&fleet, std::slice::from_ref(&base)).await;
+    let bytes = covered(&fleet, 0, &chat("d"), 16).await;
+    held_becomes(&base, &replica.addr.to_string(), &keys(&bytes)).await;
 }

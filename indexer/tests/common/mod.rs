@@ -40,7 +40,19 @@ pub async fn indexer(
     chunk_size: usize,
     stale_after: f64,
 ) -> Running {
-    let config = Config {
+    let config = config(engines, chunk_size, stale_after);
+    kvroute_indexer::start(config)
+        .await
+        .expect("indexer starts")
+}
+
+/// The configuration [`indexer`] starts with.
+pub fn config(
+    engines: &[(String, String, Option<String>)],
+    chunk_size: usize,
+    stale_after: f64,
+) -> Config {
+    Config {
         listen: "127.0.0.1:0".parse().unwrap(),
         tokenizer: tokenizer_file(),
         model: "m".into(),
@@ -62,10 +74,7 @@ pub async fn indexer(
         stale_after,
         gap_hold: 3600.0,
         feed_capacity: 1 << 16,
-    };
-    kvroute_indexer::start(config)
-        .await
-        .expect("indexer starts")
+    }
 }
 
 /// One request on a fresh connection: (status, body).
