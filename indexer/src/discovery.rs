@@ -68,11 +68,13 @@ pub fn hosts(body: &[u8], cluster: &str) -> Vec<(String, String)> {
             let a = &h["address"]["socket_address"];
             let host = a["address"].as_str()?.to_owned();
             let port = a["port_value"].as_u64()?;
-            let endpoint = if host.contains(':') {
-                format!("[{host}]:{port}")
+            // An IPv6 address is bracketed, in the endpoint and in the ZeroMQ address alike.
+            let host = if host.contains(':') {
+                format!("[{host}]")
             } else {
-                format!("{host}:{port}")
+                host
             };
+            let endpoint = format!("{host}:{port}");
             Some((host, endpoint))
         })
         .collect()
@@ -124,5 +126,11 @@ mod tests {
             ]
         );
         assert!(hosts(b"not json", "vllm").is_empty());
+        let v6 = br#"{"cluster_statuses":[{"name":"vllm","host_statuses":[
+            {"address":{"socket_address":{"address":"::1","port_value":8000}}}]}]}"#;
+        assert_eq!(
+            hosts(v6, "vllm"),
+            vec![("[::1]".into(), "[::1]:8000".into())]
+        );
     }
 }
