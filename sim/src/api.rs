@@ -8,7 +8,7 @@ use crate::http::{
 use crate::metrics;
 use crate::request::{self, Endpoint, GenRequest};
 use crate::sse::{self, ChunkWriter};
-use crate::tokenizer::{piece_id, seed_of, synthetic_output};
+use crate::tokenizer::seed_of;
 use http_body_util::{Channel, Either};
 use hyper::body::{Frame, Incoming};
 use hyper::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
@@ -99,8 +99,8 @@ async fn route(api: &Arc<Api>, req: Request<Incoming>) -> Resp {
             api.replica.reset_prefix_cache();
             empty_response(StatusCode::OK)
         }
-        (Method::POST, "/v1/completions/render") => render(Endpoint::Completion, req).await,
-        (Method::POST, "/v1/chat/completions/render") => render(Endpoint::Chat, req).await,
+        (Method::POST, "/v1/completions/render") => render(api, Endpoint::Completion, req).await,
+        (Method::POST, "/v1/chat/completions/render") => render(api, Endpoint::Chat, req).await,
         (Method::POST, "/v1/completions") => generate(api, Endpoint::Completion, req).await,
         (Method::POST, "/v1/chat/completions") => generate(api, Endpoint::Chat, req).await,
         (_, p) if ROUTES.contains(&p) => method_not_allowed(),
@@ -124,7 +124,7 @@ async fn tokenize(api: &Arc<Api>, req: Request<Incoming>) -> Resp {
     } else {
         Endpoint::Completion
     };
-    match request::prompt_tokens(endpoint, &body) {
+    match request::prompt_tokens_in(&api.replica.vocab, endpoint, &body) {
         Ok((tokens, _)) => json_response(
             StatusCode::OK,
             &json!({"count": tokens.len(), "max_model_len": api.replica.spec.max_model_len,
@@ -135,12 +135,12 @@ async fn tokenize(api: &Arc<Api>, req: Request<Incoming>) -> Resp {
 }
 
 /// The `/render` routes: the prompt as the server would see it, without generating.
-async fn render(endpoint: Endpoint, req: Request<Incoming>) -> Resp {
+async fn render(api: &Arc<Api>, endpoint: Endpoint, req: Request<Incoming>) -> Resp {
     let body = match json_body(req).await {
         Ok(b) => b,
         Err(resp) => return resp,
     };
-    match request::prompt_tokens(endpoint, &body) {
+    match request::prompt_tokens_in(&api.replica.vocab, endpoint, &body) {
         Ok((tokens, text)) => json_response(
             StatusCode::OK,
             &json!({"token_ids": tokens, "num_tokens": tokens.len(), "prompt": text}),
@@ -154,7 +154,7 @@ async fn generate(api: &Arc<Api>, endpoint: Endpoint, req: Request<Incoming>) ->
         Ok(b) => b,
         Err(resp) => return resp,
     };
-    let gen = match request::parse(endpoint, &body) {
+    let gen = match request::parse_in(&api.replica.vocab, endpoint, &body) {
         Ok(g) => g,
         Err(e) => return bad_request(e),
     };
@@ -191,7 +191,10 @@ async fn generate(api: &Arc<Api>, endpoint: Endpoint, req: Request<Incoming>) ->
     } else {
         "stop"
     };
-    let pieces = synthetic_output(seed_of(&gen.prompt_tokens), output_len);
+    let (pieces, ids) = api
+        .replica
+        .vocab
+        .output(seed_of(&gen.prompt_tokens), output_len);
     let n = api.next_id.fetch_add(1, Ordering::Relaxed);
     let prefix = if endpoint == Endpoint::Chat {
         "chatcmpl"
@@ -200,9 +203,9 @@ async fn generate(api: &Arc<Api>, endpoint: Endpoint, req: Request<Incoming>) ->
     };
     let id = format!("{prefix}-sim{}-{n:x}", api.replica.id);
     if gen.stream {
-        stream(api.clone(), gen, pieces, id, finish_reason)
+        stream(api.clone(), gen, pieces, ids, id, finish_reason)
     } else {
-        complete(api, gen, pieces, id, finish_reason).await
+        complete(api, gen, pieces, ids, id, finish_reason).await
     }
 }
 
@@ -210,10 +213,10 @@ async fn complete(
     api: &Arc<Api>,
     gen: GenRequest,
     pieces: Vec<String>,
+    ids: Vec<u32>,
     id: String,
     finish_reason: &str,
 ) -> Resp {
-    let ids: Vec<u32> = pieces.iter().map(|p| piece_id(p)).collect();
     let outcome = match api
         .replica
         .generate(&gen.prompt_tokens, &ids, |_| true)
@@ -256,6 +259,7 @@ fn stream(
     api: Arc<Api>,
     gen: GenRequest,
     pieces: Vec<String>,
+    ids: Vec<u32>,
     id: String,
     finish_reason: &'static str,
 ) -> Resp {
@@ -268,7 +272,6 @@ fn stream(
         model: api.replica.spec.model.clone(),
     };
     tokio::spawn(async move {
-        let ids: Vec<u32> = pieces.iter().map(|p| piece_id(p)).collect();
         let total = ids.len();
         let mut sent = 0;
         let result = api

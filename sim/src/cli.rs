@@ -6,6 +6,7 @@ use std::path::PathBuf;
 pub const USAGE: &str = "\
 usage: kvroute-sim [--fleet FLEET.json] [--replicas N] [--base-port P] [--control-port P]
                    [--time-scale X] [--exit-on-stdin-eof]
+       kvroute-sim tokenizer --out FILE   (writes the simulator's byte-level BPE tokenizer.json)
 
 Starts N simulated vLLM replicas on 127.0.0.1, prints one JSON line with their URLs and
 KV-event endpoints, then runs until SIGTERM/SIGINT (or stdin EOF with --exit-on-stdin-eof).

@@ -1,5 +1,6 @@
 //! The control API: fleet state, per-replica cache matches for an oracle router, fault knobs.
 
+use crate::bpe::Vocab;
 use crate::engine::{Faults, Replica};
 use crate::http::{
     bad_request, json_response, method_not_allowed, not_found, parse_json_object, read_body, Resp,
@@ -75,7 +76,8 @@ fn match_prompt(fleet: &[Arc<Replica>], req: &Value) -> Resp {
     let Some(body) = req.get("body") else {
         return bad_request("'body' is required");
     };
-    let tokens = match request::prompt_tokens(endpoint, body) {
+    let vocab = fleet.first().map_or(Vocab::Hash, |r| r.vocab.clone());
+    let tokens = match request::prompt_tokens_in(&vocab, endpoint, body) {
         Ok((tokens, _)) => tokens,
         Err(e) => return bad_request(e),
     };

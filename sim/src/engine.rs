@@ -12,6 +12,7 @@
 //!   queue and decoding requests simply stop growing their block count.
 //! - The model never emits EOS early: a request generates exactly `max_tokens` tokens.
 
+use crate::bpe::Vocab;
 use crate::metrics::Histogram;
 use crate::prefix_cache::{CacheEvent, Lease, PrefixCache};
 use crate::spec::FleetSpec;
@@ -103,6 +104,8 @@ struct State {
 pub struct Replica {
     pub id: usize,
     pub spec: Arc<FleetSpec>,
+    /// How its prompts and outputs are tokenized.
+    pub vocab: Vocab,
     state: Mutex<State>,
     slots: Semaphore,
     kv_freed: Notify,
@@ -116,6 +119,16 @@ impl Replica {
         id: usize,
         spec: Arc<FleetSpec>,
         events: Option<mpsc::UnboundedSender<Vec<CacheEvent>>>,
+    ) -> Self {
+        Self::with_vocab(id, spec, events, Vocab::Hash)
+    }
+
+    /// [`Replica::new`] tokenizing with `vocab`.
+    pub fn with_vocab(
+        id: usize,
+        spec: Arc<FleetSpec>,
+        events: Option<mpsc::UnboundedSender<Vec<CacheEvent>>>,
+        vocab: Vocab,
     ) -> Self {
         let cache = PrefixCache::new(spec.block_size, spec.kv_capacity_tokens);
         Replica {
@@ -137,6 +150,7 @@ impl Replica {
                 rng: 0x9E37_79B9_7F4A_7C15 ^ (id as u64 + 1),
             }),
             spec,
+            vocab,
             kv_freed: Notify::new(),
             events,
             stopped: watch::channel(false).0,

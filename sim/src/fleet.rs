@@ -2,6 +2,7 @@
 //! control port, all on 127.0.0.1.
 
 use crate::api::{self, Api};
+use crate::bpe::Vocab;
 use crate::control;
 use crate::engine::Replica;
 use crate::http::serve;
@@ -48,6 +49,11 @@ impl Fleet {
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         let spec = Arc::new(spec);
         let format = Format::from_name(&spec.kv_events_format);
+        let vocab = match &spec.tokenizer {
+            Some(path) => Vocab::load(std::path::Path::new(path))
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?,
+            None => Vocab::Hash,
+        };
         let mut replicas = Vec::with_capacity(spec.replicas);
         for id in 0..spec.replicas {
             let port = if base_port == 0 {
@@ -69,7 +75,12 @@ impl Fleet {
                 format,
             )
             .await?;
-            let replica = Arc::new(Replica::new(id, spec.clone(), Some(events)));
+            let replica = Arc::new(Replica::with_vocab(
+                id,
+                spec.clone(),
+                Some(events),
+                vocab.clone(),
+            ));
             tokio::spawn(run_listener(Api::new(replica.clone()), listener, addr));
             replicas.push(ReplicaHandle {
                 replica,

@@ -7,6 +7,7 @@
 #![allow(clippy::result_large_err)]
 
 pub mod api;
+pub mod bpe;
 pub mod chat_template;
 pub mod cli;
 pub mod control;

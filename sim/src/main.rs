@@ -6,7 +6,11 @@ use std::io::Write;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let cli = match cli::parse(std::env::args().skip(1)) {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("tokenizer") {
+        return write_tokenizer(&args[1..]);
+    }
+    let cli = match cli::parse(args) {
         Ok(cli) => cli,
         Err(e) => {
             eprintln!("kvroute-sim: {e}\n{USAGE}");
@@ -91,5 +95,24 @@ async fn wait_for_shutdown(exit_on_stdin_eof: bool) {
         _ = tokio::signal::ctrl_c() => {}
         _ = sigterm => {}
         _ = stdin_eof => {}
+    }
+}
+
+/// `kvroute-sim tokenizer --out FILE`: writes the simulator's trained tokenizer.json.
+fn write_tokenizer(args: &[String]) -> ExitCode {
+    let out = match args {
+        [flag, path] if flag == "--out" => path,
+        [flag] if flag.starts_with("--out=") => &flag["--out=".len()..],
+        _ => {
+            eprintln!("usage: kvroute-sim tokenizer --out FILE");
+            return ExitCode::from(2);
+        }
+    };
+    match kvroute_sim::bpe::write(std::path::Path::new(out)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvroute-sim: {e}");
+            ExitCode::FAILURE
+        }
     }
 }

@@ -6,8 +6,8 @@
 //! prompt token: only the first block holds it, and the chained block hashes carry it to every
 //! later block.
 
+use crate::bpe::Vocab;
 use crate::chat_template;
-use crate::tokenizer::{tokenize, VOCAB_SIZE};
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -45,20 +45,33 @@ pub fn prompt_tokens(
     endpoint: Endpoint,
     body: &Value,
 ) -> Result<(Vec<u32>, Option<String>), String> {
+    prompt_tokens_in(&Vocab::Hash, endpoint, body)
+}
+
+/// [`prompt_tokens`] with the tokenizer `vocab`.
+pub fn prompt_tokens_in(
+    vocab: &Vocab,
+    endpoint: Endpoint,
+    body: &Value,
+) -> Result<(Vec<u32>, Option<String>), String> {
     let salt = match body.get("cache_salt") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) if !s.is_empty() => Some(s.as_str()),
         Some(_) => return Err("'cache_salt' must be a non-empty string".into()),
     };
-    let (mut tokens, text) = unsalted_tokens(endpoint, body)?;
+    let (mut tokens, text) = unsalted_tokens(vocab, endpoint, body)?;
     if let (Some(salt), Some(first)) = (salt, tokens.first_mut()) {
-        *first =
-            (xxh3_64_with_seed(salt.as_bytes(), u64::from(*first)) % u64::from(VOCAB_SIZE)) as u32;
+        *first = (xxh3_64_with_seed(salt.as_bytes(), u64::from(*first)) % u64::from(vocab.size()))
+            as u32;
     }
     Ok((tokens, text))
 }
 
-fn unsalted_tokens(endpoint: Endpoint, body: &Value) -> Result<(Vec<u32>, Option<String>), String> {
+fn unsalted_tokens(
+    vocab: &Vocab,
+    endpoint: Endpoint,
+    body: &Value,
+) -> Result<(Vec<u32>, Option<String>), String> {
     match endpoint {
         Endpoint::Chat => {
             let messages = body
@@ -77,12 +90,12 @@ fn unsalted_tokens(endpoint: Endpoint, body: &Value) -> Result<(Vec<u32>, Option
                 .and_then(Value::as_bool)
                 .unwrap_or(true);
             let text = chat_template::render(messages, tools, add_generation_prompt)?;
-            Ok((tokenize(&text), Some(text)))
+            Ok((vocab.tokenize(&text), Some(text)))
         }
         Endpoint::Completion => match body.get("prompt") {
-            Some(Value::String(text)) => Ok((tokenize(text), Some(text.clone()))),
+            Some(Value::String(text)) => Ok((vocab.tokenize(text), Some(text.clone()))),
             Some(Value::Array(items)) => match items.as_slice() {
-                [Value::String(text)] => Ok((tokenize(text), Some(text.clone()))),
+                [Value::String(text)] => Ok((vocab.tokenize(text), Some(text.clone()))),
                 [Value::Array(ids)] => Ok((token_ids(ids)?, None)),
                 ids if !ids.is_empty() && ids.iter().all(Value::is_number) => {
                     Ok((token_ids(ids)?, None))
@@ -110,7 +123,12 @@ fn token_ids(ids: &[Value]) -> Result<Vec<u32>, String> {
 
 /// A generation request (`/v1/chat/completions` or `/v1/completions`).
 pub fn parse(endpoint: Endpoint, body: &Value) -> Result<GenRequest, String> {
-    let (prompt_tokens, _) = prompt_tokens(endpoint, body)?;
+    parse_in(&Vocab::Hash, endpoint, body)
+}
+
+/// [`parse`] with the tokenizer `vocab`.
+pub fn parse_in(vocab: &Vocab, endpoint: Endpoint, body: &Value) -> Result<GenRequest, String> {
+    let (prompt_tokens, _) = prompt_tokens_in(vocab, endpoint, body)?;
     if prompt_tokens.is_empty() {
         return Err("the prompt is empty".into());
     }
@@ -147,6 +165,7 @@ pub fn parse(endpoint: Endpoint, body: &Value) -> Result<GenRequest, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tokenizer::tokenize;
     use serde_json::json;
 
     #[test]

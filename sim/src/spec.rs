@@ -38,6 +38,8 @@ pub struct FleetSpec {
     pub kv_events_topic: String,
     /// Inner event encoding: "map" (vLLM since array_like was dropped) or "array" (older vLLM).
     pub kv_events_format: String,
+    /// A `tokenizer.json` (byte-level BPE) to tokenize with; none: the hash tokenizer.
+    pub tokenizer: Option<String>,
 }
 
 impl Default for FleetSpec {
@@ -59,6 +61,7 @@ impl Default for FleetSpec {
             time_scale: 1.0,
             kv_events_topic: "kv-events".into(),
             kv_events_format: "map".into(),
+            tokenizer: None,
         }
     }
 }
@@ -114,6 +117,8 @@ mod tests {
         assert_eq!(FleetSpec::from_json("{}").unwrap(), FleetSpec::default());
         let s = FleetSpec::from_json(r#"{"replicas":2,"time_scale":0.01}"#).unwrap();
         assert_eq!((s.replicas, s.time_scale, s.block_size), (2, 0.01, 16));
+        let s = FleetSpec::from_json(r#"{"tokenizer":"t.json"}"#).unwrap();
+        assert_eq!(s.tokenizer.as_deref(), Some("t.json"));
     }
 
     #[test]

@@ -105,7 +105,7 @@ fn special_token_len(s: &str) -> Option<usize> {
 }
 
 /// A short word list for synthetic model output; each word is exactly one piece.
-const OUTPUT_WORDS: [&str; 32] = [
+pub const OUTPUT_WORDS: [&str; 32] = [
     "the", "model", "cache", "token", "block", "router", "prefix", "reply", "data", "fleet",
     "fast", "value", "query", "state", "score", "queue", "load", "node", "time", "prompt",
     "result", "answer", "is", "a", "of", "and", "to", "in", "we", "it", "on", "for",
@@ -115,10 +115,15 @@ const OUTPUT_WORDS: [&str; 32] = [
 /// the prompt. Returns the pieces; their ids are `piece_id(piece)` and their concatenation
 /// tokenises back to the same ids, so a follow-up turn that quotes the answer hits the cache.
 pub fn synthetic_output(seed: u64, n: usize) -> Vec<String> {
+    synthetic_output_from(&OUTPUT_WORDS, seed, n)
+}
+
+/// [`synthetic_output`] drawing from `words`.
+pub fn synthetic_output_from(words: &[&str], seed: u64, n: usize) -> Vec<String> {
     (0..n)
         .map(|i| {
             let h = xxh3_64(&[seed.to_le_bytes(), (i as u64).to_le_bytes()].concat());
-            let word = OUTPUT_WORDS[(h % OUTPUT_WORDS.len() as u64) as usize];
+            let word = words[(h % words.len() as u64) as usize];
             if i == 0 {
                 word.to_string()
             } else {

@@ -1,0 +1,74 @@
+//! kvroute-indexer: turns the engines' KV-cache events into kvroute's prefix keys and serves,
+//! over HTTP, which engine holds which key.
+//!
+//! The binary (`src/main.rs`) parses the command line and calls [`start`]; tests start the
+//! same thing in-process.
+
+pub mod api;
+pub mod chains;
+pub mod config;
+pub mod discovery;
+pub mod holders;
+pub mod index;
+pub mod metrics;
+pub mod state;
+pub mod subscriber;
+pub mod token_bytes;
+pub mod wire;
+
+use config::Config;
+use index::{Index, Staleness};
+use state::Shared;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use token_bytes::TokenBytes;
+
+/// A started indexer.
+pub struct Running {
+    /// Where the HTTP API listens.
+    pub addr: SocketAddr,
+    pub shared: Arc<Shared>,
+}
+
+/// Loads the tokenizer, subscribes to every engine and serves the API (on the current tokio
+/// runtime).
+pub async fn start(config: Config) -> Result<Running, String> {
+    if config.chunk_size == 0 {
+        return Err("--chunk-size must be at least 1".into());
+    }
+    let tokens = TokenBytes::load(&config.tokenizer)?;
+    let seconds = |s: f64, name: &str| {
+        Duration::try_from_secs_f64(s).map_err(|_| format!("--{name}: not a duration: {s}"))
+    };
+    let staleness = Staleness {
+        silence: seconds(config.stale_after, "stale-after")?,
+        after_gap: seconds(config.gap_hold, "gap-hold")?,
+    };
+    let index = Index::new(config.chunk_size, config.feed_capacity);
+    let shared = Arc::new(Shared::new(index, tokens, staleness));
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    for engine in &config.engines {
+        let model = engine.model.as_deref().unwrap_or(&config.model);
+        subscriber::spawn(
+            &shared,
+            &engine.endpoint,
+            model,
+            &engine.events,
+            engine.replay.as_deref(),
+            &config.topic,
+        );
+    }
+    if let Some(admin) = &config.envoy_admin {
+        tokio::spawn(discovery::run(
+            shared.clone(),
+            config.clone(),
+            admin.clone(),
+        ));
+    }
+    tokio::spawn(api::serve(listener, shared.clone()));
+    Ok(Running { addr, shared })
+}

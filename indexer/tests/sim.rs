@@ -1,0 +1,342 @@
+//! Against the simulator with its real (byte-level BPE) tokenizer, over real sockets: the keys
+//! an indexer serves for a replica are `kvroute::prefix`'s over the replica's rendered prompt
+//! bytes, for every whole chunk its stored blocks cover and nothing past them; evictions and
+//! cache resets take keys away; several indexers on one publisher agree.
+
+mod common;
+
+use common::{get_json, indexer, post_json, tokenizer_file, Deadline, FeedClient};
+use kvroute::prefix::{PrefixKeys, Shape};
+use kvroute_indexer::token_bytes::TokenBytes;
+use kvroute_sim::bpe::Vocab;
+use kvroute_sim::fleet::Fleet;
+use kvroute_sim::spec::FleetSpec;
+use serde_json::{json, Value};
+use std::collections::BTreeSet;
+
+const CHUNK: usize = 512;
+
+async fn fleet(replicas: usize, block_size: usize, kv_capacity_tokens: usize) -> Fleet {
+    fleet_in(replicas, block_size, kv_capacity_tokens, "map").await
+}
+
+/// A fleet publishing events in `format` ("map" or "array").
+async fn fleet_in(
+    replicas: usize,
+    block_size: usize,
+    kv_capacity_tokens: usize,
+    format: &str,
+) -> Fleet {
+    let spec = FleetSpec {
+        kv_events_format: format.into(),
+        replicas,
+        block_size,
+        kv_capacity_tokens,
+        model: "m".into(),
+        time_scale: 0.001,
+        tokenizer: Some(tokenizer_file().to_string_lossy().into_owned()),
+        ..FleetSpec::default()
+    };
+    Fleet::start(spec, 0, 0).await.expect("fleet starts")
+}
+
+fn engines(fleet: &Fleet) -> Vec<(String, String, Option<String>)> {
+    fleet
+        .replicas
+        .iter()
+        .map(|r| (r.addr.to_string(), r.kv_events_endpoint(), None))
+        .collect()
+}
+
+/// Waits until every stream of the indexer at `base` has taken a message (the publisher
+/// drops messages until a subscription reaches it), sending small requests meanwhile, then
+/// resets the replicas' caches and waits until the indexer holds nothing.
+async fn settle(fleet: &Fleet, bases: &[String]) {
+    let mut probe = 0;
+    for base in bases {
+        let deadline = Deadline::start();
+        loop {
+            probe += 1;
+            for r in &fleet.replicas {
+                let prompt = format!("probe {probe} {}", "word ".repeat(400));
+                let body = json!({"prompt": prompt, "max_tokens": 1});
+                post_json(&format!("{}/v1/completions", r.url()), &body).await;
+            }
+            let health = get_json(&format!("{base}/health")).await;
+            let streams = health["streams"].as_array().unwrap();
+            if streams.iter().all(|s| !s["next_seq"].is_null()) {
+                break;
+            }
+            deadline
+                .tick(|| format!("every stream to take a message: {health}"))
+                .await;
+        }
+    }
+    for r in &fleet.replicas {
+        post_json(&format!("{}/reset_prefix_cache", r.url()), &Value::Null).await;
+    }
+    for base in bases {
+        let mut client = FeedClient::default();
+        let deadline = Deadline::start();
+        loop {
+            client.poll(base).await;
+            if client.endpoints.iter().all(|e| client.held(e).is_empty()) {
+                break;
+            }
+            deadline
+                .tick(|| "the reset to empty the index".into())
+                .await;
+        }
+    }
+}
+
+/// A long chat whose text has multi-byte characters everywhere.
+fn chat(tag: &str) -> Value {
+    let system: String = (0..120)
+        .map(|i| format!("Règle {i} de {tag}: le café coûte {i}€, 漢字{i} 🙂. "))
+        .collect();
+    json!({"model": "m", "max_tokens": 5, "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": format!("Question {tag}: où est la gare?")}]})
+}
+
+/// What a replica caches for `body` after answering it: its rendered prompt and answer, as
+/// token ids and as bytes, cut to the whole blocks.
+async fn covered(fleet: &Fleet, replica: usize, body: &Value, block: usize) -> Vec<u8> {
+    let url = fleet.replicas[replica].url();
+    let reply = post_json(&format!("{url}/v1/chat/completions"), body).await;
+    let answer = reply["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let rendered = post_json(&format!("{url}/v1/chat/completions/render"), body).await;
+    let prompt = rendered["prompt"].as_str().unwrap().to_owned();
+    let mut ids: Vec<u32> = rendered["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let vocab = Vocab::load(&tokenizer_file()).unwrap();
+    ids.extend(vocab.tokenize(&answer));
+    ids.truncate(ids.len() / block * block);
+    let mut bytes = Vec::new();
+    TokenBytes::load(&tokenizer_file())
+        .unwrap()
+        .decode(&ids, &mut bytes)
+        .unwrap();
+    let text = format!("{prompt}{answer}");
+    assert!(
+        text.as_bytes().starts_with(&bytes),
+        "the blocks' bytes are the rendered prompt's"
+    );
+    assert!(bytes.len() > 4 * CHUNK && bytes.len() < text.len() + block * 4);
+    bytes
+}
+
+/// kvroute's keys for every whole chunk of `bytes`.
+fn keys(bytes: &[u8]) -> BTreeSet<u64> {
+    let shape = Shape {
+        chunk_size: CHUNK,
+        max_chunks: usize::MAX,
+        group_bytes: 4096,
+    };
+    let all = PrefixKeys::new("m", bytes, 0, false, shape).keys;
+    all[..bytes.len() / CHUNK].iter().copied().collect()
+}
+
+async fn held_becomes(base: &str, endpoint: &str, want: &BTreeSet<u64>) -> FeedClient {
+    let mut client = FeedClient::default();
+    let deadline = Deadline::start();
+    loop {
+        client.poll(base).await;
+        let held = client.held(endpoint);
+        if held == *want {
+            return client;
+        }
+        deadline
+            .tick(|| {
+                format!(
+                    "{endpoint} holds {} keys, {} expected; {} missing, {} extra",
+                    held.len(),
+                    want.len(),
+                    want.difference(&held).count(),
+                    held.difference(want).count()
+                )
+            })
+            .await;
+    }
+}
+
+async fn keys_match_the_rendered_prompt(block: usize, format: &str) {
+    let fleet = fleet_in(2, block, 1 << 20, format).await;
+    let idx = indexer(&engines(&fleet), CHUNK, 3600.0).await;
+    let base = format!("http://{}", idx.addr);
+    settle(&fleet, std::slice::from_ref(&base)).await;
+    let bytes = covered(&fleet, 0, &chat("a"), block).await;
+    let want = keys(&bytes);
+    let (a, b) = (
+        fleet.replicas[0].addr.to_string(),
+        fleet.replicas[1].addr.to_string(),
+    );
+    let client = held_becomes(&base, &a, &want).await;
+    assert!(
+        client.held(&b).is_empty(),
+        "the other replica holds nothing"
+    );
+    // A second conversation on replica 1 shows up there, and not on replica 0.
+    let other = covered(&fleet, 1, &chat("b"), block).await;
+    held_becomes(&base, &b, &keys(&other)).await;
+    held_becomes(&base, &a, &want).await;
+    let metrics = common::http(hyper::Method::GET, &format!("{base}/metrics"), "")
+        .await
+        .1;
+    assert!(
+        metrics.contains("kvroute_indexer_clears_total{"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_match_the_rendered_prompt_with_16_token_blocks() {
+    keys_match_the_rendered_prompt(16, "map").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_match_the_rendered_prompt_in_the_older_array_format() {
+    keys_match_the_rendered_prompt(16, "array").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_match_the_rendered_prompt_with_128_token_blocks() {
+    keys_match_the_rendered_prompt(128, "map").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eviction_and_reset_take_keys_away() {
+    // Room for one and a half long chats: the second evicts part of the first.
+    let fleet = fleet(1, 16, 7000).await;
+    let idx = indexer(&engines(&fleet), CHUNK, 3600.0).await;
+    let base = format!("http://{}", idx.addr);
+    settle(&fleet, std::slice::from_ref(&base)).await;
+    let endpoint = fleet.replicas[0].addr.to_string();
+    let first = keys(&covered(&fleet, 0, &chat("a"), 16).await);
+    held_becomes(&base, &endpoint, &first).await;
+    let second = keys(&covered(&fleet, 0, &chat("b"), 16).await);
+    let mut client = FeedClient::default();
+    let deadline = Deadline::start();
+    loop {
+        client.poll(&base).await;
+        if second.is_subset(&client.held(&endpoint)) {
+            break;
+        }
+        deadline.tick(|| "the second chat's keys".into()).await;
+    }
+    let held = client.held(&endpoint);
+    let union: BTreeSet<u64> = first.union(&second).copied().collect();
+    assert!(held.is_subset(&union), "nothing but the two chats' keys");
+    assert!(
+        !first.is_subset(&held),
+        "the second chat evicted some of the first"
+    );
+    let metrics = common::http(hyper::Method::GET, &format!("{base}/metrics"), "")
+        .await
+        .1;
+    let removed: u64 = metrics
+        .lines()
+        .find(|l| l.starts_with("kvroute_indexer_blocks_removed_total{"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap();
+    assert!(removed > 0);
+    post_json(
+        &format!("{}/reset_prefix_cache", fleet.replicas[0].url()),
+        &Value::Null,
+    )
+    .await;
+    held_becomes(&base, &endpoint, &BTreeSet::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_indexers_and_their_clients_agree() {
+    let fleet = fleet(2, 16, 1 << 20).await;
+    let mut bases = Vec::new();
+    let mut running = Vec::new();
+    for _ in 0..3 {
+        let idx = indexer(&engines(&fleet), CHUNK, 3600.0).await;
+        bases.push(format!("http://{}", idx.addr));
+        running.push(idx);
+    }
+    settle(&fleet, &bases).await;
+    let want = keys(&covered(&fleet, 1, &chat("c"), 16).await);
+    let endpoint = fleet.replicas[1].addr.to_string();
+    let mut early = Vec::new();
+    for base in &bases {
+        early.push(held_becomes(base, &endpoint, &want).await);
+    }
+    // Two clients of one indexer, one polling since its version and one new: the same.
+    let mut late = FeedClient::default();
+    late.poll(&bases[0]).await;
+    early[0].poll(&bases[0]).await;
+    assert_eq!(late.held(&endpoint), early[0].held(&endpoint));
+    assert_eq!(late.fulls, 1);
+    assert_eq!(
+        early[0].fulls, 1,
+        "an up-to-date client gets changes, not snapshots"
+    );
+    assert!(running.iter().all(|r| r.shared.epoch != 0));
+}
+
+/// Answers every connection with Envoy's `/clusters?format=json` naming `hosts`.
+async fn fake_envoy_admin(cluster: &str, hosts: Vec<std::net::SocketAddr>) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let statuses: Vec<Value> = hosts
+        .iter()
+        .map(|a| json!({"address": {"socket_address": {"address": a.ip().to_string(), "port_value": a.port()}}}))
+        .collect();
+    let body =
+        json!({"cluster_statuses": [{"name": cluster, "host_statuses": statuses}]}).to_string();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let mut buf = [0u8; 4096];
+            let _ = stream.read(&mut buf).await;
+            let reply = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(reply.as_bytes()).await;
+        }
+    });
+    url
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_found_in_envoys_admin_are_indexed() {
+    let fleet = fleet(1, 16, 1 << 20).await;
+    let replica = &fleet.replicas[0];
+    let admin = fake_envoy_admin("vllm", vec![replica.addr]).await;
+    let mut config = common::config(&[], CHUNK, 3600.0);
+    config.envoy_admin = Some(admin);
+    config.cluster = Some("vllm".into());
+    config.kv_events_port = Some(replica.kv_events_addr.port());
+    let idx = kvroute_indexer::start(config).await.unwrap();
+    let base = format!("http://{}", idx.addr);
+    let deadline = Deadline::start();
+    loop {
+        let health = get_json(&format!("{base}/health")).await;
+        if health["streams"][0]["connected"] == json!(true) {
+            assert_eq!(
+                health["streams"][0]["endpoint"],
+                json!(replica.addr.to_string())
+            );
+            break;
+        }
+        deadline
+            .tick(|| format!("the engine to be found: {health}"))
+            .await;
+    }
+    settle(&fleet, std::slice::from_ref(&base)).await;
+    let bytes = covered(&fleet, 0, &chat("d"), 16).await;
+    held_becomes(&base, &replica.addr.to_string(), &keys(&bytes)).await;
+}
