@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use serde_json::{Map, Value};
 
 use crate::request::ToolsAt;
+use crate::template::Templates;
 
 /// Which policy picks the endpoint. `CacheAware` is kvroute's; the others are baselines to compare.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,6 +83,10 @@ pub struct Config {
     /// evicted; a younger prefix may still be prefilling (`eviction_grace_ms`). Set it above the
     /// fleet's p99 time to first token.
     pub eviction_grace_ms: u64,
+    /// The served models' chat templates, compiled (`chat_template`: every model's; `models`:
+    /// each model's own). A chat request whose model has one is keyed over the prompt that
+    /// template renders; any other as `tools_position` says.
+    pub templates: Templates,
 }
 
 impl Default for Config {
@@ -109,6 +114,7 @@ impl Default for Config {
             unsafe_trap_path_for_tests: None,
             tools_position: ToolsAt::default(),
             eviction_grace_ms: 5000,
+            templates: Templates::default(),
         }
     }
 }
@@ -217,6 +223,8 @@ impl Config {
                             err(f, format!("unknown {name:?}; one of {}", names.join(", ")))
                         })?;
                 }
+                "chat_template" => c.templates.set_default(v).map_err(|e| err(f, e))?,
+                "models" => c.templates.set_models(v).map_err(|e| err(f, e))?,
                 _ => return Err(err(f, "unknown field")),
             }
         }
@@ -357,6 +365,15 @@ mod tests {
         assert_eq!(c.engine_metrics_path, "/m");
         assert!(c.debug_header);
         assert_eq!(c.tools_position, ToolsAt::BeforeLastUser);
+        let t = Config::parse(
+            br#"{"chat_template":"{{ messages[0].content }}",
+                "models":{"qwen":{"chat_template":"{{ bos_token }}","bos_token":"<s>","model_max_length":8}}}"#,
+        )
+        .unwrap();
+        assert!(
+            t.templates.for_model("qwen").is_some() && t.templates.for_model("other").is_some()
+        );
+        assert_ne!(t, Config::default());
     }
 
     #[test]
@@ -376,6 +393,10 @@ mod tests {
             (r#"{"affinity_capacity":0}"#, "affinity_capacity"),
             (r#"{"tools_position":"first"}"#, "tools_position"),
             (r#"{"tools_position":1}"#, "tools_position"),
+            (r#"{"chat_template":"{% if %}"}"#, "chat_template"),
+            (r#"{"chat_template":{"bos_token":"<s>"}}"#, "chat_template"),
+            (r#"{"models":{"m":"{{ x"}}"#, "models"),
+            (r#"{"models":["m"]}"#, "models"),
             (
                 r#"{"engine_metrics_path":"metrics"}"#,
                 "engine_metrics_path",

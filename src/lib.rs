@@ -27,6 +27,7 @@ pub mod retention;
 pub mod router;
 pub mod store;
 pub mod suspects;
+pub mod template;
 pub mod usage;
 
 #[cfg(all(target_arch = "wasm32", feature = "filter", not(test)))]

@@ -221,6 +221,11 @@ impl Root {
             s.refresh_snapshot();
             s.flush_inflight();
             s.metrics.flush();
+            for (name, n) in s.router.config.templates.take_counts() {
+                if n > 0 {
+                    s.metrics.add(MetricType::Counter, name, n as i64);
+                }
+            }
             let version = s.snapshot_cas;
             s.snapshot_age.observe(version, mono);
             s.refresh_suspects(now);
@@ -341,6 +346,9 @@ impl RootContext for Root {
         metrics.define_counter("kvroute.engine_poll.stale");
         for name in super::response::COUNTERS {
             metrics.define_counter(name);
+        }
+        for outcome in crate::template::Outcome::ALL {
+            metrics.define_counter(outcome.counter());
         }
         self.shared = Some(Rc::new(RefCell::new(Shared {
             router: Router::new(config),
