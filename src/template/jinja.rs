@@ -28,6 +28,15 @@ pub fn environment(source: String) -> Result<Environment<'static>, Error> {
         out.write_str(&text).map_err(Error::from)
     });
     env.add_filter("tojson", tojson);
+    // Jinja2's `trim` strips Python's `str()` of any value (a list prints as its repr).
+    env.add_filter("trim", |v: Value, chars: Option<String>| {
+        let mut text = String::new();
+        pyjson::py_str(&mut text, &v);
+        match chars {
+            Some(chars) => text.trim_matches(|c| chars.contains(c)).to_string(),
+            None => text.trim().to_string(),
+        }
+    });
     env.add_filter("string", |v: Value| {
         let mut text = String::new();
         pyjson::py_str(&mut text, &v);

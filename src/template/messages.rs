@@ -216,7 +216,7 @@ fn tool_call(call: &Value) -> Value {
 }
 
 /// `map` with `key`'s value replaced (or added at the end), in the map's order.
-fn replace(map: &Value, key: &str, value: Value) -> Value {
+pub(crate) fn replace(map: &Value, key: &str, value: Value) -> Value {
     let mut entries: Vec<(Value, Value)> = Vec::new();
     let mut found = false;
     for k in map.try_iter().into_iter().flatten() {
@@ -299,15 +299,20 @@ pub fn prepare(message: &Value, format: ContentFormat) -> Result<Value, Refused>
         out.push(("task", task));
     }
     if role_str == "developer" {
-        let tools = get(message, "tools");
-        out.push((
-            "tools",
-            if tools.is_undefined() {
-                Value::from(())
-            } else {
-                tools
-            },
-        ));
+        out.push(("tools", get(message, "tools")));
+    }
+    // transformers drops the keys whose value is None, then names the reasoning under all the
+    // keys templates read it from: `thinking` first, `reasoning_content` after the rest.
+    out.retain(|(_, v)| present(v));
+    if let Some(r) = out
+        .iter()
+        .find(|(k, _)| *k == "reasoning")
+        .map(|(_, v)| v.clone())
+    {
+        out.insert(0, ("thinking", r.clone()));
+        if let Some(slot) = out.iter_mut().find(|(k, _)| *k == "reasoning_content") {
+            slot.1 = r;
+        }
     }
     Ok(Value::from_iter(out))
 }

@@ -32,9 +32,22 @@ use crate::request::{self, Api, ParseError, Prompt, ToolsAt};
 pub use messages::ContentFormat;
 pub use prompt::RenderError;
 
+/// The named special tokens transformers gives a template (its `special_tokens_map`).
+const SPECIAL_TOKENS: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
 /// One model's compiled chat template and the values its tokenizer config gives it.
 pub struct Template {
     env: Environment<'static>,
+    /// Whether the source names `content` (transformers' condition for continuing a message).
+    names_content: bool,
     format: ContentFormat,
     /// `bos_token`, `eos_token`, ...: what transformers passes a template from the tokenizer.
     tokens: Vec<(String, Value)>,
@@ -63,19 +76,14 @@ impl Template {
                     _ => return Err("needs a `chat_template` string".into()),
                 };
                 let mut tokens = Vec::new();
-                for (key, value) in map {
-                    let token = match value {
-                        Json::String(s) => Some(Value::from(s.as_str())),
-                        Json::Object(t) => t.get("content").and_then(Json::as_str).map(Value::from),
-                        Json::Array(list) if key == "additional_special_tokens" => {
-                            Some(Value::from_serialize(list))
-                        }
+                for key in SPECIAL_TOKENS {
+                    let token = match map.get(key) {
+                        Some(Json::String(s)) => Some(s.as_str()),
+                        Some(Json::Object(t)) => t.get("content").and_then(Json::as_str),
                         _ => None,
                     };
-                    if key.ends_with("_token") || key == "additional_special_tokens" {
-                        if let Some(token) = token {
-                            tokens.push((key.clone(), token));
-                        }
+                    if let Some(token) = token {
+                        tokens.push((key.to_string(), Value::from(token)));
                     }
                 }
                 (source, tokens)
@@ -84,9 +92,11 @@ impl Template {
         };
         let id = xxh3_64(format!("{source}\u{0}{tokens:?}").as_bytes());
         let format = ContentFormat::detect(&source);
+        let names_content = source.contains("content");
         let env = jinja::environment(source).map_err(|e| format!("does not compile: {e}"))?;
         Ok(Template {
             env,
+            names_content,
             format,
             tokens,
             id,

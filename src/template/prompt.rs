@@ -125,10 +125,11 @@ pub fn render(templates: &Templates, body: &[u8]) -> Result<Prompt, RenderError>
         documents: req.documents.unwrap_or_default_none(),
         kwargs,
     };
-    let mut text = template.render_messages(&messages, &vars, add_generation_prompt)?;
-    if continue_final {
-        text = continue_final_message(text, messages.last())?;
-    }
+    let text = if continue_final {
+        continue_final_message(template, &messages, &vars)?
+    } else {
+        template.render_messages(&messages, &vars, add_generation_prompt)?
+    };
     let (head, head_messages) = head(template, &messages, &vars, &text)?;
     let opener = messages
         .get(head_messages)
@@ -225,36 +226,60 @@ fn opener(text: &str, head: usize, m: &Value) -> Option<std::ops::Range<usize>> 
     Some(at..at + needle.len())
 }
 
-/// transformers' `continue_final_message`: the prompt ends where the last message's text does
-/// (its trailing whitespace too, if the template kept it).
-fn continue_final_message(text: String, last: Option<&Value>) -> Result<String, RenderError> {
+/// What transformers appends to the final message's text to find where it ends.
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+/// transformers' `continue_final_message`: the final message's text (its content, or the last
+/// text part) is rendered with a tag after it, and the prompt ends where the tag starts (and
+/// without the whitespace before it, if the template trimmed the tag's space).
+fn continue_final_message(
+    template: &Template,
+    messages: &[Value],
+    vars: &Vars,
+) -> Result<String, RenderError> {
     let refuse = || RenderError::Refused("continue_final_message without a final text");
-    let content = last
-        .and_then(|m| m.get_attr("content").ok())
-        .ok_or_else(refuse)?;
-    let final_text: String = match content.kind() {
-        ValueKind::String => content.as_str().unwrap_or_default().to_string(),
+    let (last, earlier) = messages.split_last().ok_or_else(refuse)?;
+    if !template.names_content {
+        return Err(refuse());
+    }
+    let content = last.get_attr("content").map_err(|_| refuse())?;
+    let (final_text, tagged) = match content.kind() {
+        ValueKind::String => {
+            let text = content.as_str().unwrap_or_default().to_string();
+            let tagged = Value::from(format!("{text}{CONTINUE_TAG}"));
+            (text, tagged)
+        }
         ValueKind::Seq => {
-            let parts: Vec<Value> = content.try_iter().map_err(|_| refuse())?.collect();
-            parts
+            let mut parts: Vec<Value> = content.try_iter().map_err(|_| refuse())?.collect();
+            let i = parts
                 .iter()
-                .rev()
-                .find_map(|p| p.get_attr("text").ok().filter(|t| !t.is_undefined()))
-                .and_then(|t| t.as_str().map(str::to_string))
-                .ok_or_else(refuse)?
+                .rposition(|p| p.get_attr("text").is_ok_and(|t| !t.is_undefined()))
+                .ok_or_else(refuse)?;
+            let text = parts[i].get_attr("text").unwrap_or_default();
+            let text = text.as_str().unwrap_or_default().to_string();
+            parts[i] = messages::replace(
+                &parts[i],
+                "text",
+                Value::from(format!("{text}{CONTINUE_TAG}")),
+            );
+            (text, Value::from(parts))
         }
         _ => return Err(refuse()),
     };
-    let stripped = final_text.trim();
-    let at = text.rfind(stripped).ok_or_else(refuse)?;
-    let lstripped = final_text.trim_start();
-    let end = if text.get(at..at + lstripped.len()) == Some(final_text.as_str()) {
-        at + lstripped.len()
+    let mut all = earlier.to_vec();
+    all.push(messages::replace(last, "content", tagged));
+    let rendered = template.render_messages(&all, vars, false)?;
+    let tag = CONTINUE_TAG.trim();
+    if !rendered.contains(final_text.trim()) {
+        return Err(refuse());
+    }
+    let at = rendered.rfind(tag).ok_or_else(refuse)?;
+    let mut text = rendered;
+    if text[at..].starts_with(CONTINUE_TAG) {
+        text.truncate(at);
     } else {
-        at + stripped.len()
-    };
-    let mut text = text;
-    text.truncate(end);
+        text.truncate(text[..at].trim_end().len());
+    }
     Ok(text)
 }
 
