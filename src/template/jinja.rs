@@ -23,6 +23,9 @@ pub fn environment(source: String) -> Result<Environment<'static>, Error> {
     env.set_recursion_limit(200);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.set_formatter(|out, _state, value| {
+        if let Some(s) = value.as_str() {
+            return out.write_str(s).map_err(Error::from);
+        }
         let mut text = String::new();
         pyjson::py_str(&mut text, value);
         out.write_str(&text).map_err(Error::from)

@@ -22,7 +22,7 @@ pub mod pyjson;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use minijinja::{Environment, Value};
 use serde_json::Value as Json;
@@ -53,6 +53,28 @@ pub struct Template {
     tokens: Vec<(String, Value)>,
     /// Hash of the source and tokens, to compare configs.
     id: u64,
+    /// Renderings of heads with a probe message after them, by what they were rendered from
+    /// (`prompt::head`): a group's requests render their head once per VM.
+    probes: Mutex<HashMap<u64, Arc<str>>>,
+}
+
+/// Head renderings kept per template: enough for the groups a gateway sees at once; past it,
+/// the oldest are dropped.
+const PROBES: usize = 128;
+
+impl Template {
+    fn probe(&self, key: u64) -> Option<Arc<str>> {
+        self.probes.lock().ok()?.get(&key).cloned()
+    }
+
+    fn keep_probe(&self, key: u64, probe: Arc<str>) {
+        if let Ok(mut probes) = self.probes.lock() {
+            if probes.len() >= PROBES {
+                probes.clear();
+            }
+            probes.insert(key, probe);
+        }
+    }
 }
 
 impl Template {
@@ -100,6 +122,7 @@ impl Template {
             format,
             tokens,
             id,
+            probes: Mutex::new(HashMap::new()),
         })
     }
 

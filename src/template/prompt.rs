@@ -10,11 +10,13 @@
 //! opener is where the first message after the head renders its text.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use memchr::memmem;
 use minijinja::value::{Value, ValueKind};
 use serde::Deserialize;
 use serde_json::value::RawValue;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::messages::{self, ContentFormat};
 use super::{jinja, Template, Templates};
@@ -38,12 +40,16 @@ pub enum RenderError {
 struct Body<'a> {
     #[serde(borrow)]
     model: Option<Cow<'a, str>>,
-    messages: Option<Vec<Value>>,
-    tools: Option<Value>,
-    documents: Option<Value>,
+    #[serde(borrow)]
+    messages: Option<Vec<&'a RawValue>>,
+    #[serde(borrow)]
+    tools: Option<&'a RawValue>,
+    #[serde(borrow)]
+    documents: Option<&'a RawValue>,
     add_generation_prompt: Option<bool>,
     continue_final_message: Option<bool>,
-    chat_template_kwargs: Option<Value>,
+    #[serde(borrow)]
+    chat_template_kwargs: Option<&'a RawValue>,
     #[serde(borrow)]
     cache_salt: Option<&'a RawValue>,
     #[serde(borrow)]
@@ -100,9 +106,21 @@ pub fn render(templates: &Templates, body: &[u8]) -> Result<Prompt, RenderError>
     let format = template.format;
     let messages = raw
         .iter()
-        .map(|m| messages::prepare(m, format))
-        .collect::<Result<Vec<Value>, _>>()
-        .map_err(|r| RenderError::Refused(r.0))?;
+        .map(|m| {
+            let m: Value = serde_json::from_str(m.get()).map_err(|_| RenderError::Body)?;
+            messages::prepare(&m, format).map_err(|r| RenderError::Refused(r.0))
+        })
+        .collect::<Result<Vec<Value>, _>>()?;
+    let parse = |v: Option<&RawValue>| -> Result<Option<Value>, RenderError> {
+        v.map(|v| serde_json::from_str(v.get()).map_err(|_| RenderError::Body))
+            .transpose()
+    };
+    // What the head's rendering depends on besides its messages.
+    let context = [req.tools, req.documents, req.chat_template_kwargs]
+        .iter()
+        .fold(0u64, |h, v| {
+            xxh3_64_with_seed(v.map_or("", |v| v.get()).as_bytes(), h)
+        });
     let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
     let continue_final = req.continue_final_message.unwrap_or(false);
     if add_generation_prompt && continue_final {
@@ -111,18 +129,15 @@ pub fn render(templates: &Templates, body: &[u8]) -> Result<Prompt, RenderError>
         ));
     }
     let mut kwargs = Vec::new();
-    if let Some(k) = req
-        .chat_template_kwargs
-        .filter(|k| k.kind() == ValueKind::Map)
-    {
+    if let Some(k) = parse(req.chat_template_kwargs)?.filter(|k| k.kind() == ValueKind::Map) {
         for key in k.try_iter().into_iter().flatten() {
             let value = k.get_item(&key).unwrap_or_default();
             kwargs.push((key, value));
         }
     }
     let vars = Vars {
-        tools: req.tools.unwrap_or_default_none(),
-        documents: req.documents.unwrap_or_default_none(),
+        tools: parse(req.tools)?.unwrap_or_default_none(),
+        documents: parse(req.documents)?.unwrap_or_default_none(),
         kwargs,
     };
     let text = if continue_final {
@@ -130,7 +145,7 @@ pub fn render(templates: &Templates, body: &[u8]) -> Result<Prompt, RenderError>
     } else {
         template.render_messages(&messages, &vars, add_generation_prompt)?
     };
-    let (head, head_messages) = head(template, &messages, &vars, &text)?;
+    let (head, head_messages) = head(template, &messages, &raw, context, &vars, &text)?;
     let opener = messages
         .get(head_messages)
         .and_then(|m| opener(&text, head, m))
@@ -162,9 +177,13 @@ fn role(m: &Value) -> Option<String> {
 }
 
 /// Bytes of `text` that make the head, and how many messages the head holds.
+/// The probe's rendering is kept per template, by the raw head messages, the next one's role and
+/// `context`, so a group's requests render their head once.
 fn head(
     template: &Template,
     messages: &[Value],
+    raw: &[&RawValue],
+    context: u64,
     vars: &Vars,
     text: &str,
 ) -> Result<(usize, usize), RenderError> {
@@ -187,12 +206,25 @@ fn head(
         ])]),
     };
     let probe_message = Value::from_iter([
-        ("role", Value::from(role(next).unwrap_or_default())),
+        ("role", Value::from(role(next).unwrap_or_default().as_str())),
         ("content", content),
     ]);
-    let mut probe: Vec<Value> = messages[..n].to_vec();
-    probe.push(probe_message);
-    let probe = template.render_messages(&probe, vars, false)?;
+    let next_role = role(next).unwrap_or_default();
+    let key = raw[..n]
+        .iter()
+        .fold(xxh3_64_with_seed(next_role.as_bytes(), context), |h, m| {
+            xxh3_64_with_seed(m.get().as_bytes(), h)
+        });
+    let probe = match template.probe(key) {
+        Some(probe) => probe,
+        None => {
+            let mut probe: Vec<Value> = messages[..n].to_vec();
+            probe.push(probe_message);
+            let probe: Arc<str> = template.render_messages(&probe, vars, false)?.into();
+            template.keep_probe(key, probe.clone());
+            probe
+        }
+    };
     let common = text
         .bytes()
         .zip(probe.bytes())
