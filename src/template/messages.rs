@@ -17,8 +17,116 @@
 //! newlines); a parts template gets the part vLLM passes (`{"type": "image"}`) followed by a text
 //! part holding the marker.
 
-use minijinja::value::{Value, ValueKind};
-use xxhash_rust::xxh3::xxh3_64;
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use minijinja::value::{Enumerator, Object, Value, ValueKind};
+use serde::de::{self, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer};
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+/// A message as the client sent it, read in the body's one pass: its content's text borrowed
+/// from the body where it has no escapes, the fields vLLM keeps as template values.
+#[derive(Deserialize)]
+pub struct Incoming<'a> {
+    #[serde(borrow)]
+    role: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    content: Option<Content<'a>>,
+    tool_calls: Option<Value>,
+    reasoning: Option<Value>,
+    name: Option<Value>,
+    tool_call_id: Option<Value>,
+    task: Option<Value>,
+    tools: Option<Value>,
+}
+
+/// Message content: a string, or a list of parts.
+enum Content<'a> {
+    Text(Cow<'a, str>),
+    Parts(Vec<Value>),
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ContentVisitor;
+        impl<'de> Visitor<'de> for ContentVisitor {
+            type Value = Content<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string or a list of parts")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Owned(v.to_string())))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Owned(v)))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut parts = Vec::new();
+                while let Some(p) = seq.next_element()? {
+                    parts.push(p);
+                }
+                Ok(Content::Parts(parts))
+            }
+        }
+        d.deserialize_any(ContentVisitor)
+    }
+}
+
+impl Incoming<'_> {
+    /// The role, if the message has one.
+    pub fn role(&self) -> Option<&str> {
+        self.role.as_deref()
+    }
+
+    /// A hash of everything of the message a template can see, chained onto `seed`.
+    pub fn fingerprint(&self, seed: u64) -> u64 {
+        let mut h = xxh3_64_with_seed(self.role().unwrap_or("\u{0}").as_bytes(), seed);
+        match &self.content {
+            Some(Content::Text(t)) => h = xxh3_64_with_seed(t.as_bytes(), h),
+            Some(Content::Parts(p)) => h = xxh3_64_with_seed(format!("{p:?}").as_bytes(), h),
+            None => h ^= 1,
+        }
+        for v in [
+            &self.tool_calls,
+            &self.reasoning,
+            &self.name,
+            &self.tool_call_id,
+            &self.task,
+            &self.tools,
+        ] {
+            h = xxh3_64_with_seed(
+                v.as_ref()
+                    .map_or(String::new(), |v| format!("{v:?}"))
+                    .as_bytes(),
+                h,
+            );
+        }
+        h
+    }
+}
+
+/// A prepared message: its fields in vLLM's order, looked up without a map.
+#[derive(Debug)]
+struct Message(Vec<(&'static str, Value)>);
+
+impl Object for Message {
+    fn get_value(self: &Arc<Self>, key: &Value) -> Option<Value> {
+        let key = key.as_str()?;
+        self.0
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| v.clone())
+    }
+
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        let keys: Vec<Value> = self.0.iter().map(|(k, _)| Value::from(*k)).collect();
+        Enumerator::Iter(Box::new(keys.into_iter()))
+    }
+}
 
 /// How a template expects message content (vLLM's "content format").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -142,15 +250,15 @@ fn part(p: &Value) -> Result<Part, Refused> {
 }
 
 /// A message's content as the template gets it.
-fn content(content: &Value, format: ContentFormat) -> Result<Value, Refused> {
-    let parts: Vec<Value> = match content.kind() {
-        ValueKind::Undefined | ValueKind::None => Vec::new(),
-        ValueKind::String => vec![content.clone()],
-        ValueKind::Seq => content
-            .try_iter()
-            .map_err(|_| Refused("content"))?
-            .collect(),
-        _ => return Err(Refused("content is neither a string nor a list")),
+fn content(content: Option<&Content>, format: ContentFormat) -> Result<Value, Refused> {
+    let parts: Vec<Value> = match content {
+        None => Vec::new(),
+        Some(Content::Text(t)) => match format {
+            // The common case: a string stays one.
+            ContentFormat::String => return Ok(Value::from(&**t)),
+            ContentFormat::OpenAi => vec![Value::from(&**t)],
+        },
+        Some(Content::Parts(p)) => p.clone(),
     };
     let mut texts: Vec<Value> = Vec::new();
     let mut markers: Vec<String> = Vec::new();
@@ -235,21 +343,19 @@ pub(crate) fn replace(map: &Value, key: &str, value: Value) -> Value {
 }
 
 /// One message as vLLM passes it to the template.
-pub fn prepare(message: &Value, format: ContentFormat) -> Result<Value, Refused> {
-    if message.kind() != ValueKind::Map {
-        return Err(Refused("message is not an object"));
-    }
-    let role = get(message, "role");
-    let Some(role_str) = role.as_str() else {
+pub fn prepare(message: &Incoming, format: ContentFormat) -> Result<Value, Refused> {
+    let Some(role_str) = message.role() else {
         return Err(Refused("message without a role"));
     };
-    let mut content = content(&get(message, "content"), format)?;
-    let mut out: Vec<(&str, Value)> = Vec::with_capacity(6);
+    let role = Value::from(role_str);
+    let mut content = content(message.content.as_ref(), format)?;
+    let field = |v: &Option<Value>| v.clone().unwrap_or_default();
+    let mut out: Vec<(&'static str, Value)> = Vec::with_capacity(6);
     match role_str {
         "assistant" => {
-            out.push(("role", role.clone()));
+            out.push(("role", role));
             out.push(("content", content));
-            let calls = get(message, "tool_calls");
+            let calls = field(&message.tool_calls);
             if calls.kind() == ValueKind::Seq && calls.len() != Some(0) {
                 let calls: Vec<Value> = calls
                     .try_iter()
@@ -261,7 +367,7 @@ pub fn prepare(message: &Value, format: ContentFormat) -> Result<Value, Refused>
             } else if present(&calls) && calls.kind() != ValueKind::Seq {
                 out.push(("tool_calls", calls));
             }
-            let reasoning = get(message, "reasoning");
+            let reasoning = field(&message.reasoning);
             if present(&reasoning) {
                 out.push(("reasoning", reasoning.clone()));
                 out.push(("reasoning_content", reasoning));
@@ -278,28 +384,25 @@ pub fn prepare(message: &Value, format: ContentFormat) -> Result<Value, Refused>
                     content = Value::from(join_texts(&texts));
                 }
             }
-            out.push(("role", role.clone()));
+            out.push(("role", role));
             out.push(("content", content));
-            let id = get(message, "tool_call_id");
-            if !id.is_undefined() {
-                out.push(("tool_call_id", id));
-            }
+            out.push(("tool_call_id", field(&message.tool_call_id)));
         }
         _ => {
-            out.push(("role", role.clone()));
+            out.push(("role", role));
             out.push(("content", content));
         }
     }
-    let name = get(message, "name");
+    let name = field(&message.name);
     if name.kind() == ValueKind::String {
         out.push(("name", name));
     }
-    let task = get(message, "task");
+    let task = field(&message.task);
     if task.kind() == ValueKind::String {
         out.push(("task", task));
     }
     if role_str == "developer" {
-        out.push(("tools", get(message, "tools")));
+        out.push(("tools", field(&message.tools)));
     }
     // transformers drops the keys whose value is None, then names the reasoning under all the
     // keys templates read it from: `thinking` first, `reasoning_content` after the rest.
@@ -314,14 +417,14 @@ pub fn prepare(message: &Value, format: ContentFormat) -> Result<Value, Refused>
             slot.1 = r;
         }
     }
-    Ok(Value::from_iter(out))
+    Ok(Value::from_object(Message(out)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn v(text: &str) -> Value {
+    fn v(text: &str) -> Incoming<'_> {
         serde_json::from_str(text).unwrap()
     }
 
@@ -374,10 +477,10 @@ mod tests {
     #[test]
     fn an_image_is_a_marker_named_by_its_hash() {
         let image = |url: &str| {
-            let m = v(&format!(
+            let m = format!(
                 r#"{{"role":"user","content":[{{"type":"text","text":"look"}},{{"type":"image_url","image_url":{{"url":"{url}"}}}}]}}"#
-            ));
-            get(&prepare(&m, ContentFormat::String).unwrap(), "content").to_string()
+            );
+            get(&prepare(&v(&m), ContentFormat::String).unwrap(), "content").to_string()
         };
         let a = image("data:a");
         assert_eq!(

@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use super::messages::{self, ContentFormat};
+use super::messages::{self, ContentFormat, Incoming};
 use super::{jinja, Template, Templates};
 use crate::prefix::OPENER_BYTES;
 use crate::request::{self, Prompt};
@@ -41,7 +41,7 @@ struct Body<'a> {
     #[serde(borrow)]
     model: Option<Cow<'a, str>>,
     #[serde(borrow)]
-    messages: Option<Vec<&'a RawValue>>,
+    messages: Option<Vec<Incoming<'a>>>,
     #[serde(borrow)]
     tools: Option<&'a RawValue>,
     #[serde(borrow)]
@@ -106,10 +106,7 @@ pub fn render(templates: &Templates, body: &[u8]) -> Result<Prompt, RenderError>
     let format = template.format;
     let messages = raw
         .iter()
-        .map(|m| {
-            let m: Value = serde_json::from_str(m.get()).map_err(|_| RenderError::Body)?;
-            messages::prepare(&m, format).map_err(|r| RenderError::Refused(r.0))
-        })
+        .map(|m| messages::prepare(m, format).map_err(|r| RenderError::Refused(r.0)))
         .collect::<Result<Vec<Value>, _>>()?;
     let parse = |v: Option<&RawValue>| -> Result<Option<Value>, RenderError> {
         v.map(|v| serde_json::from_str(v.get()).map_err(|_| RenderError::Body))
@@ -182,7 +179,7 @@ fn role(m: &Value) -> Option<String> {
 fn head(
     template: &Template,
     messages: &[Value],
-    raw: &[&RawValue],
+    raw: &[Incoming],
     context: u64,
     vars: &Vars,
     text: &str,
@@ -213,7 +210,7 @@ fn head(
     let key = raw[..n]
         .iter()
         .fold(xxh3_64_with_seed(next_role.as_bytes(), context), |h, m| {
-            xxh3_64_with_seed(m.get().as_bytes(), h)
+            m.fingerprint(h)
         });
     let probe = match template.probe(key) {
         Some(probe) => probe,
