@@ -72,10 +72,13 @@ pub fn keys(args: &KeysArgs) -> Result<(), String> {
         prompt.history,
         shape,
     );
-    let out = json!({
-        "rendered": String::from_utf8_lossy(&prompt.text),
-        "keys": keys.keys.iter().map(|k| format!("{k:016x}")).collect::<Vec<_>>(),
-    });
-    println!("{out}");
+    // Written by hand to keep the documented key order.
+    let rendered = Value::from(String::from_utf8_lossy(&prompt.text));
+    let keys: Vec<Value> = keys
+        .keys
+        .iter()
+        .map(|k| format!("{k:016x}").into())
+        .collect();
+    println!(r#"{{"rendered":{rendered},"keys":{}}}"#, Value::from(keys));
     Ok(())
 }
