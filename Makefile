@@ -16,10 +16,16 @@ export KVROUTE_SIM := $(abspath target/release/kvroute-sim)
 # Istio's CRD schemas (PyPI cloudcoil-models-istio), for tools/istio-validate.py in tests/manifests.rs.
 ISTIO_VENV := .work/istio-venv
 export KVROUTE_ISTIO_PYTHON := $(abspath $(ISTIO_VENV))/bin/python
+# The template conformance test's reference (tests/template_conformance.rs): transformers (no torch)
+# renders the chat templates of current models as PyPI packages ship them (trl's copies of the
+# Hub's templates, axolotl's Mistral ones; the wheels are downloaded, not installed).
+HF_VENV := .work/hf-venv
+export KVROUTE_HF_PYTHON := $(abspath $(HF_VENV))/bin/python
+export KVROUTE_TEMPLATES := $(abspath .work/templates)
 # Unit tests compiled to wasm run under wasmtime (installed into the venv from PyPI).
 export CARGO_TARGET_WASM32_WASIP1_RUNNER := $(abspath $(VENV))/bin/python $(abspath tools/wasi-run.py)
 
-.PHONY: all build wasm bins image deps istio-deps test test-native test-wasm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
+.PHONY: all build wasm bins image deps istio-deps template-deps test test-native test-wasm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
 
 all: build
 
@@ -62,7 +68,24 @@ $(ISTIO_VENV)/bin/python:
 
 istio-deps: $(ISTIO_VENV)/bin/python .work/kubectl
 
-deps: .work/wasm-target $(ENVOY) .work/skopeo istio-deps
+$(HF_VENV)/bin/python:
+	$(PYTHON) -m venv $(HF_VENV)
+	$(HF_VENV)/bin/pip install --quiet --disable-pip-version-check transformers==5.24.0 jinja2==3.1.6 xxhash==4.1.0
+
+.work/templates/.done: $(HF_VENV)/bin/python
+	rm -rf .work/templates .work/template-wheels
+	mkdir -p .work/templates .work/template-wheels
+	$(HF_VENV)/bin/pip download --quiet --disable-pip-version-check --no-deps -d .work/template-wheels trl==1.16.0
+	$(HF_VENV)/bin/pip download --quiet --disable-pip-version-check --no-deps --only-binary :all: \
+		--python-version 3.12 -d .work/template-wheels axolotl==0.21.0
+	cd .work/template-wheels && for w in *.whl; do $(abspath $(HF_VENV))/bin/python -m zipfile -e $$w x; done
+	cp .work/template-wheels/x/trl/chat_templates/*.jinja .work/template-wheels/x/axolotl/utils/chat_templates/templates/mistral_*.jinja .work/templates/
+	rm -rf .work/template-wheels
+	touch $@
+
+template-deps: .work/templates/.done
+
+deps: .work/wasm-target $(ENVOY) .work/skopeo istio-deps template-deps
 
 test: deps build image test-native test-wasm
 

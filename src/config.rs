@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use serde_json::{Map, Value};
 
 use crate::request::ToolsAt;
+use crate::template::Templates;
 
 /// Which policy picks the endpoint. `CacheAware` is kvroute's; the others are baselines to compare.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,6 +92,10 @@ pub struct Config {
     /// Size it to the keys the fleet's caches hold: KV tokens of all replicas × bytes per token /
     /// `chunk_size`.
     pub engine_index_capacity: u32,
+    /// The served models' chat templates, compiled (`chat_template`: every model's; `models`:
+    /// each model's own). A chat request whose model has one is keyed over the prompt that
+    /// template renders; any other as `tools_position` says.
+    pub templates: Templates,
 }
 
 impl Default for Config {
@@ -121,6 +126,7 @@ impl Default for Config {
             index_cluster: None,
             index_path: "/v1/changes".to_string(),
             engine_index_capacity: 16384,
+            templates: Templates::default(),
         }
     }
 }
@@ -227,6 +233,8 @@ impl Config {
                             err(f, format!("unknown {name:?}; one of {}", names.join(", ")))
                         })?;
                 }
+                "chat_template" => c.templates.set_default(v).map_err(|e| err(f, e))?,
+                "models" => c.templates.set_models(v).map_err(|e| err(f, e))?,
                 _ => return Err(err(f, "unknown field")),
             }
         }
@@ -382,6 +390,15 @@ mod tests {
             (c.index_path.as_str(), c.engine_index_capacity),
             ("/changes", 99)
         );
+        let t = Config::parse(
+            br#"{"chat_template":"{{ messages[0].content }}",
+                "models":{"qwen":{"chat_template":"{{ bos_token }}","bos_token":"<s>","model_max_length":8}}}"#,
+        )
+        .unwrap();
+        assert!(
+            t.templates.for_model("qwen").is_some() && t.templates.for_model("other").is_some()
+        );
+        assert_ne!(t, Config::default());
     }
 
     #[test]
@@ -403,6 +420,10 @@ mod tests {
             (r#"{"tools_position":1}"#, "tools_position"),
             (r#"{"index_path":"changes"}"#, "index_path"),
             (r#"{"engine_index_capacity":0}"#, "engine_index_capacity"),
+            (r#"{"chat_template":"{% if %}"}"#, "chat_template"),
+            (r#"{"chat_template":{"bos_token":"<s>"}}"#, "chat_template"),
+            (r#"{"models":{"m":"{{ x"}}"#, "models"),
+            (r#"{"models":["m"]}"#, "models"),
             (
                 r#"{"engine_metrics_path":"metrics"}"#,
                 "engine_metrics_path",

@@ -30,6 +30,7 @@ pub mod router;
 pub mod slots;
 pub mod store;
 pub mod suspects;
+pub mod template;
 pub mod usage;
 
 #[cfg(all(target_arch = "wasm32", feature = "filter", not(test)))]

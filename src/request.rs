@@ -316,7 +316,7 @@ fn model(model: Option<Cow<'_, str>>) -> Result<String, ParseError> {
 }
 
 /// vLLM refuses a salt that is not a non-empty string; such a request is not worth keying apart.
-fn salt(salt: Option<&RawValue>) -> Option<String> {
+pub(crate) fn salt(salt: Option<&RawValue>) -> Option<String> {
     salt.and_then(|s| serde_json::from_str::<Cow<str>>(s.get()).ok())
         .filter(|s| !s.is_empty())
         .map(Cow::into_owned)
@@ -324,7 +324,7 @@ fn salt(salt: Option<&RawValue>) -> Option<String> {
 
 /// Whether a request's response carries `usage` (see [`Prompt::usage`]). Read leniently: a
 /// `stream` or `stream_options` of another shape is the engine's to refuse, not a parse error.
-fn reports_usage(stream: Option<&RawValue>, options: Option<&RawValue>) -> bool {
+pub(crate) fn reports_usage(stream: Option<&RawValue>, options: Option<&RawValue>) -> bool {
     #[derive(Deserialize)]
     struct Options {
         include_usage: Option<bool>,

@@ -12,7 +12,7 @@ use crate::endpoints::Host;
 use crate::eviction::Predicted;
 use crate::policy::{self, Answer, Candidate, Decision, Input, Needs, Policy, Settled};
 use crate::prefix::{PrefixKeys, Shape};
-use crate::request::{self, Api, ParseError};
+use crate::request::{Api, ParseError};
 use crate::store::SharedStore;
 
 /// Why a request is left to Envoy's fallback policy. Each is a counter; names are stable.
@@ -202,7 +202,9 @@ impl Router {
         if req.body.len() > config.max_body_bytes {
             return Err(Fallback::BodyTooLarge);
         }
-        let prompt = request::parse_with(req.api, req.body, config.tools_position)?;
+        let prompt = config
+            .templates
+            .parse(req.api, req.body, config.tools_position)?;
         let shape = Shape {
             chunk_size: config.chunk_size,
             max_chunks: config.max_chunks,

@@ -176,7 +176,11 @@ async fn the_replica_whose_engine_cached_the_prompt_draws_it_until_it_evicts_it(
     .await
     .unwrap_or_else(|e| panic!("{e}"));
     envoy
-        .wait_for_stat("kvroute.endpoints_known", |v| v == 3, Duration::from_secs(30))
+        .wait_for_stat(
+            "kvroute.endpoints_known",
+            |v| v == 3,
+            Duration::from_secs(30),
+        )
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     common::wait_for_fresh_poll_of(&envoy).await;
@@ -220,6 +224,9 @@ async fn the_replica_whose_engine_cached_the_prompt_draws_it_until_it_evicts_it(
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let (decision, _) = through(&envoy, &body("shop 0")).await;
-    assert_ne!(decision, "engine", "the evicted prompt still drew the request");
+    assert_ne!(
+        decision, "engine",
+        "the evicted prompt still drew the request"
+    );
     let _ = std::fs::remove_file(&tokenizer);
 }

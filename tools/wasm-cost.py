@@ -14,7 +14,12 @@ counts that. With `--perf`, no fuel is counted and wasmtime writes /tmp/perf-<pi
 `perf record -g` over this script names the filter's functions.
 
     wasm-cost.py target/wasm32-wasip1/release/kvroute.wasm [--requests N] [--bytes 1024,24576]
-        [--hosts 4] [--ticks 50]
+        [--hosts 4] [--ticks 50] [--chat-template FILE] [--conversation]
+
+`--chat-template FILE` (a raw Jinja template or a tokenizer_config.json) configures it as the
+template of every model, so the requests are keyed over the prompt it renders; `--conversation`
+sends each size as a conversation (a system prompt of a quarter of it, then turns of about 1 KB,
+an assistant turn with its reasoning among them) instead of a system prompt and one question.
 """
 import argparse
 import json
@@ -70,12 +75,36 @@ REQUEST_HEADERS, RESPONSE_HEADERS, CALL_RESPONSE_HEADERS = 0, 2, 6
 ROOT = 1
 
 
+SHAPE = {"conversation": False}
+
+
 def body(i, size):
     """The overhead bench's bodies: 16 groups' system prompts, 128 questions."""
+    if SHAPE["conversation"]:
+        return conversation(i, size)
     system = ("Group %d system prompt. " % (i % 16)) * (size // 24)
     return json.dumps({"model": "test", "max_tokens": 16, "messages": [
         {"role": "system", "content": system},
         {"role": "user", "content": "Question %d: what is in the context?" % (i % 128)}]}).encode()
+
+
+def conversation(i, size):
+    """A conversation of about `size` bytes: 16 groups' system prompts of a quarter of it, then
+    turns of about 1 KB, the 128 conversations told apart by their first question."""
+    system = ("Group %d system prompt. " % (i % 16)) * (size // 4 // 24)
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": "Question %d: what is in the context? " % (i % 128)}]
+    turn = 0
+    while len(json.dumps(messages)) < size:
+        if turn % 2 == 0:
+            messages.append({"role": "assistant", "content": "An answer in detail. " * 48,
+                             "reasoning": "Some thought about it. " * 8})
+        else:
+            messages.append({"role": "user", "content": "A follow-up question, longer. " * 34})
+        turn += 1
+    if messages[-1]["role"] == "assistant":
+        messages.append({"role": "user", "content": "And then?"})
+    return json.dumps({"model": "test", "max_tokens": 16, "messages": messages}).encode()
 
 
 class Host:
@@ -345,7 +374,23 @@ def main():
     parser.add_argument("--ticks", type=int, default=50, help="idle ticks counted (0: none)")
     parser.add_argument("--perf", action="store_true",
                         help="no fuel; write a perf map of the filter's functions")
+    parser.add_argument("--chat-template", metavar="FILE",
+                        help="the template of every model: a Jinja file or a tokenizer_config.json")
+    parser.add_argument("--conversation", action="store_true",
+                        help="multi-turn conversations instead of a system prompt and a question")
     args = parser.parse_args()
+    SHAPE["conversation"] = args.conversation
+    if args.chat_template:
+        global CONFIG
+        with open(args.chat_template, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            spec = json.loads(text)
+        except ValueError:
+            spec = text
+        config = json.loads(CONFIG)
+        config["chat_template"] = spec
+        CONFIG = json.dumps(config).encode()
     for size in [int(b) for b in args.bytes.split(",") if b]:
         requests(args, size)
     if args.ticks > 0:

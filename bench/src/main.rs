@@ -6,6 +6,7 @@ mod compare;
 mod demo;
 mod driver;
 mod instructions;
+mod keys;
 mod misses;
 mod oracle;
 mod overhead;
@@ -119,10 +120,49 @@ enum Cmd {
         #[arg(long, value_name = "DIR")]
         keep_dumps: Option<PathBuf>,
     },
+    /// One chat request rendered by a chat template, and kvroute's prefix keys over it:
+    /// prints {"rendered": "...", "keys": ["<hex>", ...]}.
+    Keys {
+        /// The chat template: a raw Jinja file, or a tokenizer_config.json holding one.
+        #[arg(long, value_name = "FILE")]
+        chat_template: PathBuf,
+        /// The request body (JSON) of a /v1/chat/completions request.
+        #[arg(long, value_name = "FILE")]
+        request: PathBuf,
+        /// Bytes per chunk (the filter's `chunk_size`).
+        #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(16..=(1 << 20)))]
+        chunk_size: u64,
+        /// The model that seeds the keys (default: the request's).
+        #[arg(long)]
+        model: Option<String>,
+        /// A tokenizer_config.json whose special tokens (bos_token, ...) a raw template gets.
+        #[arg(long, value_name = "FILE")]
+        tokenizer_config: Option<PathBuf>,
+    },
 }
 
 fn main() {
     let cli = Cli::parse();
+    if let Cmd::Keys {
+        chat_template,
+        request,
+        chunk_size,
+        model,
+        tokenizer_config,
+    } = &cli.command
+    {
+        let args = keys::KeysArgs {
+            chat_template,
+            request,
+            chunk_size: *chunk_size as usize,
+            model: model.as_deref(),
+            tokenizer_config: tokenizer_config.as_deref(),
+        };
+        if let Err(e) = keys::keys(&args) {
+            fail(e);
+        }
+        return;
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -188,6 +228,7 @@ fn main() {
                     let (b, keep) = (compare_wasm.as_deref(), keep_dumps.as_deref());
                     instructions::instructions(requests, config, &configs, b, keep).await
                 }
+                Cmd::Keys { .. } => Ok(()),
             }
         };
         // Stopped by a signal, the run's future is dropped, and with it the Envoys, sims and peer

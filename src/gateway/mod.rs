@@ -91,7 +91,9 @@ pub struct Gateway<H: HostApi> {
 impl<H: HostApi> Gateway<H> {
     /// A gateway for `config`, its stats defined.
     pub fn new(config: Config, host: H) -> Gateway<H> {
-        let metrics = Metrics::new(&host, &COUNTERS);
+        let templates = crate::template::Outcome::ALL.map(|o| o.counter());
+        let counters: Vec<&str> = COUNTERS.iter().copied().chain(templates).collect();
+        let metrics = Metrics::new(&host, &counters);
         Gateway {
             host,
             router: Router::new(config),
@@ -134,6 +136,11 @@ impl<H: HostApi> Gateway<H> {
         self.refresh_snapshot();
         self.flush_inflight();
         self.metrics.flush(&self.host);
+        for (name, n) in self.router.config.templates.take_counts() {
+            if n > 0 {
+                (self.metrics).add(&self.host, MetricKind::Counter, name, n as i64);
+            }
+        }
         self.snapshot_age.observe(self.snapshot_cas, mono);
         self.refresh_suspects(now);
         let completed = endpoints::completed(&self.snapshot);

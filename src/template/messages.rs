@@ -1,0 +1,492 @@
+//! A chat request's messages prepared as vLLM hands them to a chat template.
+//!
+//! vLLM renders not the messages a client sent but a conversation it builds from them
+//! (`parse_chat_messages`): content becomes one string (text parts joined by a newline) for a
+//! template that prints content, or a list of `{"type": "text", "text": ...}` parts for one that
+//! loops over it (see [`ContentFormat`]); a tool message's text parts are joined into one string;
+//! of a message only its role, content, `name`, a tool message's `tool_call_id`, an assistant's
+//! `tool_calls` and `reasoning` (also given as `reasoning_content`), `task` and a developer
+//! message's `tools` are kept; and each tool call's `arguments`, a JSON string in the API, is
+//! parsed into its value (`{}` when it is not JSON), as templates expect.
+//!
+//! Media are where vLLM and the filter part: the engine renders a model-specific placeholder and
+//! tells images apart by a hash of the image, which no text carries. Here every image (audio,
+//! video, file) is the text [`media_marker`]: `<|kvroute_image:<16 hex digits>|>`, the hex being
+//! xxh3 of its URL (of its data for `input_audio`, of its JSON otherwise). A string-content
+//! template gets the markers where vLLM puts placeholders (first, then the text, joined by
+//! newlines); a parts template gets the part vLLM passes (`{"type": "image"}`) followed by a text
+//! part holding the marker.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use minijinja::value::{Enumerator, Object, Value, ValueKind};
+use serde::de::{self, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer};
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+/// A message as the client sent it, read in the body's one pass: its content's text borrowed
+/// from the body where it has no escapes, the fields vLLM keeps as template values.
+#[derive(Deserialize)]
+pub struct Incoming<'a> {
+    #[serde(borrow)]
+    role: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    content: Option<Content<'a>>,
+    tool_calls: Option<Value>,
+    reasoning: Option<Value>,
+    name: Option<Value>,
+    tool_call_id: Option<Value>,
+    task: Option<Value>,
+    tools: Option<Value>,
+}
+
+/// Message content: a string, or a list of parts.
+enum Content<'a> {
+    Text(Cow<'a, str>),
+    Parts(Vec<Value>),
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ContentVisitor;
+        impl<'de> Visitor<'de> for ContentVisitor {
+            type Value = Content<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string or a list of parts")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Owned(v.to_string())))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Owned(v)))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut parts = Vec::new();
+                while let Some(p) = seq.next_element()? {
+                    parts.push(p);
+                }
+                Ok(Content::Parts(parts))
+            }
+        }
+        d.deserialize_any(ContentVisitor)
+    }
+}
+
+impl Incoming<'_> {
+    /// The role, if the message has one.
+    pub fn role(&self) -> Option<&str> {
+        self.role.as_deref()
+    }
+
+    /// A hash of everything of the message a template can see, chained onto `seed`.
+    pub fn fingerprint(&self, seed: u64) -> u64 {
+        let mut h = xxh3_64_with_seed(self.role().unwrap_or("\u{0}").as_bytes(), seed);
+        match &self.content {
+            Some(Content::Text(t)) => h = xxh3_64_with_seed(t.as_bytes(), h),
+            Some(Content::Parts(p)) => h = xxh3_64_with_seed(format!("{p:?}").as_bytes(), h),
+            None => h ^= 1,
+        }
+        for v in [
+            &self.tool_calls,
+            &self.reasoning,
+            &self.name,
+            &self.tool_call_id,
+            &self.task,
+            &self.tools,
+        ] {
+            h = xxh3_64_with_seed(
+                v.as_ref()
+                    .map_or(String::new(), |v| format!("{v:?}"))
+                    .as_bytes(),
+                h,
+            );
+        }
+        h
+    }
+}
+
+/// A prepared message: its fields in vLLM's order, looked up without a map.
+#[derive(Debug)]
+struct Message(Vec<(&'static str, Value)>);
+
+impl Object for Message {
+    fn get_value(self: &Arc<Self>, key: &Value) -> Option<Value> {
+        let key = key.as_str()?;
+        self.0
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| v.clone())
+    }
+
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        let keys: Vec<Value> = self.0.iter().map(|(k, _)| Value::from(*k)).collect();
+        Enumerator::Iter(Box::new(keys.into_iter()))
+    }
+}
+
+/// How a template expects message content (vLLM's "content format").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContentFormat {
+    /// Content is printed as a string.
+    String,
+    /// Content is looped over as OpenAI-style parts.
+    OpenAi,
+}
+
+impl ContentFormat {
+    /// What `source` expects, as vLLM detects it: a template that loops over a message's
+    /// content (`{% for part in message['content'] %}`, or over a variable named `content`)
+    /// gets parts, any other gets strings.
+    pub fn detect(source: &str) -> ContentFormat {
+        let mut rest = source;
+        while let Some(at) = rest.find("{%") {
+            rest = &rest[at + 2..];
+            let end = rest.find("%}").unwrap_or(rest.len());
+            let tag = rest[..end].trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+            if let Some(header) = tag.strip_prefix("for ") {
+                if let Some((_, iterable)) = header.split_once(" in ") {
+                    let iterable = iterable.split('|').next().unwrap_or("").trim();
+                    let iterable = iterable.split(" if ").next().unwrap_or("").trim();
+                    if iterable == "content"
+                        || iterable.ends_with(".content")
+                        || iterable.ends_with("['content']")
+                        || iterable.ends_with("[\"content\"]")
+                    {
+                        return ContentFormat::OpenAi;
+                    }
+                }
+            }
+        }
+        ContentFormat::String
+    }
+}
+
+/// Why a request's messages cannot be prepared (vLLM would refuse it).
+#[derive(Debug)]
+pub struct Refused(pub &'static str);
+
+/// The marker an image (audio, video, file) renders as, named by `hash`.
+pub fn media_marker(kind: &str, hash: u64) -> String {
+    format!("<|kvroute_{kind}:{hash:016x}|>")
+}
+
+fn text_part(text: Value) -> Value {
+    Value::from_iter([("type", Value::from("text")), ("text", text)])
+}
+
+fn get(v: &Value, key: &str) -> Value {
+    v.get_attr(key).unwrap_or_default()
+}
+
+fn present(v: &Value) -> bool {
+    !v.is_undefined() && !v.is_none()
+}
+
+/// What one content part is: text, or a medium (its kind and hash).
+enum Part {
+    Text(Value),
+    Media(&'static str, u64),
+    Skip,
+}
+
+fn hash_of(v: &Value) -> u64 {
+    match v.as_str() {
+        Some(s) => xxh3_64(s.as_bytes()),
+        None => {
+            let url = get(v, "url");
+            match url.as_str() {
+                Some(s) => xxh3_64(s.as_bytes()),
+                None => xxh3_64(v.to_string().as_bytes()),
+            }
+        }
+    }
+}
+
+fn part(p: &Value) -> Result<Part, Refused> {
+    if let Some(s) = p.as_str() {
+        return Ok(Part::Text(Value::from(s)));
+    }
+    if p.kind() != ValueKind::Map {
+        return Err(Refused("content part is not an object"));
+    }
+    let kind = get(p, "type");
+    let media = |kind: &'static str, v: Value| Ok(Part::Media(kind, hash_of(&v)));
+    match kind.as_str() {
+        Some("text" | "input_text" | "output_text") => {
+            let t = get(p, "text");
+            Ok(if present(&t) {
+                Part::Text(t)
+            } else {
+                Part::Skip
+            })
+        }
+        Some("refusal") => {
+            let t = get(p, "refusal");
+            Ok(if present(&t) {
+                Part::Text(t)
+            } else {
+                Part::Skip
+            })
+        }
+        Some("thinking") => Ok(Part::Text(get(p, "thinking"))),
+        Some("image_url" | "input_image") => media("image", get(p, "image_url")),
+        Some("image_embeds") => media("image", get(p, "image_embeds")),
+        Some("image_pil") => media("image", get(p, "image_pil")),
+        Some("audio_url") => media("audio", get(p, "audio_url")),
+        Some("audio_embeds") => media("audio", get(p, "audio_embeds")),
+        Some("input_audio") => media("audio", get(&get(p, "input_audio"), "data")),
+        Some("video_url") => media("video", get(p, "video_url")),
+        Some("file") => media("file", get(p, "file")),
+        Some(_) => Err(Refused("unsupported content part type")),
+        None if present(&get(p, "image_url")) => media("image", get(p, "image_url")),
+        None if present(&get(p, "audio_url")) => media("audio", get(p, "audio_url")),
+        None if present(&get(p, "video_url")) => media("video", get(p, "video_url")),
+        None => Err(Refused("content part without a type")),
+    }
+}
+
+/// A message's content as the template gets it.
+fn content(content: Option<&Content>, format: ContentFormat) -> Result<Value, Refused> {
+    let parts: Vec<Value> = match content {
+        None => Vec::new(),
+        Some(Content::Text(t)) => match format {
+            // The common case: a string stays one.
+            ContentFormat::String => return Ok(Value::from(&**t)),
+            ContentFormat::OpenAi => vec![Value::from(&**t)],
+        },
+        Some(Content::Parts(p)) => p.clone(),
+    };
+    let mut texts: Vec<Value> = Vec::new();
+    let mut markers: Vec<String> = Vec::new();
+    let mut out: Vec<Value> = Vec::new();
+    for p in &parts {
+        match part(p)? {
+            Part::Skip => {}
+            Part::Text(t) => match format {
+                ContentFormat::String => texts.push(t),
+                ContentFormat::OpenAi => out.push(text_part(t)),
+            },
+            Part::Media(kind, hash) => match format {
+                ContentFormat::String => markers.push(media_marker(kind, hash)),
+                ContentFormat::OpenAi => {
+                    out.push(Value::from_iter([("type", Value::from(kind))]));
+                    out.push(text_part(Value::from(media_marker(kind, hash))));
+                }
+            },
+        }
+    }
+    Ok(match format {
+        ContentFormat::OpenAi => Value::from(out),
+        ContentFormat::String => {
+            let mut joined: Vec<String> = markers;
+            let text = join_texts(&texts);
+            if !text.is_empty() || joined.is_empty() {
+                joined.push(text);
+            }
+            Value::from(joined.join("\n"))
+        }
+    })
+}
+
+fn join_texts(texts: &[Value]) -> String {
+    let mut s = String::new();
+    for (i, t) in texts.iter().enumerate() {
+        if i > 0 {
+            s.push('\n');
+        }
+        crate::template::pyjson::py_str(&mut s, t);
+    }
+    s
+}
+
+/// A tool call with its function's `arguments` parsed from JSON, the rest kept in its order.
+fn tool_call(call: &Value) -> Value {
+    if call.kind() != ValueKind::Map {
+        return call.clone();
+    }
+    let function = get(call, "function");
+    if function.kind() != ValueKind::Map {
+        return call.clone();
+    }
+    let arguments = get(&function, "arguments");
+    let parsed = match arguments.kind() {
+        ValueKind::String => serde_json::from_str::<Value>(arguments.as_str().unwrap_or_default())
+            .unwrap_or_else(|_| Value::from_iter(std::iter::empty::<(Value, Value)>())),
+        ValueKind::Map | ValueKind::Seq => arguments,
+        _ => Value::from_iter(std::iter::empty::<(Value, Value)>()),
+    };
+    let function = replace(&function, "arguments", parsed);
+    replace(call, "function", function)
+}
+
+/// `map` with `key`'s value replaced (or added at the end), in the map's order.
+pub(crate) fn replace(map: &Value, key: &str, value: Value) -> Value {
+    let mut entries: Vec<(Value, Value)> = Vec::new();
+    let mut found = false;
+    for k in map.try_iter().into_iter().flatten() {
+        if k.as_str() == Some(key) {
+            entries.push((k, value.clone()));
+            found = true;
+        } else {
+            let v = map.get_item(&k).unwrap_or_default();
+            entries.push((k, v));
+        }
+    }
+    if !found {
+        entries.push((Value::from(key), value));
+    }
+    Value::from_iter(entries)
+}
+
+/// One message as vLLM passes it to the template.
+pub fn prepare(message: &Incoming, format: ContentFormat) -> Result<Value, Refused> {
+    let Some(role_str) = message.role() else {
+        return Err(Refused("message without a role"));
+    };
+    let role = Value::from(role_str);
+    let mut content = content(message.content.as_ref(), format)?;
+    let field = |v: &Option<Value>| v.clone().unwrap_or_default();
+    let mut out: Vec<(&'static str, Value)> = Vec::with_capacity(6);
+    match role_str {
+        "assistant" => {
+            out.push(("role", role));
+            out.push(("content", content));
+            let calls = field(&message.tool_calls);
+            if calls.kind() == ValueKind::Seq && calls.len() != Some(0) {
+                let calls: Vec<Value> = calls
+                    .try_iter()
+                    .into_iter()
+                    .flatten()
+                    .map(|c| tool_call(&c))
+                    .collect();
+                out.push(("tool_calls", Value::from(calls)));
+            } else if present(&calls) && calls.kind() != ValueKind::Seq {
+                out.push(("tool_calls", calls));
+            }
+            let reasoning = field(&message.reasoning);
+            if present(&reasoning) {
+                out.push(("reasoning", reasoning.clone()));
+                out.push(("reasoning_content", reasoning));
+            }
+        }
+        "tool" => {
+            if content.kind() == ValueKind::Seq {
+                let parts: Vec<Value> = content.try_iter().into_iter().flatten().collect();
+                if parts
+                    .iter()
+                    .all(|p| get(p, "type").as_str() == Some("text"))
+                {
+                    let texts: Vec<Value> = parts.iter().map(|p| get(p, "text")).collect();
+                    content = Value::from(join_texts(&texts));
+                }
+            }
+            out.push(("role", role));
+            out.push(("content", content));
+            out.push(("tool_call_id", field(&message.tool_call_id)));
+        }
+        _ => {
+            out.push(("role", role));
+            out.push(("content", content));
+        }
+    }
+    let name = field(&message.name);
+    if name.kind() == ValueKind::String {
+        out.push(("name", name));
+    }
+    let task = field(&message.task);
+    if task.kind() == ValueKind::String {
+        out.push(("task", task));
+    }
+    if role_str == "developer" {
+        out.push(("tools", field(&message.tools)));
+    }
+    // transformers drops the keys whose value is None, then names the reasoning under all the
+    // keys templates read it from: `thinking` first, `reasoning_content` after the rest.
+    out.retain(|(_, v)| present(v));
+    if let Some(r) = out
+        .iter()
+        .find(|(k, _)| *k == "reasoning")
+        .map(|(_, v)| v.clone())
+    {
+        out.insert(0, ("thinking", r.clone()));
+        if let Some(slot) = out.iter_mut().find(|(k, _)| *k == "reasoning_content") {
+            slot.1 = r;
+        }
+    }
+    Ok(Value::from_object(Message(out)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v(text: &str) -> Incoming<'_> {
+        serde_json::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn detects_templates_that_loop_over_content() {
+        assert_eq!(
+            ContentFormat::detect("{{ message['content'] }}"),
+            ContentFormat::String
+        );
+        assert_eq!(
+            ContentFormat::detect(
+                "{%- for part in message['content'] %}{{ part.text }}{% endfor %}"
+            ),
+            ContentFormat::OpenAi
+        );
+        assert_eq!(
+            ContentFormat::detect("{% for c in message.content | selectattr('type') %}"),
+            ContentFormat::OpenAi
+        );
+        assert_eq!(
+            ContentFormat::detect("{% for m in messages %}"),
+            ContentFormat::String
+        );
+    }
+
+    #[test]
+    fn content_and_tool_calls_as_vllm_passes_them() {
+        let m = prepare(&v(r#"{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}],"extra":1}"#), ContentFormat::String).unwrap();
+        assert_eq!(m.to_string(), r#"{"role": "user", "content": "a\nb"}"#);
+        let m = prepare(
+            &v(r#"{"role":"user","content":"hi"}"#),
+            ContentFormat::OpenAi,
+        )
+        .unwrap();
+        assert_eq!(
+            get(&m, "content").to_string(),
+            r#"[{"type": "text", "text": "hi"}]"#
+        );
+        let m = prepare(&v(r#"{"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{\"z\":1,\"a\":2}"}}]}"#), ContentFormat::String).unwrap();
+        let calls = get(&m, "tool_calls");
+        let first = calls.get_item_by_index(0).unwrap();
+        let args = get(&get(&first, "function"), "arguments");
+        assert_eq!(args.to_string(), r#"{"z": 1, "a": 2}"#);
+        assert_eq!(get(&m, "content").as_str(), Some(""));
+        let bad = prepare(&v(r#"{"role":"assistant","tool_calls":[{"function":{"name":"f","arguments":"not json"}}]}"#), ContentFormat::String).unwrap();
+        let first = get(&bad, "tool_calls").get_item_by_index(0).unwrap();
+        assert_eq!(get(&get(&first, "function"), "arguments").to_string(), "{}");
+    }
+
+    #[test]
+    fn an_image_is_a_marker_named_by_its_hash() {
+        let image = |url: &str| {
+            let m = format!(
+                r#"{{"role":"user","content":[{{"type":"text","text":"look"}},{{"type":"image_url","image_url":{{"url":"{url}"}}}}]}}"#
+            );
+            get(&prepare(&v(&m), ContentFormat::String).unwrap(), "content").to_string()
+        };
+        let a = image("data:a");
+        assert_eq!(
+            a,
+            format!("{}\nlook", media_marker("image", xxh3_64(b"data:a")))
+        );
+        assert_ne!(a, image("data:b"));
+    }
+}

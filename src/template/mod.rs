@@ -1,0 +1,261 @@
+//! The model's chat template, rendered in the filter, so prompts are keyed as the engine renders them.
+//!
+//! A served model's Hugging Face chat template (the Jinja `chat_template` of its
+//! `tokenizer_config.json`) is compiled once per VM ([`Templates`], from the config's
+//! `chat_template` and `models`) and renders each chat request as vLLM's chat endpoint does:
+//! the messages prepared as vLLM prepares them ([`messages`]), the request's `tools`,
+//! `documents`, `add_generation_prompt` (true unless the request says otherwise),
+//! `continue_final_message` and `chat_template_kwargs`, and the tokenizer config's special tokens
+//! (`bos_token`, `eos_token`, ...), under transformers' Jinja semantics ([`jinja`]). The keys are
+//! then over those bytes, so they meet the engine's blocks, and they see what the template does to
+//! a conversation's prefix (a date in the system header, earlier turns' reasoning dropped, tools
+//! before the last user turn).
+//!
+//! A request whose model has no template, or that its template fails to render, is rendered as
+//! before ([`request::parse_with`]); each outcome is counted (`kvroute.template.*`).
+
+mod clock;
+pub mod jinja;
+pub mod messages;
+mod prompt;
+pub mod pyjson;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use minijinja::{Environment, Value};
+use serde_json::Value as Json;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::request::{self, Api, ParseError, Prompt, ToolsAt};
+pub use messages::ContentFormat;
+pub use prompt::RenderError;
+
+/// The named special tokens transformers gives a template (its `special_tokens_map`).
+const SPECIAL_TOKENS: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+/// One model's compiled chat template and the values its tokenizer config gives it.
+pub struct Template {
+    env: Environment<'static>,
+    /// Whether the source names `content` (transformers' condition for continuing a message).
+    names_content: bool,
+    format: ContentFormat,
+    /// `bos_token`, `eos_token`, ...: what transformers passes a template from the tokenizer.
+    tokens: Vec<(String, Value)>,
+    /// Hash of the source and tokens, to compare configs.
+    id: u64,
+    /// Renderings of heads with a probe message after them, by what they were rendered from
+    /// (`prompt::head`): a group's requests render their head once per VM.
+    probes: Mutex<HashMap<u64, Arc<str>>>,
+}
+
+/// Head renderings kept per template: enough for the groups a gateway sees at once; past it,
+/// the oldest are dropped.
+const PROBES: usize = 128;
+
+impl Template {
+    fn probe(&self, key: u64) -> Option<Arc<str>> {
+        self.probes.lock().ok()?.get(&key).cloned()
+    }
+
+    fn keep_probe(&self, key: u64, probe: Arc<str>) {
+        if let Ok(mut probes) = self.probes.lock() {
+            if probes.len() >= PROBES {
+                probes.clear();
+            }
+            probes.insert(key, probe);
+        }
+    }
+}
+
+impl Template {
+    /// Compiles `spec`: the template's Jinja source as a string, or an object of a
+    /// `tokenizer_config.json`'s shape (`chat_template`, `bos_token`, `eos_token`, ...; other keys
+    /// are ignored).
+    pub fn from_spec(spec: &Json) -> Result<Template, String> {
+        let (source, tokens) = match spec {
+            Json::String(s) => (s.clone(), Vec::new()),
+            Json::Object(map) => {
+                let source = match map.get("chat_template") {
+                    Some(Json::String(s)) => s.clone(),
+                    Some(Json::Array(named)) => named
+                        .iter()
+                        .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+                        .or_else(|| named.first())
+                        .and_then(|t| t.get("template"))
+                        .and_then(Json::as_str)
+                        .ok_or("`chat_template`: a list of {name, template} without a template")?
+                        .to_string(),
+                    _ => return Err("needs a `chat_template` string".into()),
+                };
+                let mut tokens = Vec::new();
+                for key in SPECIAL_TOKENS {
+                    let token = match map.get(key) {
+                        Some(Json::String(s)) => Some(s.as_str()),
+                        Some(Json::Object(t)) => t.get("content").and_then(Json::as_str),
+                        _ => None,
+                    };
+                    if let Some(token) = token {
+                        tokens.push((key.to_string(), Value::from(token)));
+                    }
+                }
+                (source, tokens)
+            }
+            _ => return Err("must be a template string or an object with `chat_template`".into()),
+        };
+        let id = xxh3_64(format!("{source}\u{0}{tokens:?}").as_bytes());
+        let format = ContentFormat::detect(&source);
+        let names_content = source.contains("content");
+        let env = jinja::environment(source).map_err(|e| format!("does not compile: {e}"))?;
+        Ok(Template {
+            env,
+            names_content,
+            format,
+            tokens,
+            id,
+            probes: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The content format vLLM would pass this template.
+    pub fn format(&self) -> ContentFormat {
+        self.format
+    }
+}
+
+/// What became of chat requests under templates: each a counter `kvroute.template.<name>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Rendered by its model's template.
+    Rendered,
+    /// Its model has no template: rendered as before.
+    NoTemplate,
+    /// Its template failed to render it (or vLLM would refuse its messages): rendered as before.
+    Failed,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 3] = [Outcome::Rendered, Outcome::NoTemplate, Outcome::Failed];
+
+    pub fn counter(self) -> &'static str {
+        match self {
+            Outcome::Rendered => "kvroute.template.rendered",
+            Outcome::NoTemplate => "kvroute.template.no_template",
+            Outcome::Failed => "kvroute.template.failed",
+        }
+    }
+}
+
+/// The configured templates: one for every model (`chat_template`) and/or one per model
+/// (`models`), with counts of what became of the requests since they were last taken.
+#[derive(Clone, Default)]
+pub struct Templates {
+    default: Option<Arc<Template>>,
+    models: HashMap<String, Arc<Template>>,
+    counts: Arc<[AtomicU64; 3]>,
+}
+
+impl std::fmt::Debug for Templates {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut models: Vec<&String> = self.models.keys().collect();
+        models.sort();
+        f.debug_struct("Templates")
+            .field("default", &self.default.is_some())
+            .field("models", &models)
+            .finish()
+    }
+}
+
+impl PartialEq for Templates {
+    fn eq(&self, other: &Templates) -> bool {
+        fn ids(t: &Templates) -> Vec<(Option<&String>, u64)> {
+            let mut ids: Vec<(Option<&String>, u64)> =
+                t.models.iter().map(|(m, t)| (Some(m), t.id)).collect();
+            ids.extend(t.default.as_ref().map(|d| (None, d.id)));
+            ids.sort();
+            ids
+        }
+        ids(self) == ids(other)
+    }
+}
+
+impl Templates {
+    /// No template: every request is rendered as before.
+    pub fn is_empty(&self) -> bool {
+        self.default.is_none() && self.models.is_empty()
+    }
+
+    /// Config `chat_template`: the template of every model without one of its own.
+    pub fn set_default(&mut self, spec: &Json) -> Result<(), String> {
+        self.default = Some(Arc::new(Template::from_spec(spec)?));
+        Ok(())
+    }
+
+    /// Config `models`: an object of model name → template spec. Errors name the model.
+    pub fn set_models(&mut self, models: &Json) -> Result<(), String> {
+        let Json::Object(map) = models else {
+            return Err("must be an object of model name → template".into());
+        };
+        for (model, spec) in map {
+            let template = Template::from_spec(spec).map_err(|e| format!("`{model}`: {e}"))?;
+            self.models.insert(model.clone(), Arc::new(template));
+        }
+        Ok(())
+    }
+
+    /// The template for `model`: its own, or the one for every model.
+    pub fn for_model(&self, model: &str) -> Option<&Template> {
+        self.models
+            .get(model)
+            .or(self.default.as_ref())
+            .map(|t| &**t)
+    }
+
+    /// The prompt of a request, rendered by its model's template where there is one, else (or
+    /// when the template fails) as [`request::parse_with`] renders it. Counts the outcome.
+    pub fn parse(&self, api: Api, body: &[u8], tools: ToolsAt) -> Result<Prompt, ParseError> {
+        if self.is_empty() || api != Api::Chat {
+            return request::parse_with(api, body, tools);
+        }
+        let outcome = match prompt::render(self, body) {
+            Ok(prompt) => {
+                self.count(Outcome::Rendered);
+                return Ok(prompt);
+            }
+            Err(RenderError::NoTemplate) => Outcome::NoTemplate,
+            Err(RenderError::Body) => return request::parse_with(api, body, tools),
+            Err(RenderError::Refused(_) | RenderError::Template(_)) => Outcome::Failed,
+        };
+        self.count(outcome);
+        request::parse_with(api, body, tools)
+    }
+
+    /// The prompt of a chat request as its model's template renders it, or why not.
+    pub fn render(&self, body: &[u8]) -> Result<Prompt, RenderError> {
+        prompt::render(self, body)
+    }
+
+    fn count(&self, outcome: Outcome) {
+        let i = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The outcomes counted since the last call, by counter name.
+    pub fn take_counts(&self) -> [(&'static str, u64); 3] {
+        let take = |i: usize| self.counts[i].swap(0, Ordering::Relaxed);
+        [
+            (Outcome::ALL[0].counter(), take(0)),
+            (Outcome::ALL[1].counter(), take(1)),
+            (Outcome::ALL[2].counter(), take(2)),
+        ]
+    }
+}
