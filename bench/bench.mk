@@ -9,7 +9,9 @@
 #   make bench-placement  the placement issue's three lines, each run PLACEMENT_REPEAT times with
 #               the next seeds (compare --repeat): Zipf and grouped under cache pressure, llm-d
 #   make peers  installs the peer routers (smg, vllm-router), each in its own venv
-.PHONY: run bench peers bench-all bench-overhead bench-instructions bench-placement
+#   make real   the comparison on real vLLM engines (CPU, a tiny model) instead of the sim:
+#               round robin, kvroute, smg, kvroute@3, smg@3 (results in $(REAL_OUT))
+.PHONY: run bench peers bench-all bench-overhead bench-instructions bench-placement real
 
 BENCH := target/release/kvroute-bench
 PEERS := .work/peers
@@ -24,11 +26,20 @@ PEER_PKGS := smg=smg vllm-router=vllm-router
 # Where kvroute-bench finds the peers' venvs.
 export KVROUTE_PEERS := $(abspath $(PEERS))
 
+REAL_OUT ?= .work/real
+REAL_ROUTERS ?= round_robin,kvroute,smg,kvroute@3,smg@3
+
 run: deps build
 	$(BENCH) demo
 
 bench: deps build peers
 	$(BENCH) compare --fleet $(BENCH_FLEET) --workload $(BENCH_WORKLOAD) --routers $(BENCH_ROUTERS) --out $(BENCH_OUT)
+
+# Three vLLM engines (bench/fleets/real.json: 48 KV blocks of 128 tokens each) started once, every
+# router's run from emptied caches; the workload (bench/workloads/real.json) is sized to what two
+# cores running three engines serve. `make vllm` (Makefile) installs vLLM and builds the model.
+real: deps build peers vllm
+	$(BENCH) compare --fleet bench/fleets/real.json --workload bench/workloads/real.json --routers $(REAL_ROUTERS) --out $(REAL_OUT)
 
 bench-overhead: deps build peers
 	@mkdir -p $(BENCH_OUT)

@@ -11,6 +11,7 @@ mod oracle;
 mod overhead;
 mod paths;
 mod peers;
+mod real_fleet;
 mod repeats;
 mod report;
 mod routers;
