@@ -16,7 +16,7 @@
 mod common;
 
 use kvroute_harness::vllm::{gauge, vllm_missing, VllmFleet, VllmOptions, SERVED_MODEL};
-use kvroute_harness::{Envoy, EnvoyOptions, Lb};
+use kvroute_harness::Envoy;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -482,13 +482,14 @@ fn abridged(e: Option<Value>) -> String {
 async fn sim_kv_events_match(fleet: &VllmFleet) -> Check {
     reset(fleet).await?;
     let sim = sim().await?;
-    let seconds = 40;
+    // Each subscriber stops at the reset that ends what is sent, 3 minutes at most.
+    let seconds = 180;
     let real_sub = subscribe(&fleet.engines[0].kv_events, seconds)?;
     let sim_sub = subscribe(&sim.replicas[0].kv_events_endpoint(), seconds)?;
     // ZMQ subscribers miss what was published before they joined.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    provoke_events(&fleet.engines[0].url).await?;
     provoke_events(&sim.replicas[0].url()).await?;
+    provoke_events(&fleet.engines[0].url).await?;
     let (real, simulated) = tokio::task::spawn_blocking(move || {
         Ok::<_, String>((messages(real_sub)?, messages(sim_sub)?))
     })
@@ -542,24 +543,8 @@ fn addr(url: &str) -> SocketAddr {
 async fn kvroute_envoy(fleet: &VllmFleet) -> Envoy {
     let config = json!({"stats_interval_ms": 200, "debug_header": true,
                         "eviction_grace_ms": 300});
-    let envoy = Envoy::start(EnvoyOptions {
-        backends: fleet.engines.iter().map(|e| addr(&e.url)).collect(),
-        lb: Lb::Kvroute {
-            plugin_config: config,
-        },
-        ..EnvoyOptions::default()
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    envoy
-        .wait_for_stat(
-            "kvroute.endpoints_known",
-            |v| v == fleet.engines.len() as u64,
-            Duration::from_secs(60),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    envoy
+    let backends = fleet.engines.iter().map(|e| addr(&e.url)).collect();
+    common::kvroute_envoy_on(backends, config).await
 }
 
 async fn stat(envoy: &Envoy, name: &str) -> u64 {

@@ -2,6 +2,7 @@
 message as one JSON line: {"frames": n, "topic": ..., "seq": ..., "batch": <decoded msgpack>}.
 
 Usage: kv-events.py ENDPOINT SECONDS   (run with the vLLM venv's python: pyzmq and msgspec)
+It stops early after a batch holding an AllBlocksCleared event (a reset ends what a test sends).
 """
 
 import json
@@ -30,6 +31,8 @@ def main():
             line["seq"] = int.from_bytes(seq, "big", signed=True)
             line["batch"] = msgspec.msgpack.decode(payload)
         print(json.dumps(line, default=repr), flush=True)
+        if '"AllBlocksCleared"' in json.dumps(line.get("batch"), default=repr):
+            break
 
 
 if __name__ == "__main__":
