@@ -395,24 +395,40 @@ async fn sim_usage_matches(fleet: &VllmFleet) -> Check {
     ensure(diffs.is_empty(), || diffs.join("; "))
 }
 
-/// Subscribes to `endpoint` for `seconds` (tools/real/kv-events.py, with the vLLM venv's
-/// pyzmq) and returns every message as the script printed it.
-fn subscribe(endpoint: &str, seconds: u64) -> Result<std::process::Child, String> {
+/// A subscriber to one KV event endpoint, and what it printed.
+type Subscriber = (std::process::Child, std::thread::JoinHandle<Vec<String>>);
+
+/// Subscribes to `endpoint` for `seconds` at most (tools/real/kv-events.py, with the vLLM venv's
+/// pyzmq), returning once the script says it has subscribed: Python starts slowly on a loaded
+/// machine, and a ZMQ subscriber misses what was published before it joined.
+fn subscribe(endpoint: &str, seconds: u64) -> Result<Subscriber, String> {
+    use std::io::BufRead;
     let python = kvroute_harness::vllm::vllm_venv().join("bin/python");
     let script = kvroute_harness::paths::workspace_root().join("tools/real/kv-events.py");
-    std::process::Command::new(python)
+    let mut child = std::process::Command::new(python)
         .arg(script)
         .arg(endpoint)
         .arg(seconds.to_string())
         .stdout(std::process::Stdio::piped())
         .spawn()
-        .map_err(|e| format!("kv-events.py: {e}"))
+        .map_err(|e| format!("kv-events.py: {e}"))?;
+    let out = child.stdout.take().ok_or("kv-events.py: no stdout")?;
+    let mut lines = std::io::BufReader::new(out).lines();
+    let first = lines.next().and_then(Result::ok).unwrap_or_default();
+    if !first.contains("subscribed") {
+        return Err(format!("kv-events.py: {first:?}"));
+    }
+    let reader = std::thread::spawn(move || lines.map_while(Result::ok).collect());
+    // The subscription travels to the publisher after the connect.
+    std::thread::sleep(Duration::from_secs(1));
+    Ok((child, reader))
 }
 
-fn messages(child: std::process::Child) -> Result<Vec<Value>, String> {
-    let out = child.wait_with_output().map_err(|e| e.to_string())?;
-    Ok(String::from_utf8_lossy(&out.stdout)
-        .lines()
+fn messages((mut child, reader): Subscriber) -> Result<Vec<Value>, String> {
+    child.wait().map_err(|e| e.to_string())?;
+    let lines = reader.join().map_err(|_| "kv-events.py reader panicked")?;
+    Ok(lines
+        .iter()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter(|v| v.get("frames").is_some())
         .collect())
@@ -486,8 +502,6 @@ async fn sim_kv_events_match(fleet: &VllmFleet) -> Check {
     let seconds = 180;
     let real_sub = subscribe(&fleet.engines[0].kv_events, seconds)?;
     let sim_sub = subscribe(&sim.replicas[0].kv_events_endpoint(), seconds)?;
-    // ZMQ subscribers miss what was published before they joined.
-    tokio::time::sleep(Duration::from_secs(3)).await;
     provoke_events(&sim.replicas[0].url()).await?;
     provoke_events(&fleet.engines[0].url).await?;
     let (real, simulated) = tokio::task::spawn_blocking(move || {

@@ -2,7 +2,8 @@
 message as one JSON line: {"frames": n, "topic": ..., "seq": ..., "batch": <decoded msgpack>}.
 
 Usage: kv-events.py ENDPOINT SECONDS   (run with the vLLM venv's python: pyzmq and msgspec)
-It stops early after a batch holding an AllBlocksCleared event (a reset ends what a test sends).
+It stops early at an AllBlocksCleared event that follows a BlockRemoved one (a reset after an
+eviction ends what a test sends).
 """
 
 import json
@@ -20,6 +21,7 @@ def main():
     sock.connect(endpoint)
     print(json.dumps({"subscribed": endpoint}), flush=True)
     deadline = time.time() + seconds
+    removed = False
     while time.time() < deadline:
         if not sock.poll(100):
             continue
@@ -31,8 +33,10 @@ def main():
             line["seq"] = int.from_bytes(seq, "big", signed=True)
             line["batch"] = msgspec.msgpack.decode(payload)
         print(json.dumps(line, default=repr), flush=True)
-        if '"AllBlocksCleared"' in json.dumps(line.get("batch"), default=repr):
+        text = json.dumps(line.get("batch"), default=repr)
+        if removed and '"AllBlocksCleared"' in text:
             break
+        removed = removed or '"BlockRemoved"' in text
 
 
 if __name__ == "__main__":
