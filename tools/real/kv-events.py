@@ -34,9 +34,9 @@ def main():
             line["batch"] = msgspec.msgpack.decode(payload)
         print(json.dumps(line, default=repr), flush=True)
         text = json.dumps(line.get("batch"), default=repr)
+        removed = removed or '"BlockRemoved"' in text
         if removed and '"AllBlocksCleared"' in text:
             break
-        removed = removed or '"BlockRemoved"' in text
 
 
 if __name__ == "__main__":
