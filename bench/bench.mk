@@ -12,7 +12,9 @@
 #               one run each, into bench/results/<workload>/ (results.json, results.md, ttft.svg,
 #               stamped with the build's commit and the run's date); commit what it writes
 #   make peers  installs the peer routers (smg, vllm-router), each in its own venv
-.PHONY: run bench peers bench-all bench-overhead bench-instructions bench-placement bench-results bench-summary
+#   make real   the comparison on real vLLM engines (CPU, a tiny model) instead of the sim:
+#               round robin, kvroute, smg, kvroute@3, smg@3 (results in $(REAL_OUT))
+.PHONY: run bench peers bench-all bench-overhead bench-instructions bench-placement bench-results bench-summary real
 
 BENCH := target/release/kvroute-bench
 PEERS := .work/peers
@@ -27,11 +29,20 @@ PEER_PKGS := smg=smg vllm-router=vllm-router
 # Where kvroute-bench finds the peers' venvs.
 export KVROUTE_PEERS := $(abspath $(PEERS))
 
+REAL_OUT ?= .work/real
+REAL_ROUTERS ?= round_robin,kvroute,smg,kvroute@3,smg@3
+
 run: deps build
 	$(BENCH) demo
 
 bench: deps build peers
 	$(BENCH) compare --fleet $(BENCH_FLEET) --workload $(BENCH_WORKLOAD) --routers $(BENCH_ROUTERS) --out $(BENCH_OUT)
+
+# Three vLLM engines (bench/fleets/real.json: 48 KV blocks of 128 tokens each) started once, every
+# router's run from emptied caches; the workload (bench/workloads/real.json) is sized to what two
+# cores running three engines serve. `make vllm` (Makefile) installs vLLM and builds the model.
+real: deps build peers vllm
+	$(BENCH) compare --fleet bench/fleets/real.json --workload bench/workloads/real.json --routers $(REAL_ROUTERS) --out $(REAL_OUT)
 
 bench-overhead: deps build peers
 	@mkdir -p $(BENCH_OUT)

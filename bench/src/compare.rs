@@ -2,12 +2,14 @@
 
 use crate::driver::{self, Sample};
 use crate::misses;
+use crate::real_fleet::RealFleet;
 use crate::report::{measure, Measured, Results, RouterResult};
 use crate::routers::{Router, Running};
 use crate::sim_process::SimFleet;
 use crate::stamp::Stamp;
 use crate::workload::{Api, Workload};
 use serde_json::{json, Value};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The counters of kvroute's corrections printed after each run: the engine reported less cached
@@ -47,9 +49,14 @@ pub async fn compare(
     let mut results = Vec::new();
     let mut samples = Vec::new();
     let mut sent = 0;
+    // Real engines start once (a minute or more) and serve every router, caches emptied between.
+    let real = match crate::real_fleet::is_real(fleet_spec) {
+        true => Some(Arc::new(RealFleet::start(fleet_spec).await?)),
+        false => None,
+    };
     for (i, router) in routers.iter().enumerate() {
         eprintln!("== [{}/{}] {}", i + 1, routers.len(), router.name());
-        let run = run_one(fleet_spec, workload, router, workers).await?;
+        let run = run_one(fleet_spec, real.as_ref(), workload, router, workers).await?;
         if !run.decisions.is_empty() {
             let d: Vec<String> = run
                 .decisions
@@ -112,7 +119,8 @@ pub async fn compare(
         samples.push((router.name(), run.samples));
         results.push(run.result);
     }
-    let bounds = (sent > 0)
+    // The bounds count tokens as the sim does; real engines' tokenizer counts others.
+    let bounds = (sent > 0 && real.is_none())
         .then(|| crate::ceiling::bounds(workload, fleet_spec, sent))
         .transpose()?;
     if let Some(b) = bounds {
@@ -144,22 +152,46 @@ pub async fn compare(
         ceiling_hit_rate: bounds.map(|b| round(b.ceiling)),
         capacity_bound_hit_rate: bounds.map(|b| round(b.capacity)),
         fleet_lru_hit_rate: bounds.map(|b| round(b.fleet_lru)),
+        stamp: Some(stamp()),
         results,
         samples,
     })
 }
 
-/// Starts a fresh fleet and `router` (its Envoys with `workers` worker threads), drives the
-/// workload, and measures. A router that cannot be started is reported as skipped; a fleet that
-/// cannot be started is an error.
+/// The work tree's git commit (`+changes` when it differs from it) and the time, UTC.
+fn stamp() -> Value {
+    let root = crate::paths::workspace_root();
+    let run = |args: &[&str]| {
+        std::process::Command::new(args[0])
+            .args(&args[1..])
+            .current_dir(&root)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let commit = run(&["git", "rev-parse", "--short", "HEAD"]);
+    let changed = run(&["git", "status", "--porcelain", "--untracked-files=no"])
+        .is_some_and(|s| !s.is_empty());
+    let commit = commit.map(|c| if changed { c + "+changes" } else { c });
+    json!({"commit": commit, "date_utc": run(&["date", "-u", "+%Y-%m-%dT%H:%M:%SZ"])})
+}
+
+/// Starts a fresh fleet (or, given `real` engines, empties their caches) and `router` (its Envoys
+/// with `workers` worker threads), drives the workload, and measures. A router that cannot be
+/// started is reported as skipped; a fleet that cannot be started is an error.
 pub async fn run_one(
     fleet_spec: &Value,
+    real: Option<&Arc<RealFleet>>,
     workload: &Workload,
     router: &Router,
     workers: u32,
 ) -> Result<RouterRun, String> {
     let name = router.name();
-    let fleet = SimFleet::start(fleet_spec).await?;
+    let fleet = match real {
+        Some(real) => SimFleet::on_real(real.clone()).await?,
+        None => SimFleet::start(fleet_spec).await?,
+    };
     let skipped = |reason: String| {
         eprintln!("   {name}: skipped: {reason}");
         Ok(RouterRun {

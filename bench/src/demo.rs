@@ -21,8 +21,15 @@ pub async fn demo() -> Result<(), String> {
         workload.system_prompt_tokens,
         workload.stage_duration_s * workload.arrival.stages() as f64
     );
-    let rr = run_one(&fleet, &workload, &Router::RoundRobin, ENVOY_WORKERS).await?;
-    let kv = run_one(&fleet, &workload, &Router::Kvroute(None), ENVOY_WORKERS).await?;
+    let rr = run_one(&fleet, None, &workload, &Router::RoundRobin, ENVOY_WORKERS).await?;
+    let kv = run_one(
+        &fleet,
+        None,
+        &workload,
+        &Router::Kvroute(None),
+        ENVOY_WORKERS,
+    )
+    .await?;
     println!();
     for (name, run) in [("round_robin", &rr), ("kvroute", &kv)] {
         let shares = replica_shares(&run.per_replica, "  ");

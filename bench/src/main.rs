@@ -12,6 +12,7 @@ mod oracle;
 mod overhead;
 mod paths;
 mod peers;
+mod real_fleet;
 mod repeats;
 mod report;
 mod routers;

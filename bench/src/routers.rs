@@ -179,6 +179,10 @@ impl Router {
             Router::KvrouteB(wasm) => envoy(kvroute_lb(None), Some(wasm.clone())).await,
             Router::Smg => peer(peers::start_smg(fleet).await),
             Router::Vllm(policy) => peer(peers::start_vllm_router(policy, fleet, fleet_spec).await),
+            Router::Oracle if fleet.is_real() => Err(
+                "the oracle reads the simulator's caches; real engines show theirs to no one"
+                    .into(),
+            ),
             Router::Oracle => {
                 let oracle = Oracle::start(fleet.control_client(), fleet.replicas.clone()).await?;
                 Ok(Running {

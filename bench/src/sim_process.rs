@@ -1,9 +1,12 @@
-//! Starts a fresh kvroute-sim fleet as a child process and talks to its control API.
+//! Starts a fresh kvroute-sim fleet as a child process and talks to its control API (or stands
+//! for real engines, [`crate::real_fleet`], in the same role).
 
+use crate::real_fleet::RealFleet;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -83,8 +86,10 @@ pub struct SimFleet {
     /// The served model name (from a replica's `/v1/models`), sent in every request.
     pub model: String,
     http: reqwest::Client,
-    _child: Child,
-    _fleet_file: TempFile,
+    _child: Option<Child>,
+    _fleet_file: Option<TempFile>,
+    /// Real engines in place of the sim (`"engine": "vllm"`), shared by every router's run.
+    real: Option<Arc<RealFleet>>,
 }
 
 /// The sim binary: `$KVROUTE_SIM`, else `target/release/kvroute-sim` under the workspace root.
@@ -137,12 +142,39 @@ impl SimFleet {
             control: ready.control.trim_end_matches('/').to_string(),
             model,
             http,
-            _child: child,
-            _fleet_file: fleet_file,
+            _child: Some(child),
+            _fleet_file: Some(fleet_file),
+            real: None,
         })
     }
 
+    /// The real engines of `real` as a fleet for one router's run, their prefix caches emptied
+    /// first. There is no control API: the oracle cannot run.
+    pub async fn on_real(real: Arc<RealFleet>) -> Result<SimFleet, String> {
+        real.reset().await?;
+        let http = reqwest::Client::new();
+        let first = real.replicas.first().ok_or("no engines")?;
+        let model = served_model(&http, &first.url).await?;
+        Ok(SimFleet {
+            replicas: real.replicas.clone(),
+            control: String::new(),
+            model,
+            http,
+            _child: None,
+            _fleet_file: None,
+            real: Some(real),
+        })
+    }
+
+    /// Whether these are real engines, not the sim.
+    pub fn is_real(&self) -> bool {
+        self.real.is_some()
+    }
+
     pub async fn state(&self) -> Result<FleetState, String> {
+        if let Some(real) = &self.real {
+            return real.state().await;
+        }
         let url = format!("{}/fleet/state", self.control);
         let resp = self
             .http

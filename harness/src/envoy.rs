@@ -413,7 +413,7 @@ fn is_healthy(status: &Json) -> bool {
 
 /// Ports that were free a moment ago (both held at once so they differ). Envoy binds them
 /// itself, so there is a small race window, which is acceptable on a test machine.
-fn free_ports() -> std::io::Result<[u16; 2]> {
+pub(crate) fn free_ports() -> std::io::Result<[u16; 2]> {
     let a = TcpListener::bind("127.0.0.1:0")?;
     let b = TcpListener::bind("127.0.0.1:0")?;
     Ok([a.local_addr()?.port(), b.local_addr()?.port()])

@@ -15,6 +15,8 @@ pub enum HarnessError {
     Io(std::io::Error),
     /// An admin request failed.
     Http(String),
+    /// A real engine (vLLM) exited, or did not serve in time; carries the tail of its log.
+    Engine { what: String, log_tail: String },
 }
 
 impl fmt::Display for HarnessError {
@@ -27,6 +29,9 @@ impl fmt::Display for HarnessError {
             }
             HarnessError::Io(e) => write!(f, "i/o error: {e}"),
             HarnessError::Http(m) => write!(f, "admin request failed: {m}"),
+            HarnessError::Engine { what, log_tail } => {
+                write!(f, "engine: {what}\n--- engine log tail ---\n{log_tail}")
+            }
         }
     }
 }

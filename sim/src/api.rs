@@ -233,7 +233,14 @@ async fn complete(
         }
     };
     let text: String = pieces.concat();
-    let usage = sse::usage(gen.prompt_tokens.len(), ids.len(), outcome.cached_tokens);
+    let block = api.replica.spec.block_size;
+    let usage = sse::usage(
+        gen.prompt_tokens.len(),
+        ids.len(),
+        outcome.cached_tokens,
+        block,
+        false,
+    );
     let model = &api.replica.spec.model;
     let body = match gen.endpoint {
         Endpoint::Chat => json!({
@@ -271,6 +278,7 @@ fn stream(
         created: unix_now(),
         model: api.replica.spec.model.clone(),
     };
+    let block_size = api.replica.spec.block_size;
     tokio::spawn(async move {
         let total = ids.len();
         let mut sent = 0;
@@ -304,7 +312,8 @@ fn stream(
         match result {
             Ok(outcome) => {
                 if gen.include_usage {
-                    let usage = sse::usage(gen.prompt_tokens.len(), total, outcome.cached_tokens);
+                    let (prompt, cached) = (gen.prompt_tokens.len(), outcome.cached_tokens);
+                    let usage = sse::usage(prompt, total, cached, block_size, true);
                     let _ = tx.try_send(Frame::data(writer.usage(&usage)));
                 }
                 let _ = tx.try_send(Frame::data(ChunkWriter::done()));

@@ -120,12 +120,15 @@ pub fn render(spec: &FleetSpec, snap: &Snapshot) -> String {
         "Number of generation tokens processed.",
         snap.generation_tokens_total as f64,
     );
-    metric(
-        "vllm:request_success_total",
-        "counter",
-        "Count of successfully processed requests.",
-        snap.success_total as f64,
-    );
+    // By `finished_reason`, as vLLM counts them; the simulated model never stops early.
+    let _ = writeln!(out, "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter");
+    for (reason, n) in [("stop", 0), ("length", snap.success_total)] {
+        let _ = writeln!(
+            out,
+            "vllm:request_success_total{{{labels},finished_reason=\"{reason}\"}} {:?}",
+            n as f64
+        );
+    }
     let _ = writeln!(out, "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge");
     let _ = writeln!(
         out,

@@ -250,9 +250,8 @@ impl PrefixCache {
             self.blocks.remove(h);
         }
         self.lru.clear();
-        if !victims.is_empty() {
-            self.events.push(CacheEvent::AllCleared);
-        }
+        // vLLM publishes it on every reset, whether anything was cached or not.
+        self.events.push(CacheEvent::AllCleared);
     }
 
     /// Events since the last call, oldest first.
@@ -483,6 +482,12 @@ mod tests {
         assert_eq!(cache.matched_blocks(&block_hashes(&a, 16)), 0);
         assert_eq!(cache.matched_blocks(&block_hashes(&b, 16)), 2);
         assert_eq!(cache.take_events(), vec![CacheEvent::AllCleared]);
+        cache.clear();
+        assert_eq!(
+            cache.take_events(),
+            vec![CacheEvent::AllCleared],
+            "even empty"
+        );
     }
 
     #[test]

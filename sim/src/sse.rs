@@ -65,14 +65,33 @@ impl ChunkWriter {
     }
 }
 
-/// OpenAI `usage` object including vLLM's `prompt_tokens_details.cached_tokens`.
-pub fn usage(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Value {
-    json!({
+/// OpenAI `usage` object as vLLM 0.32 writes it with `--enable-prompt-tokens-details`:
+/// `prompt_tokens_details` has `cached_tokens` and `created_cache_tokens` (the prompt's tokens
+/// this request added to the prefix cache: its whole blocks not found there); a plain answer
+/// (`streamed` false) also carries the fields that are null (`multimodal_tokens`,
+/// `completion_tokens_details`), which a stream's usage chunk leaves out.
+pub fn usage(
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    cached_tokens: usize,
+    block_size: usize,
+    streamed: bool,
+) -> Value {
+    let whole_blocks = prompt_tokens / block_size.max(1) * block_size.max(1);
+    let mut u = json!({
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    })
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {
+            "cached_tokens": cached_tokens,
+            "created_cache_tokens": whole_blocks.saturating_sub(cached_tokens),
+        },
+    });
+    if !streamed {
+        u["prompt_tokens_details"]["multimodal_tokens"] = Value::Null;
+        u["completion_tokens_details"] = Value::Null;
+    }
+    u
 }
 
 #[cfg(test)]
@@ -103,10 +122,18 @@ mod tests {
         let last = parse(&w.token(" x", Some("length")));
         assert_eq!(last["choices"][0]["delta"]["content"], " x");
         assert_eq!(last["choices"][0]["finish_reason"], "length");
-        let u = parse(&w.usage(&usage(10, 2, 8)));
+        let u = parse(&w.usage(&usage(40, 2, 16, 16, true)));
         assert_eq!(u["choices"], json!([]));
-        assert_eq!(u["usage"]["total_tokens"], 12);
-        assert_eq!(u["usage"]["prompt_tokens_details"]["cached_tokens"], 8);
+        assert_eq!(u["usage"]["total_tokens"], 42);
+        assert_eq!(u["usage"]["prompt_tokens_details"]["cached_tokens"], 16);
+        assert_eq!(
+            u["usage"]["prompt_tokens_details"]["created_cache_tokens"],
+            16
+        );
+        assert!(u["usage"].get("completion_tokens_details").is_none());
+        let plain = usage(40, 2, 16, 16, false);
+        assert!(plain["completion_tokens_details"].is_null());
+        assert!(plain["prompt_tokens_details"]["multimodal_tokens"].is_null());
     }
 
     #[test]

@@ -411,8 +411,14 @@ pub async fn kvroute_over_sim_with(
 /// One more Envoy with kvroute (this plugin config) in front of the simulated fleet `sim`, once
 /// kvroute knows every replica: several gateways over one fleet.
 pub async fn kvroute_envoy_over(sim: &kvroute_sim::fleet::Fleet, plugin_config: Value) -> Envoy {
+    kvroute_envoy_on(sim.replicas.iter().map(|r| r.addr).collect(), plugin_config).await
+}
+
+/// An Envoy with kvroute (this plugin config) in front of `backends`, once kvroute knows every one.
+pub async fn kvroute_envoy_on(backends: Vec<std::net::SocketAddr>, plugin_config: Value) -> Envoy {
+    let n = backends.len() as u64;
     let envoy = Envoy::start(EnvoyOptions {
-        backends: sim.replicas.iter().map(|r| r.addr).collect(),
+        backends,
         lb: Lb::Kvroute { plugin_config },
         ..EnvoyOptions::default()
     })
@@ -421,7 +427,7 @@ pub async fn kvroute_envoy_over(sim: &kvroute_sim::fleet::Fleet, plugin_config: 
     envoy
         .wait_for_stat(
             "kvroute.endpoints_known",
-            |v| v == sim.replicas.len() as u64,
+            |v| v == n,
             Duration::from_secs(30),
         )
         .await
