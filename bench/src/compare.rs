@@ -152,29 +152,9 @@ pub async fn compare(
         ceiling_hit_rate: bounds.map(|b| round(b.ceiling)),
         capacity_bound_hit_rate: bounds.map(|b| round(b.capacity)),
         fleet_lru_hit_rate: bounds.map(|b| round(b.fleet_lru)),
-        stamp: Some(stamp()),
         results,
         samples,
     })
-}
-
-/// The work tree's git commit (`+changes` when it differs from it) and the time, UTC.
-fn stamp() -> Value {
-    let root = crate::paths::workspace_root();
-    let run = |args: &[&str]| {
-        std::process::Command::new(args[0])
-            .args(&args[1..])
-            .current_dir(&root)
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-    };
-    let commit = run(&["git", "rev-parse", "--short", "HEAD"]);
-    let changed = run(&["git", "status", "--porcelain", "--untracked-files=no"])
-        .is_some_and(|s| !s.is_empty());
-    let commit = commit.map(|c| if changed { c + "+changes" } else { c });
-    json!({"commit": commit, "date_utc": run(&["date", "-u", "+%Y-%m-%dT%H:%M:%SZ"])})
 }
 
 /// Starts a fresh fleet (or, given `real` engines, empties their caches) and `router` (its Envoys

@@ -306,7 +306,6 @@ mod tests {
             ceiling_hit_rate: None,
             capacity_bound_hit_rate: None,
             fleet_lru_hit_rate: None,
-            stamp: None,
             results,
             samples: Vec::new(),
         }

@@ -33,10 +33,6 @@ pub struct Results {
     /// The hit rate with the fleet's KV capacity as one LRU cache: a reference, not a bound.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fleet_lru_hit_rate: Option<f64>,
-    /// What was measured when: `{"commit": ..., "date_utc": ...}` (the build's git commit, with
-    /// `+changes` when the work tree differed from it).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stamp: Option<Value>,
     pub results: Vec<RouterResult>,
     /// Every request each router's run sent, as the client saw it (written to samples.jsonl).
     #[serde(skip)]
@@ -502,7 +498,6 @@ mod tests {
             ceiling_hit_rate: None,
             capacity_bound_hit_rate: None,
             fleet_lru_hit_rate: None,
-            stamp: None,
             samples: Vec::new(),
             results: vec![
                 RouterResult::Measured(m),
