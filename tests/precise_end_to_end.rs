@@ -7,7 +7,6 @@
 
 mod common;
 
-use kvroute_harness::{Envoy, EnvoyOptions, Lb};
 use kvroute_indexer::config::{Config as IndexerConfig, EngineSpec};
 use kvroute_sim::fleet::Fleet;
 use kvroute_sim::spec::FleetSpec;
@@ -42,7 +41,7 @@ where
     }
 }
 
-async fn post(url: &str, body: &Value) -> reqwest::Response {
+async fn post(url: &str, body: &Value) {
     let resp = common::client()
         .post(url)
         .json(body)
@@ -50,25 +49,7 @@ async fn post(url: &str, body: &Value) -> reqwest::Response {
         .await
         .expect("request");
     assert_eq!(resp.status(), 200, "{url}");
-    resp
-}
-
-/// Sends `body` through Envoy: the decision and the replica that served it.
-async fn through(envoy: &Envoy, body: &Value) -> (String, String) {
-    let resp = post(&format!("{}/v1/chat/completions", envoy.url()), body).await;
-    let header = |name: &str| {
-        resp.headers()
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_string()
-    };
-    let decided = (
-        header("x-kvroute-decision"),
-        header(kvroute_harness::bootstrap::UPSTREAM_HEADER),
-    );
     resp.bytes().await.expect("body");
-    decided
 }
 
 /// Keys the indexer says `endpoint` holds, from its health page.
@@ -163,27 +144,10 @@ async fn the_replica_whose_engine_cached_the_prompt_draws_it_until_it_evicts_it(
         r.replica.reset_prefix_cache();
     }
 
-    let envoy = Envoy::start(EnvoyOptions {
-        backends: sim.replicas.iter().map(|r| r.addr).collect(),
-        lb: Lb::Kvroute {
-            plugin_config: json!({"debug_header": true, "stats_interval_ms": 200,
-                                  "index_cluster": "kvroute_indexer", "chat_template": CHATML}),
-        },
-        indexer: Some(indexer.addr),
-        name_upstream: true,
-        ..EnvoyOptions::default()
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    envoy
-        .wait_for_stat(
-            "kvroute.endpoints_known",
-            |v| v == 3,
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    common::wait_for_fresh_poll_of(&envoy).await;
+    let backends = sim.replicas.iter().map(|r| r.addr).collect();
+    let config = json!({"debug_header": true, "stats_interval_ms": 200,
+                        "index_cluster": "kvroute_indexer", "chat_template": CHATML});
+    let envoy = common::kvroute_with_indexer(backends, indexer.addr, config).await;
 
     // Each of three prompts cached by a replica chosen here, not by kvroute: each goes there.
     for (n, r) in sim.replicas.iter().enumerate() {
@@ -192,18 +156,9 @@ async fn the_replica_whose_engine_cached_the_prompt_draws_it_until_it_evicts_it(
         post(&format!("{}/v1/chat/completions", r.url()), &body(&tag)).await;
         let indexed = || async { keys_held(&index_url, &cached).await >= 2 };
         eventually("the indexer holds the prompt", indexed).await;
-        let applied = envoy.stat("kvroute.index.poll_ok").await.ok().flatten();
-        let applied = applied.unwrap_or(0);
-        envoy
-            .wait_for_stat(
-                "kvroute.index.poll_ok",
-                |v| v >= applied + 3,
-                Duration::from_secs(30),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
+        common::index_applied(&envoy, 3).await;
         assert_eq!(
-            through(&envoy, &body(&tag)).await,
+            common::decided(&envoy, &body(&tag)).await,
             ("engine".to_string(), cached.clone()),
             "prompt {n}"
         );
@@ -214,16 +169,8 @@ async fn the_replica_whose_engine_cached_the_prompt_draws_it_until_it_evicts_it(
     sim.replicas[0].replica.reset_prefix_cache();
     let emptied = || async { keys_held(&index_url, &first).await == 0 };
     eventually("the indexer drops the reset replica's keys", emptied).await;
-    let applied = envoy.stat("kvroute.index.poll_ok").await.ok().flatten();
-    envoy
-        .wait_for_stat(
-            "kvroute.index.poll_ok",
-            |v| v >= applied.unwrap_or(0) + 3,
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let (decision, _) = through(&envoy, &body("shop 0")).await;
+    common::index_applied(&envoy, 3).await;
+    let (decision, _) = common::decided(&envoy, &body("shop 0")).await;
     assert_ne!(
         decision, "engine",
         "the evicted prompt still drew the request"

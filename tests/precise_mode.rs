@@ -9,7 +9,6 @@ mod common;
 use kvroute::prefix::{PrefixKeys, Shape};
 use kvroute::request::{self, Api};
 use kvroute_harness::mesh::FakeAdmin;
-use kvroute_harness::{Envoy, EnvoyOptions, Lb};
 use kvroute_sim::spec::FleetSpec;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -46,51 +45,6 @@ fn feed(epoch: u64, version: u64, full: bool, holder: &str, held: bool, keys: &[
     .to_string()
 }
 
-async fn stat(envoy: &Envoy, name: &str) -> u64 {
-    envoy.stat(name).await.expect("stats").unwrap_or(0)
-}
-
-/// Sends `body`; the decision and the backend that served it.
-async fn send(envoy: &Envoy, sim: &kvroute_sim::fleet::Fleet, body: &Value) -> (String, String) {
-    let resp = common::client()
-        .post(format!("{}/v1/chat/completions", envoy.url()))
-        .json(body)
-        .send()
-        .await
-        .expect("request");
-    assert_eq!(resp.status(), 200, "never a failed request");
-    let decision = resp
-        .headers()
-        .get("x-kvroute-decision")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_string();
-    let served = resp
-        .headers()
-        .get(kvroute_harness::bootstrap::UPSTREAM_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_string();
-    resp.bytes().await.expect("body");
-    assert!(
-        sim.replicas.iter().any(|r| r.addr.to_string() == served),
-        "served by {served:?}"
-    );
-    (decision, served)
-}
-
-/// Waits until the filter has applied `n` more feed answers than `before`.
-async fn applied(envoy: &Envoy, before: u64, n: u64) {
-    envoy
-        .wait_for_stat(
-            "kvroute.index.poll_ok",
-            |v| v >= before + n,
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_engine_that_holds_the_prefix_draws_the_request_until_it_drops_it() {
     let spec = FleetSpec {
@@ -104,29 +58,11 @@ async fn the_engine_that_holds_the_prefix_draws_the_request_until_it_drops_it() 
     let indexer = FakeAdmin::start(feed(1, 0, true, "127.0.0.1:1", true, &[]))
         .await
         .expect("fake indexer starts");
-    let envoy = Envoy::start(EnvoyOptions {
-        backends: sim.replicas.iter().map(|r| r.addr).collect(),
-        lb: Lb::Kvroute {
-            plugin_config: json!({"debug_header": true, "stats_interval_ms": 200,
-                                  "index_cluster": "kvroute_indexer"}),
-        },
-        indexer: Some(indexer.addr()),
-        name_upstream: true,
-        ..EnvoyOptions::default()
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    envoy
-        .wait_for_stat(
-            "kvroute.endpoints_known",
-            |v| v == 3,
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    // Every worker re-reads the poller's snapshot on its own tick.
-    common::wait_for_fresh_poll_of(&envoy).await;
-    applied(&envoy, 0, 1).await;
+    let backends = sim.replicas.iter().map(|r| r.addr).collect();
+    let config = json!({"debug_header": true, "stats_interval_ms": 200,
+                        "index_cluster": "kvroute_indexer"});
+    let envoy = common::kvroute_with_indexer(backends, indexer.addr(), config).await;
+    common::index_applied(&envoy, 1).await;
     assert!(
         indexer
             .last_path()
@@ -137,7 +73,7 @@ async fn the_engine_that_holds_the_prefix_draws_the_request_until_it_drops_it() 
 
     // No engine holds it: its group's home.
     let body = body();
-    let (decision, home) = send(&envoy, &sim, &body).await;
+    let (decision, home) = common::decided(&envoy, &body).await;
     assert_eq!(decision, "home");
 
     // Another replica's engine reports the whole prompt: the request goes there.
@@ -148,32 +84,40 @@ async fn the_engine_that_holds_the_prefix_draws_the_request_until_it_drops_it() 
         .find(|a| *a != home)
         .expect("three replicas");
     let keys = keys(&body);
-    let before = stat(&envoy, "kvroute.index.poll_ok").await;
     indexer.answer(200, feed(2, 1, true, &holder, true, &keys));
-    applied(&envoy, before, 3).await;
+    common::index_applied(&envoy, 3).await;
     assert_eq!(
-        send(&envoy, &sim, &body).await,
+        common::decided(&envoy, &body).await,
         ("engine".into(), holder.clone())
     );
     assert!(
-        stat(&envoy, "kvroute.index.resyncs").await >= 2,
+        envoy
+            .stat("kvroute.index.resyncs")
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or(0)
+            >= 2,
         "two epochs, each in full"
     );
 
     // It evicts the prompt: placed by its group again (whose home the gateway may have moved by
     // now, once it counted the group).
-    let before = stat(&envoy, "kvroute.index.poll_ok").await;
     indexer.answer(200, feed(2, 2, false, &holder, false, &keys));
-    applied(&envoy, before, 3).await;
-    assert_eq!(send(&envoy, &sim, &body).await.0, "home");
+    common::index_applied(&envoy, 3).await;
+    assert_eq!(common::decided(&envoy, &body).await.0, "home");
 
     // Holding it again, then the indexer fails: once its last answer is too old the index no
     // longer counts, and the request goes home as it would without one.
-    let before = stat(&envoy, "kvroute.index.poll_ok").await;
     indexer.answer(200, feed(2, 3, false, &holder, true, &keys));
-    applied(&envoy, before, 3).await;
-    assert_eq!(send(&envoy, &sim, &body).await.0, "engine");
-    let failed = stat(&envoy, "kvroute.index.poll_failed").await;
+    common::index_applied(&envoy, 3).await;
+    assert_eq!(common::decided(&envoy, &body).await.0, "engine");
+    let failed = envoy
+        .stat("kvroute.index.poll_failed")
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(0);
     indexer.answer(503, String::new());
     envoy
         .wait_for_stat(
@@ -183,5 +127,5 @@ async fn the_engine_that_holds_the_prefix_draws_the_request_until_it_drops_it() 
         )
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(send(&envoy, &sim, &body).await.0, "home");
+    assert_eq!(common::decided(&envoy, &body).await.0, "home");
 }

@@ -416,14 +416,25 @@ pub async fn kvroute_envoy_over(sim: &kvroute_sim::fleet::Fleet, plugin_config: 
 
 /// An Envoy with kvroute (this plugin config) in front of `backends`, once kvroute knows every one.
 pub async fn kvroute_envoy_on(backends: Vec<std::net::SocketAddr>, plugin_config: Value) -> Envoy {
+    kvroute_envoy_with(backends, plugin_config, |_| {}).await
+}
+
+/// [`kvroute_envoy_on`] with the options `tweak` changes.
+pub async fn kvroute_envoy_with(
+    backends: Vec<std::net::SocketAddr>,
+    plugin_config: Value,
+    tweak: impl FnOnce(&mut EnvoyOptions),
+) -> Envoy {
     let n = backends.len() as u64;
-    let envoy = Envoy::start(EnvoyOptions {
+    let mut options = EnvoyOptions {
         backends,
         lb: Lb::Kvroute { plugin_config },
         ..EnvoyOptions::default()
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    };
+    tweak(&mut options);
+    let envoy = Envoy::start(options)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     envoy
         .wait_for_stat(
             "kvroute.endpoints_known",
@@ -448,4 +459,60 @@ pub fn reached_since(fleet: &Fleet, before: &[u64]) -> Vec<usize> {
         reached.extend(std::iter::repeat_n(i, (n - b) as usize));
     }
     reached
+}
+
+/// Precise mode: Envoy with kvroute (this plugin config, which names the `kvroute_indexer`
+/// cluster) in front of `backends`, polling the indexer at `indexer` and naming the upstream
+/// that served each response, once every worker knows every backend.
+pub async fn kvroute_with_indexer(
+    backends: Vec<std::net::SocketAddr>,
+    indexer: std::net::SocketAddr,
+    plugin_config: Value,
+) -> Envoy {
+    let envoy = kvroute_envoy_with(backends, plugin_config, |o| {
+        o.indexer = Some(indexer);
+        o.name_upstream = true;
+    })
+    .await;
+    // Every worker re-reads the poller's snapshot on its own tick.
+    wait_for_fresh_poll_of(&envoy).await;
+    envoy
+}
+
+/// Waits until kvroute has applied `n` more of the indexer's answers than it had.
+pub async fn index_applied(envoy: &Envoy, n: u64) {
+    let before = envoy.stat("kvroute.index.poll_ok").await.ok().flatten();
+    let before = before.unwrap_or(0);
+    envoy
+        .wait_for_stat(
+            "kvroute.index.poll_ok",
+            |v| v >= before + n,
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// POSTs chat `body` through `envoy`: kvroute's decision and the upstream that served it.
+pub async fn decided(envoy: &Envoy, body: &Value) -> (String, String) {
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", envoy.url()))
+        .json(body)
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(resp.status(), 200, "never a failed request");
+    let header = |name: &str| {
+        resp.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string()
+    };
+    let decided = (
+        header("x-kvroute-decision"),
+        header(kvroute_harness::bootstrap::UPSTREAM_HEADER),
+    );
+    resp.bytes().await.expect("body");
+    decided
 }
