@@ -52,17 +52,21 @@ async fn post(url: &str, body: &Value) {
     resp.bytes().await.expect("body");
 }
 
-/// Keys the indexer says `endpoint` holds, from its health page.
-async fn keys_held(indexer: &str, endpoint: &str) -> u64 {
-    let health: Value = common::client()
+/// The indexer's health page: its streams, each with its endpoint, next sequence and keys.
+async fn health(indexer: &str) -> Value {
+    common::client()
         .get(format!("{indexer}/health"))
         .send()
         .await
         .expect("health")
         .json()
         .await
-        .expect("health json");
-    health["streams"]
+        .expect("health json")
+}
+
+/// Keys the indexer says `endpoint` holds, from its health page.
+async fn keys_held(indexer: &str, endpoint: &str) -> u64 {
+    health(indexer).await["streams"]
         .as_array()
         .into_iter()
         .flatten()
@@ -126,15 +130,7 @@ async fn the_replica_whose_engine_cached_the_prompt_draws_it_until_it_evicts_it(
                                   "prompt": format!("probe {probe} {}", "word ".repeat(300))});
                 post(&format!("{}/v1/completions", r.url()), &body).await;
             }
-            let health: Value = common::client()
-                .get(format!("{index_url}/health"))
-                .send()
-                .await
-                .expect("health")
-                .json()
-                .await
-                .expect("health json");
-            health["streams"]
+            health(index_url).await["streams"]
                 .as_array()
                 .is_some_and(|s| s.iter().all(|s| !s["next_seq"].is_null()))
         }
