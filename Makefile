@@ -62,11 +62,17 @@ $(ISTIO_VENV)/bin/python:
 	$(PYTHON) -m venv $(ISTIO_VENV)
 	$(ISTIO_VENV)/bin/pip install --quiet --disable-pip-version-check cloudcoil-models-istio==1.24.2.1 'pydantic>=2.11,<3'
 
+# Kubernetes' own schemas (Deployment, Service, ServiceAccount: the precise overlay's gateway), for
+# the same validator; a stamp of its own, so a venv built before it gains it.
+.work/istio-k8s-models: $(ISTIO_VENV)/bin/python
+	$(ISTIO_VENV)/bin/pip install --quiet --disable-pip-version-check cloudcoil-models-kubernetes==1.32.1.3
+	@mkdir -p .work && touch $@
+
 .work/kubectl:
 	command -v kubectl >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubectl; }
 	@mkdir -p .work && touch $@
 
-istio-deps: $(ISTIO_VENV)/bin/python .work/kubectl
+istio-deps: $(ISTIO_VENV)/bin/python .work/istio-k8s-models .work/kubectl
 
 $(HF_VENV)/bin/python:
 	$(PYTHON) -m venv $(HF_VENV)
