@@ -25,7 +25,7 @@ export KVROUTE_TEMPLATES := $(abspath .work/templates)
 # Unit tests compiled to wasm run under wasmtime (installed into the venv from PyPI).
 export CARGO_TARGET_WASM32_WASIP1_RUNNER := $(abspath $(VENV))/bin/python $(abspath tools/wasi-run.py)
 
-.PHONY: all build wasm bins image deps istio-deps template-deps test test-native test-wasm test-real vllm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
+.PHONY: all build wasm bins image indexer-image test-indexer-image deps istio-deps template-deps test test-native test-wasm test-real vllm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
 
 all: build
 
@@ -41,6 +41,25 @@ bins:
 # for a WasmPlugin; reproducible, prints the manifest digest. Pushing: istio/README.md.
 image: wasm
 	$(CARGO) run --quiet --release -p oci-image -- $(WASM) target/oci kvroute
+
+# kvroute-indexer as a container image: built for x86_64-unknown-linux-musl (statically linked:
+# the image holds the binary alone) and packed like the filter's, reproducibly and without Docker,
+# into an OCI image layout under target/oci-indexer (tag kvroute-indexer); prints the manifest
+# digest. Not part of `make test` (the musl build is a second release build of the indexer's crate
+# graph); `make test-indexer-image` checks it with skopeo.
+INDEXER_TARGET := x86_64-unknown-linux-musl
+export KVROUTE_INDEXER_STATIC := $(abspath target/$(INDEXER_TARGET)/release/kvroute-indexer)
+
+indexer-image: .work/musl-target
+	$(CARGO) build --release --target $(INDEXER_TARGET) -p kvroute-indexer
+	$(CARGO) run --quiet --release -p oci-image -- --executable $(KVROUTE_INDEXER_STATIC) target/oci-indexer kvroute-indexer
+
+test-indexer-image: .work/skopeo indexer-image
+	$(CARGO) test -p oci-image --test skopeo -- --ignored
+
+.work/musl-target:
+	rustup target add $(INDEXER_TARGET)
+	@mkdir -p .work && touch $@
 
 .work/wasm-target:
 	rustup target add wasm32-wasip1
