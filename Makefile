@@ -13,6 +13,8 @@ export KVROUTE_WASM := $(abspath $(WASM))
 # The floor for the overhead benchmark: a filter that pauses for the body, reads it, nothing else.
 export KVROUTE_FLOOR_WASM := $(abspath target/wasm32-wasip1/release/floor_filter.wasm)
 export KVROUTE_SIM := $(abspath target/release/kvroute-sim)
+# The indexer run as a process of its own (tests/precise_gateways.rs).
+export KVROUTE_INDEXER := $(abspath target/release/kvroute-indexer)
 # Istio's CRD schemas (PyPI cloudcoil-models-istio), for tools/istio-validate.py in tests/manifests.rs.
 ISTIO_VENV := .work/istio-venv
 export KVROUTE_ISTIO_PYTHON := $(abspath $(ISTIO_VENV))/bin/python

@@ -28,14 +28,15 @@ pub fn body(tag: &str) -> Value {
         {"role": "user", "content": format!("When does {tag} open?")}]})
 }
 
-/// A simulated fleet of `replicas` tokenizing with the repository's BPE, and that tokenizer's
-/// file (removed when the fleet is dropped... by the caller: [`BpeFleet`] does it).
+/// A simulated fleet tokenizing with the repository's BPE, and that tokenizer's file (removed
+/// when the fleet is dropped).
 pub struct BpeFleet {
     pub sim: Fleet,
     pub tokenizer: PathBuf,
 }
 
 impl BpeFleet {
+    /// `replicas` replicas serving [`MODEL`]; `name` tells the tokenizer file apart.
     pub async fn start(replicas: usize, name: &str) -> BpeFleet {
         let tokenizer = std::env::temp_dir().join(format!(
             "kvroute-{name}-{}-tokenizer.json",
@@ -189,6 +190,8 @@ pub struct IndexerProcess {
 }
 
 impl IndexerProcess {
+    /// Starts the binary on a free port with `config`'s tokenizer, model and engines, and waits
+    /// until it says where it listens.
     pub async fn start(config: &IndexerConfig) -> IndexerProcess {
         use tokio::io::AsyncBufReadExt;
         let bin = indexer_binary();
