@@ -267,27 +267,10 @@ fn the_header_routing_wasm_plugin_is_consistent_with_kvroute() {
     );
 }
 
-/// The container `name` of the gateway Deployment in the rendered precise overlay.
-fn container<'a>(docs: &'a [Value], list: &str, name: &str) -> &'a Value {
-    let pod = &istio::object(docs, "Deployment", "istio-ingressgateway")["spec"]["template"];
-    pod["spec"][list]
-        .as_sequence()
-        .and_then(|c| c.iter().find(|c| c["name"] == name))
-        .unwrap_or_else(|| panic!("no {list} {name} in the gateway pod"))
-}
-
-/// The value of `container`'s env variable `name`.
-fn env<'a>(container: &'a Value, name: &str) -> &'a str {
-    container["env"]
-        .as_sequence()
-        .and_then(|e| e.iter().find(|e| e["name"] == name))
-        .and_then(|e| e["value"].as_str())
-        .unwrap_or_else(|| panic!("no env {name}"))
-}
-
 #[test]
 fn the_precise_overlay_runs_the_indexer_in_the_gateway_pod_and_points_kvroute_at_it() {
     use clap::Parser;
+    use istio::{container, env};
     let docs = istio::rendered("precise");
     let body = istio::rendered("body-routing");
     let values = values();
@@ -355,18 +338,7 @@ fn the_precise_overlay_runs_the_indexer_in_the_gateway_pod_and_points_kvroute_at
     // served model and reads the tokenizer the init container fetched.
     let indexer = container(&docs, "containers", "kvroute-indexer");
     assert_eq!(indexer["image"], values["indexer_image"]);
-    let args: Vec<String> = indexer["args"]
-        .as_sequence()
-        .expect("args")
-        .iter()
-        .map(|a| {
-            let mut a = a.as_str().expect("a string").to_string();
-            for var in ["MODEL", "POOL_CLUSTER", "KV_EVENTS_PORT", "KV_EVENTS_TOPIC"] {
-                a = a.replace(&format!("$({var})"), env(indexer, var));
-            }
-            a
-        })
-        .collect();
+    let args = istio::indexer_args(&docs);
     assert!(args.iter().all(|a| !a.contains("$(")), "{args:?}");
     let command = std::iter::once("kvroute-indexer".to_string()).chain(args.clone());
     let parsed = kvroute_indexer::config::Config::try_parse_from(command)

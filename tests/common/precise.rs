@@ -193,20 +193,26 @@ impl IndexerProcess {
     /// Starts the binary on a free port with `config`'s tokenizer, model and engines, and waits
     /// until it says where it listens.
     pub async fn start(config: &IndexerConfig) -> IndexerProcess {
+        let mut args: Vec<String> = vec![
+            format!("--tokenizer={}", config.tokenizer.display()),
+            format!("--model={}", config.model),
+            "--listen=127.0.0.1:0".into(),
+            "--stale-after=3600".into(),
+            "--gap-hold=3600".into(),
+        ];
+        for e in &config.engines {
+            args.push(format!("--engine={}={}", e.endpoint, e.events));
+        }
+        IndexerProcess::with_args(&args).await
+    }
+
+    /// Starts the binary with these arguments (one of them `--listen` on a free port) and waits
+    /// until it says where it listens.
+    pub async fn with_args(args: &[String]) -> IndexerProcess {
         use tokio::io::AsyncBufReadExt;
         let bin = indexer_binary();
-        let mut command = tokio::process::Command::new(&bin);
-        command
-            .arg("--tokenizer")
-            .arg(&config.tokenizer)
-            .args(["--model", &config.model, "--listen", "127.0.0.1:0"])
-            .args(["--stale-after", "3600", "--gap-hold", "3600"]);
-        for e in &config.engines {
-            command
-                .arg("--engine")
-                .arg(format!("{}={}", e.endpoint, e.events));
-        }
-        let mut child = command
+        let mut child = tokio::process::Command::new(&bin)
+            .args(args)
             .stderr(std::process::Stdio::piped())
             .kill_on_drop(true)
             .spawn()
@@ -217,7 +223,7 @@ impl IndexerProcess {
                 .await
                 .expect("the indexer says where it listens")
                 .expect("its stderr")
-                .expect("the indexer exited before listening");
+                .unwrap_or_else(|| panic!("the indexer exited before listening: {args:?}"));
             if let Some(at) = line.strip_prefix("kvroute-indexer: listening on http://") {
                 break at.parse().expect("an address");
             }
