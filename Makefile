@@ -13,6 +13,8 @@ export KVROUTE_WASM := $(abspath $(WASM))
 # The floor for the overhead benchmark: a filter that pauses for the body, reads it, nothing else.
 export KVROUTE_FLOOR_WASM := $(abspath target/wasm32-wasip1/release/floor_filter.wasm)
 export KVROUTE_SIM := $(abspath target/release/kvroute-sim)
+# The indexer run as a process of its own (tests/precise_gateways.rs).
+export KVROUTE_INDEXER := $(abspath target/release/kvroute-indexer)
 # Istio's CRD schemas (PyPI cloudcoil-models-istio), for tools/istio-validate.py in tests/manifests.rs.
 ISTIO_VENV := .work/istio-venv
 export KVROUTE_ISTIO_PYTHON := $(abspath $(ISTIO_VENV))/bin/python
@@ -25,7 +27,7 @@ export KVROUTE_TEMPLATES := $(abspath .work/templates)
 # Unit tests compiled to wasm run under wasmtime (installed into the venv from PyPI).
 export CARGO_TARGET_WASM32_WASIP1_RUNNER := $(abspath $(VENV))/bin/python $(abspath tools/wasi-run.py)
 
-.PHONY: all build wasm bins image deps istio-deps template-deps test test-native test-wasm test-real vllm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
+.PHONY: all build wasm bins image indexer-image test-indexer-image deps istio-deps template-deps test test-native test-wasm test-real vllm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
 
 all: build
 
@@ -41,6 +43,25 @@ bins:
 # for a WasmPlugin; reproducible, prints the manifest digest. Pushing: istio/README.md.
 image: wasm
 	$(CARGO) run --quiet --release -p oci-image -- $(WASM) target/oci kvroute
+
+# kvroute-indexer as a container image: built for x86_64-unknown-linux-musl (statically linked:
+# the image holds the binary alone) and packed like the filter's, reproducibly and without Docker,
+# into an OCI image layout under target/oci-indexer (tag kvroute-indexer); prints the manifest
+# digest. Not part of `make test` (the musl build is a second release build of the indexer's crate
+# graph); `make test-indexer-image` checks it with skopeo.
+INDEXER_TARGET := x86_64-unknown-linux-musl
+export KVROUTE_INDEXER_STATIC := $(abspath target/$(INDEXER_TARGET)/release/kvroute-indexer)
+
+indexer-image: .work/musl-target
+	$(CARGO) build --release --target $(INDEXER_TARGET) -p kvroute-indexer
+	$(CARGO) run --quiet --release -p oci-image -- --executable $(KVROUTE_INDEXER_STATIC) target/oci-indexer kvroute-indexer
+
+test-indexer-image: .work/skopeo indexer-image
+	$(CARGO) test -p oci-image --test skopeo -- --ignored
+
+.work/musl-target:
+	rustup target add $(INDEXER_TARGET)
+	@mkdir -p .work && touch $@
 
 .work/wasm-target:
 	rustup target add wasm32-wasip1
@@ -62,11 +83,17 @@ $(ISTIO_VENV)/bin/python:
 	$(PYTHON) -m venv $(ISTIO_VENV)
 	$(ISTIO_VENV)/bin/pip install --quiet --disable-pip-version-check cloudcoil-models-istio==1.24.2.1 'pydantic>=2.11,<3'
 
+# Kubernetes' own schemas (Deployment, Service, ServiceAccount: the precise overlay's gateway), for
+# the same validator; a stamp of its own, so a venv built before it gains it.
+.work/istio-k8s-models: $(ISTIO_VENV)/bin/python
+	$(ISTIO_VENV)/bin/pip install --quiet --disable-pip-version-check cloudcoil-models-kubernetes==1.32.1.3
+	@mkdir -p .work && touch $@
+
 .work/kubectl:
 	command -v kubectl >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubectl; }
 	@mkdir -p .work && touch $@
 
-istio-deps: $(ISTIO_VENV)/bin/python .work/kubectl
+istio-deps: $(ISTIO_VENV)/bin/python .work/istio-k8s-models .work/kubectl
 
 $(HF_VENV)/bin/python:
 	$(PYTHON) -m venv $(HF_VENV)

@@ -1,6 +1,7 @@
 #![cfg(not(target_arch = "wasm32"))]
-//! The gateway config istiod and istio-agent would hand Envoy from `istio/body-routing`, assembled
-//! from the rendered manifests (every value read from them) and run with real traffic.
+//! The gateway config istiod and istio-agent would hand Envoy from `istio/body-routing` (and from
+//! `istio/precise`, with kvroute-indexer), assembled from the rendered manifests (every value read
+//! from them) and run with real traffic.
 //!
 //! Stand-ins for what only a cluster has: ADS becomes a file (the ECDS resource the EnvoyFilter
 //! adds, in a path config source); the `oci://` remote code becomes the local module, as
@@ -172,17 +173,29 @@ fn static_cluster(name: &str, hosts: &[SocketAddr]) -> Json {
     })
 }
 
-/// The gateway's Envoy config (bootstrap, ECDS file) from the rendered `istio/body-routing`.
+/// The gateway's Envoy config (bootstrap, ECDS file) from the rendered `istio/body-routing` (or
+/// `istio/precise`). With `indexer` (precise mode), the `kvroute_indexer` cluster the overlay adds
+/// points there instead of the pod's 127.0.0.1:9400, and the test reads what kvroute decided: the
+/// plugin gains `debug_header` and a quicker poll, the route names the upstream that answered.
 fn gateway(
     docs: &[Value],
     backends: &[SocketAddr],
     ports: (u16, u16),
     dir: &Path,
     ecds_inline: bool,
+    indexer: Option<SocketAddr>,
 ) -> Json {
     let wasm = paths::kvroute_wasm().expect("KVROUTE_WASM");
     let ecds_path = dir.join("kvroute-ecds.json");
-    let ec = extension_config(docs, &wasm);
+    let mut ec = extension_config(docs, &wasm);
+    if indexer.is_some() {
+        let value = &mut ec["typed_config"]["config"]["configuration"]["value"];
+        let mut config: Json = serde_json::from_str(value.as_str().expect("a StringValue"))
+            .expect("the plugin configuration is JSON");
+        config["debug_header"] = true.into();
+        config["stats_interval_ms"] = 200.into();
+        *value = config.to_string().into();
+    }
     std::fs::write(&ecds_path, json!({ "resources": [ec] }).to_string()).expect("ECDS file");
     let mut filters = http_filters(docs, &ecds_path);
     if ecds_inline {
@@ -193,7 +206,13 @@ fn gateway(
             }
         }
     }
-    let (route, pool) = route_config(docs);
+    let (mut route, pool) = route_config(docs);
+    if indexer.is_some() {
+        let header = json!([{ "header": {
+            "key": kvroute_harness::bootstrap::UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"
+        } }]);
+        route["virtual_hosts"][0]["routes"][0]["response_headers_to_add"] = header;
+    }
     assert_eq!(
         pool,
         istio::pool_cluster(docs),
@@ -215,6 +234,7 @@ fn gateway(
     // Istio's default for a service cluster is least-request; the patch's policy must win over it.
     let mut pool_cluster = static_cluster(&pool, backends);
     pool_cluster["lb_policy"] = "LEAST_REQUEST".into();
+    let mut added = Vec::new();
     for p in patches(docs) {
         let value = to_json(&p["patch"]["value"]);
         match (p["applyTo"].as_str(), p["patch"]["operation"].as_str()) {
@@ -233,11 +253,21 @@ fn gateway(
                 assert_eq!(Some(to_json(name)), entry.get("name").cloned());
                 merge(entry, &value);
             }
+            (Some("CLUSTER"), Some("ADD")) => {
+                let mut cluster = value;
+                if let Some(at) = indexer {
+                    let name = cluster["name"].as_str().expect("a name").to_string();
+                    cluster = static_cluster(&name, &[at]);
+                }
+                added.push(cluster);
+            }
             (Some("HTTP_FILTER" | "EXTENSION_CONFIG"), _) => {}
             other => panic!("patch {other:?} not assembled here"),
         }
     }
     let admin = SocketAddr::from(([127, 0, 0, 1], ports.0));
+    let mut clusters = vec![pool_cluster, static_cluster("prometheus_stats", &[admin])];
+    clusters.extend(added);
     json!({
         // What istio-agent puts in every gateway's bootstrap; ECDS needs a node.
         "node": {
@@ -247,14 +277,20 @@ fn gateway(
         "admin": { "address": { "socket_address": { "address": "127.0.0.1", "port_value": ports.0 } } },
         "static_resources": {
             "listeners": [listener],
-            "clusters": [pool_cluster, static_cluster("prometheus_stats", &[admin])]
+            "clusters": clusters
         }
     })
 }
 
 #[test]
 fn the_assembled_gateway_config_passes_envoy_validation() {
-    let docs = istio::rendered("body-routing");
+    for variant in ["body-routing", "precise"] {
+        assembled_config_passes_envoy_validation(variant);
+    }
+}
+
+fn assembled_config_passes_envoy_validation(variant: &str) {
+    let docs = istio::rendered(variant);
     let dir = std::env::temp_dir().join(format!("kvroute-istio-validate-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let backends: Vec<SocketAddr> = vec!["127.0.0.1:1".parse().unwrap()];
@@ -272,9 +308,12 @@ fn the_assembled_gateway_config_passes_envoy_validation() {
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
-    let config = gateway(&docs, &backends, (1, 2), &dir, true);
+    let config = gateway(&docs, &backends, (1, 2), &dir, true, None);
     let (ok, log) = validate(&config);
-    assert!(ok, "Envoy rejects the assembled gateway config:\n{log}");
+    assert!(
+        ok,
+        "{variant}: Envoy rejects the assembled gateway config:\n{log}"
+    );
     // Envoy's validation is strict here too: a field the override_host policy lacks is rejected.
     let mut bad = config.clone();
     let policy = bad
@@ -296,7 +335,7 @@ async fn the_gateway_routes_by_prefix_through_the_istio_config() {
     let addrs: Vec<SocketAddr> = backends.iter().map(Backend::addr).collect();
     let envoy = Envoy::start_with(
         |admin, listener, dir| -> Result<String, HarnessError> {
-            Ok(gateway(&docs, &addrs, (admin, listener), dir, false).to_string())
+            Ok(gateway(&docs, &addrs, (admin, listener), dir, false, None).to_string())
         },
         EnvoyOptions {
             wait_healthy: false,
@@ -403,4 +442,96 @@ async fn the_gateway_routes_by_prefix_through_the_istio_config() {
         "reached {reached:?}: not two replicas, once each"
     );
     assert_eq!(reached_since(&fleet, &before).len(), 2);
+}
+
+/// `istio/precise` assembled the same way, over a simulated fleet that tokenizes with the
+/// repository's BPE and publishes vLLM's KV events. The overlay's plugin configuration (its
+/// `index_cluster`, its ChatML template) and the cluster it adds send a prompt an engine cached to
+/// that engine. The overlay's indexer command line, given this gateway's admin in place of the
+/// pod's 127.0.0.1:15000, finds every host of the Service's cluster there and subscribes to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_precise_gateway_sends_a_cached_prompt_to_its_engine_and_its_indexer_finds_the_hosts() {
+    use common::precise::{body, eventually, health, keys_held, post, BpeFleet, IndexerProcess};
+    let docs = istio::rendered("precise");
+    let fleet = BpeFleet::start(3, "istio-precise").await;
+    let indexer = kvroute_indexer::start(fleet.indexer_config())
+        .await
+        .expect("indexer starts");
+    let url = format!("http://{}", indexer.addr);
+    fleet.until_heard(std::slice::from_ref(&url)).await;
+    let addrs = fleet.backends();
+    let envoy = Envoy::start_with(
+        |admin, listener, dir| -> Result<String, HarnessError> {
+            let config = gateway(
+                &docs,
+                &addrs,
+                (admin, listener),
+                dir,
+                false,
+                Some(indexer.addr),
+            );
+            Ok(config.to_string())
+        },
+        EnvoyOptions {
+            wait_healthy: false,
+            ..EnvoyOptions::default()
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    envoy
+        .wait_for_stat(
+            "kvroute.endpoints_known",
+            |v| v == addrs.len() as u64,
+            std::time::Duration::from_secs(30),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    common::wait_for_fresh_poll_of(&envoy).await;
+
+    let r = &fleet.sim.replicas[2];
+    let cached = r.addr.to_string();
+    post(&format!("{}/v1/chat/completions", r.url()), &body("depot")).await;
+    let indexed = || async { keys_held(&url, &cached).await >= 2 };
+    eventually("the indexer holds the prompt", indexed).await;
+    common::index_applied(&envoy, 3).await;
+    assert_eq!(
+        common::decided(&envoy, &body("depot")).await,
+        ("engine".to_string(), cached)
+    );
+
+    // The pod's command line, with this machine's admin, tokenizer and a free port.
+    let args: Vec<String> = istio::indexer_args(&docs)
+        .into_iter()
+        .map(|a| match a.split_once('=') {
+            Some(("--envoy-admin", at)) => {
+                assert_eq!(
+                    at, "http://127.0.0.1:15000",
+                    "the gateway's admin in the pod"
+                );
+                format!("--envoy-admin={}", envoy.admin_url())
+            }
+            Some(("--tokenizer", _)) => format!("--tokenizer={}", fleet.tokenizer.display()),
+            Some(("--listen", _)) => "--listen=127.0.0.1:0".into(),
+            _ => a,
+        })
+        .collect();
+    let discovering = IndexerProcess::with_args(&args).await;
+    let mut want: Vec<String> = addrs.iter().map(SocketAddr::to_string).collect();
+    want.sort();
+    eventually(
+        "the indexer subscribes to every host of the Service",
+        || async {
+            let health = health(&discovering.url()).await;
+            let mut found: Vec<String> = health["streams"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|s| s["endpoint"].as_str().map(str::to_string))
+                .collect();
+            found.sort();
+            found == want
+        },
+    )
+    .await;
 }

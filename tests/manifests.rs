@@ -109,6 +109,78 @@ fn the_envoy_bootstrap_is_consistent_with_kvroute() {
     );
 }
 
+/// The configuration string of the kvroute Wasm filter in an Envoy bootstrap.
+fn plugin_value(bootstrap: &mut Value) -> &mut Value {
+    let hcm = &mut bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0];
+    let filters = hcm["typed_config"]["http_filters"]
+        .as_sequence_mut()
+        .expect("http_filters");
+    let wasm = filters
+        .iter_mut()
+        .find(|f| f["name"] == "envoy.filters.http.wasm")
+        .expect("the Wasm filter");
+    &mut wasm["typed_config"]["config"]["configuration"]["value"]
+}
+
+fn plugin_json(bootstrap: &mut Value) -> serde_json::Value {
+    let text = plugin_value(bootstrap).as_str().expect("a StringValue");
+    serde_json::from_str(text).expect("the plugin configuration is JSON")
+}
+
+/// The precise config's JSON is the shipped one's plus precise mode's own fields; everything else
+/// in the two files is the same, so envoy/kvroute.yaml stays the one source of every other setting.
+#[test]
+fn the_precise_envoy_bootstrap_is_the_shipped_one_plus_the_indexer() {
+    let (shipped_path, precise_path) = ("envoy/kvroute.yaml", "envoy/kvroute-precise.yaml");
+    let mut shipped = documents(shipped_path).remove(0);
+    let mut precise = documents(precise_path).remove(0);
+    let docs = [precise.clone()];
+    let (_, config) = plugin(&docs);
+    check_routing_header(&docs, &config, precise_path);
+    assert!(
+        config.templates.for_model("any model").is_some(),
+        "{precise_path}: a chat_template for every model"
+    );
+    let index = config.index_cluster.clone().expect("index_cluster set");
+    let indexer = mappings(&docs)
+        .into_iter()
+        .find(|m| get(m, "name") == Some(&Value::from(index.as_str())))
+        .and_then(|m| get(m, "load_assignment"))
+        .unwrap_or_else(|| panic!("{precise_path}: a cluster named {index}"))
+        .clone();
+    let address = &indexer["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"];
+    assert_eq!(
+        address["socket_address"]["port_value"],
+        Value::from(9400),
+        "kvroute-indexer's default --listen port"
+    );
+
+    let base = plugin_json(&mut shipped);
+    let mut json = plugin_json(&mut precise);
+    let own = json.as_object_mut().expect("an object");
+    let mut added: Vec<String> = own
+        .keys()
+        .filter(|k| base.get(*k).is_none())
+        .cloned()
+        .collect();
+    added.sort();
+    assert_eq!(
+        added,
+        ["chat_template", "index_cluster"],
+        "precise mode's own fields"
+    );
+    own.remove("chat_template");
+    own.remove("index_cluster");
+    assert_eq!(json, base, "every other field as shipped");
+
+    // With the shipped configuration string in place of its own, the file is the shipped one.
+    *plugin_value(&mut precise) = plugin_value(&mut shipped).clone();
+    assert!(
+        precise == shipped,
+        "{precise_path} differs from {shipped_path} outside the plugin configuration"
+    );
+}
+
 /// `values.yaml`, the one file a user edits.
 fn values() -> Value {
     documents("istio/base/values.yaml").remove(0)
@@ -195,6 +267,118 @@ fn the_header_routing_wasm_plugin_is_consistent_with_kvroute() {
     );
 }
 
+#[test]
+fn the_precise_overlay_runs_the_indexer_in_the_gateway_pod_and_points_kvroute_at_it() {
+    use clap::Parser;
+    use istio::{container, env};
+    let docs = istio::rendered("precise");
+    let body = istio::rendered("body-routing");
+    let values = values();
+    let pool = istio::pool_cluster(&docs);
+    let json = |docs: &[Value]| -> serde_json::Value {
+        let ecds = &istio::patch(docs, "kvroute", "EXTENSION_CONFIG", "kvroute")["patch"]["value"];
+        let text = ecds["typed_config"]["config"]["configuration"]["value"].as_str();
+        serde_json::from_str(text.expect("a StringValue")).expect("JSON")
+    };
+
+    // The plugin: body-routing's configuration plus the indexer's cluster and the chat template.
+    let mut config = json(&docs);
+    let text = config.to_string();
+    let parsed = Config::parse(text.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(parsed.clusters, vec![pool.clone()]);
+    assert!(
+        parsed.templates.for_model("any").is_some(),
+        "a chat_template"
+    );
+    let index = parsed.index_cluster.clone().expect("index_cluster");
+    let own = config.as_object_mut().expect("an object");
+    assert!(own.remove("chat_template").is_some() && own.remove("index_cluster").is_some());
+    assert_eq!(config, json(&body), "every other field as in body-routing");
+    check_routing_header(&docs, &parsed, "istio/precise");
+
+    // The cluster it names: the indexer's address in the pod.
+    let cluster = &istio::patch(&docs, "kvroute-indexer", "CLUSTER", "")["patch"];
+    assert_eq!(cluster["operation"], "ADD");
+    assert_eq!(cluster["value"]["name"], Value::from(index.as_str()));
+    let at = &cluster["value"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0];
+    let at = &at["endpoint"]["address"]["socket_address"];
+    let indexer_at = format!(
+        "{}:{}",
+        at["address"].as_str().unwrap(),
+        at["port_value"].as_u64().unwrap()
+    );
+
+    // The gateway's pods are the ones every EnvoyFilter and the Gateway select.
+    let pod = &istio::object(&docs, "Deployment", "istio-ingressgateway")["spec"]["template"];
+    for ef in docs.iter().filter(|d| d["kind"] == "EnvoyFilter") {
+        for (k, v) in ef["spec"]["workloadSelector"]["labels"]
+            .as_mapping()
+            .expect("labels")
+        {
+            assert_eq!(
+                &pod["metadata"]["labels"][k], v,
+                "{:?}",
+                ef["metadata"]["name"]
+            );
+        }
+    }
+    let gateway = istio::object(&docs, "Gateway", "llm-gateway");
+    for (k, v) in gateway["spec"]["selector"].as_mapping().expect("selector") {
+        assert_eq!(&pod["metadata"]["labels"][k], v);
+    }
+    assert_eq!(
+        pod["metadata"]["annotations"]["inject.istio.io/templates"],
+        "gateway"
+    );
+    let proxy = container(&docs, "containers", "istio-proxy");
+    assert_eq!(proxy["image"], "auto", "istiod injects the gateway's Envoy");
+
+    // The indexer's command line, as Kubernetes expands it, is one it accepts: it listens where
+    // the cluster points, reads the gateway's own admin for the Service's hosts, keys for the
+    // served model and reads the tokenizer the init container fetched.
+    let indexer = container(&docs, "containers", "kvroute-indexer");
+    assert_eq!(indexer["image"], values["indexer_image"]);
+    let args = istio::indexer_args(&docs);
+    assert!(args.iter().all(|a| !a.contains("$(")), "{args:?}");
+    let command = std::iter::once("kvroute-indexer".to_string()).chain(args.clone());
+    let parsed = kvroute_indexer::config::Config::try_parse_from(command)
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    assert_eq!(parsed.listen.to_string(), indexer_at);
+    assert_eq!(
+        parsed.envoy_admin.as_deref(),
+        Some("http://127.0.0.1:15000"),
+        "Istio's admin port"
+    );
+    assert_eq!(parsed.cluster.as_deref(), Some(pool.as_str()));
+    assert_eq!(Some(parsed.model.as_str()), values["model"].as_str());
+    assert_eq!(
+        Some(u64::from(parsed.kv_events_port.expect("a port"))),
+        values["kv_events_port"].as_u64()
+    );
+    assert_eq!(
+        Some(parsed.topic.as_str()),
+        values["kv_events_topic"].as_str()
+    );
+    assert_eq!(parsed.chunk_size, 512, "the filter's default chunk_size");
+    let fetch = container(&docs, "initContainers", "tokenizer");
+    assert_eq!(
+        Some(env(fetch, "TOKENIZER_URL")),
+        values["tokenizer_url"].as_str()
+    );
+    let fetched = fetch["args"].as_sequence().expect("args");
+    let out = fetched.iter().position(|a| a == "-o").expect("curl -o");
+    assert_eq!(fetched[out + 1].as_str(), parsed.tokenizer.to_str());
+    let mount = |c: &Value| {
+        c["volumeMounts"][0]["mountPath"]
+            .as_str()
+            .map(str::to_string)
+    };
+    assert_eq!(mount(indexer), mount(fetch));
+    assert!(parsed
+        .tokenizer
+        .starts_with(mount(indexer).expect("a mount")));
+}
+
 /// Copies `from` to `to`, recursively.
 fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
     std::fs::create_dir_all(to).expect("mkdir");
@@ -225,25 +409,52 @@ fn values_yaml_sets_every_name_in_one_place() {
             Some("port") => "port: 8081".to_string(),
             Some("image") => "image: oci://r.example/team/kvroute:v9".to_string(),
             Some("sha256") => format!("sha256: \"{digest}\""),
+            Some("indexer_image") => "indexer_image: r.example/team/kvroute-indexer:v9".to_string(),
+            Some("model") => "model: meta-llama/Llama-3.1-8B-Instruct".to_string(),
+            Some("tokenizer_url") => {
+                "tokenizer_url: https://models.example/llama/tokenizer.json".to_string()
+            }
+            Some("kv_events_port") => "kv_events_port: 6001".to_string(),
+            Some("kv_events_topic") => "kv_events_topic: llama-events".to_string(),
             _ => l.to_string(),
         })
         .collect::<Vec<_>>()
         .join("\n");
     std::fs::write(&path, changed).expect("write values.yaml");
     let pool = "outbound|8081||qwen.serving.svc.cluster.local";
-    for variant in ["body-routing", "header-routing"] {
+    for variant in ["body-routing", "header-routing", "precise"] {
         let text = istio::kustomize(&dir.join(variant));
-        for old in ["vllm.llm.svc", "|8000|", "registry.example", "00000000"] {
+        let precise_names = ["Qwen", "huggingface.co", "5557", "value: kv-events"];
+        let old_names = ["vllm.llm.svc", "|8000|", "registry.example", "00000000"];
+        let olds = old_names.iter().chain(if variant == "precise" {
+            &precise_names[..]
+        } else {
+            &[]
+        });
+        for old in olds {
             assert!(
                 !text.contains(old),
                 "{variant}: {old} left after changing values.yaml"
             );
         }
+        // The cluster patch, `clusters`, `engine_metrics_cluster`, and the indexer's `--cluster`.
+        let pools = if variant == "precise" { 4 } else { 3 };
         assert_eq!(
             text.matches(pool).count(),
-            3,
-            "{variant}: cluster patch, clusters, engine cluster"
+            pools,
+            "{variant}: every place the cluster is named"
         );
+        if variant == "precise" {
+            for new in [
+                "r.example/team/kvroute-indexer:v9",
+                "meta-llama/Llama-3.1-8B-Instruct",
+                "https://models.example/llama/tokenizer.json",
+                "value: \"6001\"",
+                "value: llama-events",
+            ] {
+                assert_eq!(text.matches(new).count(), 1, "{variant}: {new}");
+            }
+        }
         assert_eq!(text.matches(&digest).count(), 1, "{variant}");
         assert_eq!(text.matches("oci://r.example/team/kvroute:v9").count(), 1);
         let docs = istio::documents(&text);
@@ -296,7 +507,7 @@ fn map<'a>(v: &'a mut Value, path: &[&str]) -> &'a mut serde_yaml::Mapping {
 fn every_istio_object_passes_istio_schemas_and_unknown_fields_are_rejected() {
     // (what, YAML, whether valid, what the output must name)
     let mut cases: Vec<(String, String, bool, &str)> = Vec::new();
-    for variant in ["body-routing", "header-routing"] {
+    for variant in ["body-routing", "header-routing", "precise"] {
         let docs = istio::rendered(variant);
         cases.push((
             variant.into(),
@@ -307,14 +518,20 @@ fn every_istio_object_passes_istio_schemas_and_unknown_fields_are_rejected() {
         // The validator can fail: an unknown field in any object's spec is an error.
         for (i, doc) in docs.iter().enumerate() {
             let kind = doc["kind"].as_str().unwrap_or_default();
+            // A ServiceAccount has no spec: at its top level.
+            let at: &[&str] = if doc["spec"].is_null() {
+                &[]
+            } else {
+                &["spec"]
+            };
             let bad = mutated(&docs, |d| {
-                map(&mut d[i], &["spec"]).insert("replicaz".into(), 1.into());
+                map(&mut d[i], at).insert("replicaz".into(), 1.into());
             });
             cases.push((
-                format!("{variant} {kind}.spec.replicaz"),
+                format!("{variant} {kind}.{}replicaz", at.join(".")),
                 bad,
                 false,
-                "spec.replicaz",
+                "replicaz",
             ));
         }
     }

@@ -1,6 +1,8 @@
-"""Validates Kubernetes YAML (stdin, or each file given)  against Istio's CRD schemas, rejecting unknown fields.
+"""Validates Kubernetes YAML (stdin, or each file given) against Istio's CRD schemas and Kubernetes' own
+(Deployment, Service, ServiceAccount), rejecting unknown fields.
 
-The schemas are the Istio API models of PyPI's cloudcoil-models-istio (generated from Istio's CRDs).
+The schemas are the Istio API models of PyPI's cloudcoil-models-istio (generated from Istio's CRDs)
+and the Kubernetes ones of cloudcoil-models-kubernetes (from Kubernetes' OpenAPI).
 As shipped they ignore unknown fields (pydantic's default) and accept snake_case spellings of
 camelCase fields; an API server with strict field validation rejects both, so this turns both off
 before the models are built, and validates in strict mode (no "8000" for 8000).
@@ -23,6 +25,8 @@ from cloudcoil.models.istio.networking import v1alpha3 as networking_v1alpha3  #
 from cloudcoil.models.istio.networking import v1beta1 as networking_v1beta1  # noqa: E402
 from cloudcoil.models.istio.security import v1 as security_v1  # noqa: E402
 from cloudcoil.models.istio.telemetry import v1 as telemetry_v1  # noqa: E402
+from cloudcoil.models.kubernetes.apps import v1 as apps_v1  # noqa: E402
+from cloudcoil.models.kubernetes.core import v1 as core_v1  # noqa: E402
 
 MODULES = {
     "extensions.istio.io/v1alpha1": extensions_v1alpha1,
@@ -31,6 +35,8 @@ MODULES = {
     "networking.istio.io/v1beta1": networking_v1beta1,
     "security.istio.io/v1": security_v1,
     "telemetry.istio.io/v1": telemetry_v1,
+    "apps/v1": apps_v1,
+    "v1": core_v1,
 }
 
 
@@ -57,7 +63,7 @@ def errors(doc):
     api, kind = doc.get("apiVersion"), doc.get("kind")
     model = getattr(MODULES.get(api), kind or "", None) if api in MODULES else None
     if model is None:
-        return [f"{api}/{kind}: not an Istio API object this validator knows"]
+        return [f"{api}/{kind}: not an object this validator knows"]
     try:
         model.model_validate(doc, strict=True)
         return []

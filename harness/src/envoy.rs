@@ -67,6 +67,9 @@ pub struct EnvoyOptions {
     /// A command Envoy runs under, with its arguments (valgrind counting instructions, say);
     /// empty: Envoy runs itself.
     pub run_under: Vec<String>,
+    /// Another shipped bootstrap to start from instead of [`paths::shipped_bootstrap`]'s
+    /// (`envoy/kvroute-precise.yaml`: [`paths::precise_bootstrap`]), patched alike.
+    pub bootstrap: Option<PathBuf>,
 }
 
 impl Default for EnvoyOptions {
@@ -88,6 +91,7 @@ impl Default for EnvoyOptions {
             name_upstream: false,
             kvroute_wasm: None,
             run_under: Vec::new(),
+            bootstrap: None,
         }
     }
 }
@@ -116,7 +120,11 @@ impl Envoy {
             _ => None,
         };
         let [admin_port, listener_port] = free_ports()?;
-        let shipped = std::fs::read_to_string(paths::shipped_bootstrap())?;
+        let shipped = opts
+            .bootstrap
+            .clone()
+            .unwrap_or_else(paths::shipped_bootstrap);
+        let shipped = std::fs::read_to_string(shipped)?;
         let yaml = bootstrap::render(
             &shipped,
             &bootstrap::Patch {

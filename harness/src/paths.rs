@@ -13,6 +13,11 @@ pub fn shipped_bootstrap() -> PathBuf {
     workspace_root().join("envoy/kvroute.yaml")
 }
 
+/// The shipped precise-mode bootstrap: the same, with kvroute polling kvroute-indexer.
+pub fn precise_bootstrap() -> PathBuf {
+    workspace_root().join("envoy/kvroute-precise.yaml")
+}
+
 /// Envoy: `$ENVOY_BIN`, else `<workspace>/.venv/bin/envoy` (what `make deps` installs), else `envoy`
 /// on `PATH`. Never silently skipped: missing means an error telling how to install it.
 pub fn envoy_bin() -> Result<PathBuf, HarnessError> {

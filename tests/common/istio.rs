@@ -132,3 +132,46 @@ pub fn validate_each(texts: &[String]) -> Vec<(bool, String)> {
         })
         .collect()
 }
+
+/// The container `name` of `list` (`containers`, `initContainers`) in the precise overlay's
+/// gateway pod.
+pub fn container<'a>(docs: &'a [Value], list: &str, name: &str) -> &'a Value {
+    let pod = &object(docs, "Deployment", "istio-ingressgateway")["spec"]["template"];
+    pod["spec"][list]
+        .as_sequence()
+        .and_then(|c| c.iter().find(|c| c["name"] == name))
+        .unwrap_or_else(|| panic!("no {list} {name} in the gateway pod"))
+}
+
+/// The value of `container`'s env variable `name`.
+pub fn env<'a>(container: &'a Value, name: &str) -> &'a str {
+    container["env"]
+        .as_sequence()
+        .and_then(|e| e.iter().find(|e| e["name"] == name))
+        .and_then(|e| e["value"].as_str())
+        .unwrap_or_else(|| panic!("no env {name}"))
+}
+
+/// kvroute-indexer's arguments in the precise overlay's gateway pod, `$(VAR)` expanded from the
+/// container's env as Kubernetes expands them.
+pub fn indexer_args(docs: &[Value]) -> Vec<String> {
+    let indexer = container(docs, "containers", "kvroute-indexer");
+    let vars: Vec<&str> = indexer["env"]
+        .as_sequence()
+        .expect("env")
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    indexer["args"]
+        .as_sequence()
+        .expect("args")
+        .iter()
+        .map(|a| {
+            let mut a = a.as_str().expect("a string").to_string();
+            for var in &vars {
+                a = a.replace(&format!("$({var})"), env(indexer, var));
+            }
+            a
+        })
+        .collect()
+}

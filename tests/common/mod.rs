@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test file uses a different subset
 
 pub mod load;
+pub mod precise;
 
 use kvroute_harness::backend::Backend;
 use kvroute_harness::{Envoy, EnvoyOptions, Lb};
@@ -469,9 +470,21 @@ pub async fn kvroute_with_indexer(
     indexer: std::net::SocketAddr,
     plugin_config: Value,
 ) -> Envoy {
+    kvroute_with_indexer_from(None, backends, indexer, plugin_config).await
+}
+
+/// [`kvroute_with_indexer`] started from `bootstrap` (a shipped one: `envoy/kvroute-precise.yaml`)
+/// instead of `envoy/kvroute.yaml`.
+pub async fn kvroute_with_indexer_from(
+    bootstrap: Option<std::path::PathBuf>,
+    backends: Vec<std::net::SocketAddr>,
+    indexer: std::net::SocketAddr,
+    plugin_config: Value,
+) -> Envoy {
     let envoy = kvroute_envoy_with(backends, plugin_config, |o| {
         o.indexer = Some(indexer);
         o.name_upstream = true;
+        o.bootstrap = bootstrap;
     })
     .await;
     // Every worker re-reads the poller's snapshot on its own tick.

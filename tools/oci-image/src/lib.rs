@@ -1,13 +1,16 @@
-//! A Wasm module as a reproducible OCI image layout, in the form Istio's agent pulls for a
-//! `WasmPlugin` with an `oci://` URL.
+//! Reproducible OCI image layouts: a Wasm module in the form Istio's agent pulls for a `WasmPlugin`
+//! with an `oci://` URL, and a statically linked Linux executable as a container image.
 //!
-//! Format: the "compat" variant of the Wasm image spec, as istio's `pkg/wasm/imagefetcher.go`
-//! reads it (`extractOCIStandardImage`): an ordinary OCI image whose last (here only) layer is a
+//! Wasm: the "compat" variant of the Wasm image spec, as istio's `pkg/wasm/imagefetcher.go` reads
+//! it (`extractOCIStandardImage`): an ordinary OCI image whose last (here only) layer is a
 //! `application/vnd.oci.image.layer.v1.tar+gzip` holding `plugin.wasm`. Unlike the artifact
 //! variant (custom media types), every registry and tool (skopeo, crane, docker) handles it.
 //!
-//! Same module in, same bytes out: the tar entry has fixed owner, mode and time, the gzip header
-//! no time or name, the JSON documents sorted keys; so the manifest digest names the module.
+//! Executable: one layer holding the file at `/usr/local/bin/<name>`, the image's entrypoint,
+//! run as an unprivileged user; nothing else (a static binary needs no libc, shell or CA files).
+//!
+//! Same input, same bytes out: tar entries have fixed owner, mode and time, the gzip header no
+//! time or name, the JSON documents sorted keys; so the manifest digest names the content.
 
 use std::io::Write;
 use std::path::Path;
@@ -60,18 +63,40 @@ pub fn sha256(bytes: &[u8]) -> String {
     format!("sha256:{hex}")
 }
 
+/// Where an executable image keeps its executable.
+pub const EXECUTABLE_DIR: &str = "usr/local/bin";
+/// The user (and group) an executable image runs as: not root ("nonroot" in distroless images).
+pub const EXECUTABLE_USER: &str = "65532:65532";
+
 /// The image of `wasm`, referenced in the layout's index as `tag`.
 pub fn build(wasm: &[u8], tag: &str) -> std::io::Result<Image> {
     let tar = plugin_tar(wasm)?;
+    // `wasi/wasm` is the platform Docker gives Wasm images.
+    image(
+        tar,
+        json!({ "architecture": "wasm", "os": "wasi", "config": {} }),
+        tag,
+    )
+}
+
+/// The image of `binary`, a statically linked x86-64 Linux executable, as `/usr/local/bin/<name>`
+/// and the image's entrypoint, referenced in the layout's index as `tag`.
+pub fn build_executable(binary: &[u8], name: &str, tag: &str) -> std::io::Result<Image> {
+    let path = format!("/{EXECUTABLE_DIR}/{name}");
+    let config = json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": { "Entrypoint": [path], "User": EXECUTABLE_USER, "WorkingDir": "/" },
+    });
+    image(executable_tar(binary, name)?, config, tag)
+}
+
+/// The image of one layer (`tar`, uncompressed) with `config` (its `rootfs` added).
+fn image(tar: Vec<u8>, mut config: serde_json::Value, tag: &str) -> std::io::Result<Image> {
     let diff_id = sha256(&tar);
     let layer = Blob::new(gzip(&tar)?);
-    // `wasi/wasm` is the platform Docker gives Wasm images.
-    let config = Blob::new(to_vec(&json!({
-        "architecture": "wasm",
-        "os": "wasi",
-        "config": {},
-        "rootfs": { "type": "layers", "diff_ids": [diff_id] },
-    })));
+    config["rootfs"] = json!({ "type": "layers", "diff_ids": [diff_id] });
+    let config = Blob::new(to_vec(&config));
     let manifest = Blob::new(to_vec(&json!({
         "schemaVersion": 2,
         "mediaType": MANIFEST_MEDIA_TYPE,
@@ -113,16 +138,39 @@ pub fn write_layout(dir: &Path, image: &Image) -> std::io::Result<()> {
 
 /// A tar holding `plugin.wasm` alone, with nothing that depends on the machine or the time.
 fn plugin_tar(wasm: &[u8]) -> std::io::Result<Vec<u8>> {
-    let mut header = tar::Header::new_ustar();
+    let mut header = fixed_header(0o644, tar::EntryType::Regular);
     header.set_size(wasm.len() as u64);
-    header.set_mode(0o644);
-    header.set_mtime(0);
-    header.set_uid(0);
-    header.set_gid(0);
-    header.set_entry_type(tar::EntryType::Regular);
     let mut builder = tar::Builder::new(Vec::new());
     builder.append_data(&mut header, PLUGIN_FILE, wasm)?;
     builder.into_inner()
+}
+
+/// A tar holding `usr/local/bin/<name>` (executable by all) and its directories, with nothing
+/// that depends on the machine or the time.
+fn executable_tar(binary: &[u8], name: &str) -> std::io::Result<Vec<u8>> {
+    let mut builder = tar::Builder::new(Vec::new());
+    let mut dir = String::new();
+    for part in EXECUTABLE_DIR.split('/') {
+        dir.push_str(part);
+        dir.push('/');
+        let mut header = fixed_header(0o755, tar::EntryType::Directory);
+        header.set_size(0);
+        builder.append_data(&mut header, &dir, std::io::empty())?;
+    }
+    let mut header = fixed_header(0o755, tar::EntryType::Regular);
+    header.set_size(binary.len() as u64);
+    builder.append_data(&mut header, format!("{dir}{name}"), binary)?;
+    builder.into_inner()
+}
+
+fn fixed_header(mode: u32, kind: tar::EntryType) -> tar::Header {
+    let mut header = tar::Header::new_ustar();
+    header.set_mode(mode);
+    header.set_mtime(0);
+    header.set_uid(0);
+    header.set_gid(0);
+    header.set_entry_type(kind);
+    header
 }
 
 /// Gzip without a time or file name in its header.
@@ -206,6 +254,34 @@ mod tests {
             entry["annotations"]["org.opencontainers.image.ref.name"],
             "v1"
         );
+    }
+
+    #[test]
+    fn an_executable_image_runs_its_file_as_a_user_and_names_its_content() {
+        let image = build_executable(b"\x7fELF a binary", "tool", "tool").unwrap();
+        let files = unpack(&image.layer.bytes);
+        let names: Vec<&str> = files.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            ["usr/", "usr/local/", "usr/local/bin/", "usr/local/bin/tool"]
+        );
+        assert_eq!(files[3].1, b"\x7fELF a binary");
+        let mut tar = tar::Archive::new(flate2::read::GzDecoder::new(&image.layer.bytes[..]));
+        for entry in tar.entries().unwrap() {
+            assert_eq!(entry.unwrap().header().mode().unwrap(), 0o755);
+        }
+        let config: serde_json::Value = serde_json::from_slice(&image.config.bytes).unwrap();
+        assert_eq!(config["os"], "linux");
+        assert_eq!(config["architecture"], "amd64");
+        assert_eq!(
+            config["config"]["Entrypoint"],
+            json!(["/usr/local/bin/tool"])
+        );
+        assert_eq!(config["config"]["User"], EXECUTABLE_USER);
+        let again = build_executable(b"\x7fELF a binary", "tool", "tool").unwrap();
+        assert_eq!(again.manifest.digest, image.manifest.digest);
+        let other = build_executable(b"\x7fELF another", "tool", "tool").unwrap();
+        assert_ne!(other.manifest.digest, image.manifest.digest);
     }
 
     #[test]

@@ -116,3 +116,103 @@ fn skopeo_copies_the_module_back_byte_for_byte() {
     assert_eq!(inspect["os"], "wasi");
     std::fs::remove_dir_all(&tmp).unwrap();
 }
+
+/// kvroute-indexer built for x86_64-unknown-linux-musl: `$KVROUTE_INDEXER_STATIC` (the Makefile
+/// exports it), else that build's path.
+fn static_indexer() -> PathBuf {
+    let path = std::env::var_os("KVROUTE_INDEXER_STATIC").map_or_else(
+        || {
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../target/x86_64-unknown-linux-musl/release/kvroute-indexer")
+        },
+        PathBuf::from,
+    );
+    assert!(
+        path.is_file(),
+        "{} missing: run `make indexer-image`",
+        path.display()
+    );
+    path
+}
+
+/// Runs `oci-image --executable` and returns the digest it printed.
+fn oci_executable(binary: &Path, dir: &Path) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_oci-image"))
+        .arg("--executable")
+        .arg(binary)
+        .arg(dir)
+        .output()
+        .expect("oci-image runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// The indexer's image: the same digest from two packings, skopeo reads it with the printed
+/// digest, its entrypoint is the binary byte for byte, and that binary is static (it runs in an
+/// image with nothing else in it).
+#[test]
+#[ignore = "needs the musl build of kvroute-indexer: `make test-indexer-image`"]
+fn skopeo_reads_the_indexer_image_and_its_entrypoint_is_the_static_binary() {
+    let binary = static_indexer();
+    let bytes = std::fs::read(&binary).unwrap();
+    let tmp = std::env::temp_dir().join(format!("oci-indexer-skopeo-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+
+    let digest = oci_executable(&binary, &tmp.join("oci"));
+    assert!(
+        digest.starts_with("sha256:") && digest.len() == 71,
+        "{digest}"
+    );
+    assert_eq!(
+        oci_executable(&binary, &tmp.join("again")),
+        digest,
+        "same binary, same digest"
+    );
+
+    let src = format!("oci:{}:kvroute-indexer", tmp.join("oci").display());
+    let dst = format!("dir:{}", tmp.join("out").display());
+    skopeo(&["copy", &src, &dst]);
+    let out = tmp.join("out");
+    let manifest_path = out.join("manifest.json");
+    let copied = skopeo(&["manifest-digest", manifest_path.to_str().unwrap()]);
+    assert_eq!(copied.trim(), digest, "skopeo sees the printed digest");
+
+    let inspect: serde_json::Value =
+        serde_json::from_str(&skopeo(&["inspect", "--config", &src])).unwrap();
+    assert_eq!(inspect["os"], "linux");
+    assert_eq!(inspect["architecture"], "amd64");
+    assert_eq!(inspect["config"]["User"], oci_image::EXECUTABLE_USER);
+    let entrypoint = inspect["config"]["Entrypoint"][0]
+        .as_str()
+        .expect("an entrypoint");
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&manifest_path).unwrap()).unwrap();
+    let hex = manifest["layers"][0]["digest"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("sha256:");
+    let layer = std::fs::read(out.join(hex)).unwrap();
+    let file = file_in_layer(&layer, entrypoint.trim_start_matches('/')).expect("the entrypoint");
+    assert!(
+        file == bytes,
+        "the entrypoint differs from {}",
+        binary.display()
+    );
+
+    // Static: no program interpreter (PT_INTERP) in its ELF program headers.
+    let u16_at = |at: usize| u16::from_le_bytes([file[at], file[at + 1]]) as usize;
+    let u64_at = |at: usize| u64::from_le_bytes(file[at..at + 8].try_into().unwrap()) as usize;
+    assert_eq!(&file[..4], b"\x7fELF");
+    let (phoff, phentsize, phnum) = (u64_at(0x20), u16_at(0x36), u16_at(0x38));
+    let interp = (0..phnum).any(|i| {
+        let at = phoff + i * phentsize;
+        u32::from_le_bytes(file[at..at + 4].try_into().unwrap()) == 3
+    });
+    assert!(!interp, "{} asks for a dynamic loader", binary.display());
+    std::fs::remove_dir_all(&tmp).unwrap();
+}

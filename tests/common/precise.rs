@@ -1,0 +1,239 @@
+//! Precise mode's fixtures: a simulated fleet tokenizing with the repository's byte-level BPE and
+//! publishing vLLM's KV events, kvroute-indexers subscribed to it (in the test's process, or the
+//! built binary as a process of its own), and waits on what an indexer reports.
+
+use kvroute_indexer::config::{Config as IndexerConfig, EngineSpec};
+use kvroute_sim::fleet::Fleet;
+use kvroute_sim::spec::FleetSpec;
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// The model the fleet serves and the indexer keys for.
+pub const MODEL: &str = "m";
+
+/// The simulator's rendering of plain chats (ChatML), as a Jinja chat template.
+pub const CHATML: &str = "{% for message in messages %}<|im_start|>{{ message.role }}\n\
+{{ message.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}\
+<|im_start|>assistant\n{% endif %}";
+
+/// A chat whose long system prompt (several 512-byte chunks, with multi-byte characters) is
+/// `tag`'s own.
+pub fn body(tag: &str) -> Value {
+    let system: String = (0..80)
+        .map(|i| format!("Rule {i} of {tag}: the café opens at {i} o'clock. "))
+        .collect();
+    json!({"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": format!("When does {tag} open?")}]})
+}
+
+/// A simulated fleet tokenizing with the repository's BPE, and that tokenizer's file (removed
+/// when the fleet is dropped).
+pub struct BpeFleet {
+    pub sim: Fleet,
+    pub tokenizer: PathBuf,
+}
+
+impl BpeFleet {
+    /// `replicas` replicas serving [`MODEL`]; `name` tells the tokenizer file apart.
+    pub async fn start(replicas: usize, name: &str) -> BpeFleet {
+        let tokenizer = std::env::temp_dir().join(format!(
+            "kvroute-{name}-{}-tokenizer.json",
+            std::process::id()
+        ));
+        kvroute_sim::bpe::write(&tokenizer).expect("tokenizer written");
+        let spec = FleetSpec {
+            replicas,
+            model: MODEL.into(),
+            time_scale: 0.05,
+            tokenizer: Some(tokenizer.to_string_lossy().into_owned()),
+            ..FleetSpec::default()
+        };
+        let sim = Fleet::start(spec, 0, 0).await.expect("sim fleet starts");
+        BpeFleet { sim, tokenizer }
+    }
+
+    /// An indexer's configuration following every replica (never stale on its own while the test
+    /// runs), listening on a free port of 127.0.0.1.
+    pub fn indexer_config(&self) -> IndexerConfig {
+        IndexerConfig {
+            listen: "127.0.0.1:0".parse().expect("address"),
+            tokenizer: self.tokenizer.clone(),
+            model: MODEL.into(),
+            chunk_size: 512,
+            engines: self
+                .sim
+                .replicas
+                .iter()
+                .map(|r| EngineSpec {
+                    endpoint: r.addr.to_string(),
+                    events: r.kv_events_endpoint(),
+                    replay: None,
+                    model: None,
+                })
+                .collect(),
+            topic: String::new(),
+            envoy_admin: None,
+            cluster: None,
+            kv_events_port: None,
+            replay_port: None,
+            stale_after: 3600.0,
+            gap_hold: 3600.0,
+            feed_capacity: 1 << 16,
+        }
+    }
+
+    /// The backends' addresses, in replica order.
+    pub fn backends(&self) -> Vec<std::net::SocketAddr> {
+        self.sim.replicas.iter().map(|r| r.addr).collect()
+    }
+
+    /// A publisher drops what it sends before a subscription reaches it: sends to every replica
+    /// until each of `indexers` (their base URLs) has heard every stream, then empties every
+    /// replica's cache.
+    pub async fn until_heard(&self, indexers: &[String]) {
+        let mut probe = 0;
+        eventually("every indexer heard every stream", || {
+            probe += 1;
+            async move {
+                for r in &self.sim.replicas {
+                    let body = json!({"model": MODEL, "max_tokens": 1,
+                                      "prompt": format!("probe {probe} {}", "word ".repeat(300))});
+                    post(&format!("{}/v1/completions", r.url()), &body).await;
+                }
+                for url in indexers {
+                    let heard = health(url).await["streams"]
+                        .as_array()
+                        .is_some_and(|s| s.iter().all(|s| !s["next_seq"].is_null()));
+                    if !heard {
+                        return false;
+                    }
+                }
+                true
+            }
+        })
+        .await;
+        for r in &self.sim.replicas {
+            r.replica.reset_prefix_cache();
+        }
+    }
+}
+
+impl Drop for BpeFleet {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.tokenizer);
+    }
+}
+
+/// Polls `check` every 100 ms for up to 60 s; panics with `what` when it never holds.
+pub async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !check().await {
+        assert!(start.elapsed() < Duration::from_secs(60), "never: {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// POSTs `body` to `url`, which must answer 200.
+pub async fn post(url: &str, body: &Value) {
+    let resp = super::client()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(resp.status(), 200, "{url}");
+    resp.bytes().await.expect("body");
+}
+
+/// The indexer's health page: its streams, each with its endpoint, next sequence and keys.
+pub async fn health(indexer: &str) -> Value {
+    super::client()
+        .get(format!("{indexer}/health"))
+        .send()
+        .await
+        .expect("health")
+        .json()
+        .await
+        .expect("health json")
+}
+
+/// Keys the indexer says `endpoint` holds, from its health page.
+pub async fn keys_held(indexer: &str, endpoint: &str) -> u64 {
+    health(indexer).await["streams"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|s| s["endpoint"] == endpoint)
+        .filter_map(|s| s["keys"].as_u64())
+        .sum()
+}
+
+/// The built `kvroute-indexer` binary: `$KVROUTE_INDEXER`, else target/release's (`make build`).
+pub fn indexer_binary() -> PathBuf {
+    std::env::var_os("KVROUTE_INDEXER")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/release/kvroute-indexer")
+        })
+}
+
+/// kvroute-indexer run as its own process with `config`'s engines (killed when dropped).
+pub struct IndexerProcess {
+    pub child: tokio::process::Child,
+    pub addr: std::net::SocketAddr,
+}
+
+impl IndexerProcess {
+    /// Starts the binary on a free port with `config`'s tokenizer, model and engines, and waits
+    /// until it says where it listens.
+    pub async fn start(config: &IndexerConfig) -> IndexerProcess {
+        let mut args: Vec<String> = vec![
+            format!("--tokenizer={}", config.tokenizer.display()),
+            format!("--model={}", config.model),
+            "--listen=127.0.0.1:0".into(),
+            "--stale-after=3600".into(),
+            "--gap-hold=3600".into(),
+        ];
+        for e in &config.engines {
+            args.push(format!("--engine={}={}", e.endpoint, e.events));
+        }
+        IndexerProcess::with_args(&args).await
+    }
+
+    /// Starts the binary with these arguments (one of them `--listen` on a free port) and waits
+    /// until it says where it listens.
+    pub async fn with_args(args: &[String]) -> IndexerProcess {
+        use tokio::io::AsyncBufReadExt;
+        let bin = indexer_binary();
+        let mut child = tokio::process::Command::new(&bin)
+            .args(args)
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("{} (make build): {e}", bin.display()));
+        let mut lines = tokio::io::BufReader::new(child.stderr.take().expect("stderr")).lines();
+        let addr = loop {
+            let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+                .await
+                .expect("the indexer says where it listens")
+                .expect("its stderr")
+                .unwrap_or_else(|| panic!("the indexer exited before listening: {args:?}"));
+            if let Some(at) = line.strip_prefix("kvroute-indexer: listening on http://") {
+                break at.parse().expect("an address");
+            }
+        };
+        // Keep reading its log, so a full pipe never blocks it.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        IndexerProcess { child, addr }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
