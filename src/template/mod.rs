@@ -221,27 +221,39 @@ impl Templates {
     }
 
     /// The prompt of a request, rendered by its model's template where there is one, else (or
-    /// when the template fails) as [`request::parse_with`] renders it. Counts the outcome.
+    /// when the template fails) as [`request::parse_with`] renders it. Counts the outcome. The
+    /// body is read once, for both.
     pub fn parse(&self, api: Api, body: &[u8], tools: ToolsAt) -> Result<Prompt, ParseError> {
         if self.is_empty() || api != Api::Chat {
             return request::parse_with(api, body, tools);
         }
-        let outcome = match prompt::render(self, body) {
+        let req = request::read_chat(body)?;
+        let model = req.model()?;
+        req.messages()?;
+        let Some(template) = self.for_model(&model) else {
+            self.count(Outcome::NoTemplate);
+            return request::render_chat(&req, tools);
+        };
+        match prompt::render(template, &req, model) {
             Ok(prompt) => {
                 self.count(Outcome::Rendered);
-                return Ok(prompt);
+                Ok(prompt)
             }
-            Err(RenderError::NoTemplate) => Outcome::NoTemplate,
-            Err(RenderError::Body) => return request::parse_with(api, body, tools),
-            Err(RenderError::Refused(_) | RenderError::Template(_)) => Outcome::Failed,
-        };
-        self.count(outcome);
-        request::parse_with(api, body, tools)
+            Err(RenderError::Body) => request::render_chat(&req, tools),
+            Err(RenderError::NoTemplate | RenderError::Refused(_) | RenderError::Template(_)) => {
+                self.count(Outcome::Failed);
+                request::render_chat(&req, tools)
+            }
+        }
     }
 
     /// The prompt of a chat request as its model's template renders it, or why not.
     pub fn render(&self, body: &[u8]) -> Result<Prompt, RenderError> {
-        prompt::render(self, body)
+        let req = request::read_chat(body).map_err(|_| RenderError::Body)?;
+        let model = req.model().map_err(|_| RenderError::Body)?;
+        req.messages().map_err(|_| RenderError::Body)?;
+        let template = self.for_model(&model).ok_or(RenderError::NoTemplate)?;
+        prompt::render(template, &req, model)
     }
 
     fn count(&self, outcome: Outcome) {

@@ -9,24 +9,23 @@
 //! (the tools, a date, the next turn's header) is in it exactly as far as it is shared. The
 //! opener is where the first message after the head renders its text.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 
 use memchr::memmem;
 use minijinja::value::{Value, ValueKind};
-use serde::Deserialize;
 use serde_json::value::RawValue;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use super::messages::{self, ContentFormat, Incoming};
-use super::{jinja, Template, Templates};
+use super::messages::{self, ContentFormat};
+use super::{jinja, Template};
 use crate::prefix::OPENER_BYTES;
-use crate::request::{self, Prompt};
+use crate::request::{ChatRequest, Message, Prompt};
 
 /// Why a request was not rendered by a template.
 #[derive(Debug)]
 pub enum RenderError {
-    /// The body is no chat request with a model and messages (today's parser says which).
+    /// The body is no chat request with a model and messages (the built-in rendering says
+    /// which), or a field only a template reads has a shape it cannot take.
     Body,
     /// The request's model has no template.
     NoTemplate,
@@ -34,28 +33,6 @@ pub enum RenderError {
     Refused(&'static str),
     /// The template failed to render it (its own `raise_exception` included).
     Template(String),
-}
-
-#[derive(Deserialize)]
-struct Body<'a> {
-    #[serde(borrow)]
-    model: Option<Cow<'a, str>>,
-    #[serde(borrow)]
-    messages: Option<Vec<Incoming<'a>>>,
-    #[serde(borrow)]
-    tools: Option<&'a RawValue>,
-    #[serde(borrow)]
-    documents: Option<&'a RawValue>,
-    add_generation_prompt: Option<bool>,
-    continue_final_message: Option<bool>,
-    #[serde(borrow)]
-    chat_template_kwargs: Option<&'a RawValue>,
-    #[serde(borrow)]
-    cache_salt: Option<&'a RawValue>,
-    #[serde(borrow)]
-    stream: Option<&'a RawValue>,
-    #[serde(borrow)]
-    stream_options: Option<&'a RawValue>,
 }
 
 /// What a template is rendered with, but the messages.
@@ -68,7 +45,7 @@ struct Vars {
 impl Template {
     fn render_messages(
         &self,
-        messages: &[Value],
+        messages: Value,
         vars: &Vars,
         add_generation_prompt: bool,
     ) -> Result<String, RenderError> {
@@ -76,7 +53,7 @@ impl Template {
         for (name, token) in &self.tokens {
             ctx.push((Value::from(name.as_str()), token.clone()));
         }
-        ctx.push((Value::from("messages"), Value::from(messages.to_vec())));
+        ctx.push((Value::from("messages"), messages));
         ctx.push((Value::from("tools"), vars.tools.clone()));
         ctx.push((Value::from("documents"), vars.documents.clone()));
         ctx.push((
@@ -94,15 +71,24 @@ impl Template {
     }
 }
 
-/// Renders a chat request by its model's template.
-pub fn render(templates: &Templates, body: &[u8]) -> Result<Prompt, RenderError> {
-    let req: Body = serde_json::from_slice(body).map_err(|_| RenderError::Body)?;
-    let model = match req.model {
-        Some(m) if !m.is_empty() => m.into_owned(),
-        _ => return Err(RenderError::Body),
-    };
-    let raw = req.messages.ok_or(RenderError::Body)?;
-    let template = templates.for_model(&model).ok_or(RenderError::NoTemplate)?;
+/// A flag a template reads (`add_generation_prompt`, `continue_final_message`): a boolean, or
+/// absent.
+fn flag(raw: Option<&RawValue>) -> Result<Option<bool>, RenderError> {
+    match raw.map(RawValue::get) {
+        None | Some("null") => Ok(None),
+        Some("true") => Ok(Some(true)),
+        Some("false") => Ok(Some(false)),
+        Some(_) => Err(RenderError::Body),
+    }
+}
+
+/// Renders a chat request (read once, [`request::read_chat`]) of `model` by `template`.
+pub(crate) fn render(
+    template: &Template,
+    req: &ChatRequest,
+    model: String,
+) -> Result<Prompt, RenderError> {
+    let raw = req.messages().map_err(|_| RenderError::Body)?;
     let format = template.format;
     let messages = raw
         .iter()
@@ -118,8 +104,8 @@ pub fn render(templates: &Templates, body: &[u8]) -> Result<Prompt, RenderError>
         .fold(0u64, |h, v| {
             xxh3_64_with_seed(v.map_or("", |v| v.get()).as_bytes(), h)
         });
-    let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
-    let continue_final = req.continue_final_message.unwrap_or(false);
+    let add_generation_prompt = flag(req.add_generation_prompt)?.unwrap_or(true);
+    let continue_final = flag(req.continue_final_message)?.unwrap_or(false);
     if add_generation_prompt && continue_final {
         return Err(RenderError::Refused(
             "add_generation_prompt and continue_final_message",
@@ -140,9 +126,9 @@ pub fn render(templates: &Templates, body: &[u8]) -> Result<Prompt, RenderError>
     let text = if continue_final {
         continue_final_message(template, &messages, &vars)?
     } else {
-        template.render_messages(&messages, &vars, add_generation_prompt)?
+        template.render_messages(Value::from(messages.clone()), &vars, add_generation_prompt)?
     };
-    let (head, head_messages) = head(template, &messages, &raw, context, &vars, &text)?;
+    let (head, head_messages) = head(template, &messages, raw, context, &vars, &text)?;
     let opener = messages
         .get(head_messages)
         .and_then(|m| opener(&text, head, m))
@@ -152,8 +138,8 @@ pub fn render(templates: &Templates, body: &[u8]) -> Result<Prompt, RenderError>
         head,
         opener,
         history: messages.len().saturating_sub(head_messages) > 1,
-        salt: request::salt(req.cache_salt),
-        usage: request::reports_usage(req.stream, req.stream_options),
+        salt: req.salt(),
+        usage: req.usage(),
         text: text.into_bytes(),
     })
 }
@@ -179,7 +165,7 @@ fn role(m: &Value) -> Option<String> {
 fn head(
     template: &Template,
     messages: &[Value],
-    raw: &[Incoming],
+    raw: &[Message],
     context: u64,
     vars: &Vars,
     text: &str,
@@ -210,24 +196,38 @@ fn head(
     let key = raw[..n]
         .iter()
         .fold(xxh3_64_with_seed(next_role.as_bytes(), context), |h, m| {
-            m.fingerprint(h)
+            messages::fingerprint(m, h)
         });
     let probe = match template.probe(key) {
         Some(probe) => probe,
         None => {
             let mut probe: Vec<Value> = messages[..n].to_vec();
             probe.push(probe_message);
-            let probe: Arc<str> = template.render_messages(&probe, vars, false)?.into();
+            let probe: Arc<str> = template
+                .render_messages(Value::from(probe), vars, false)?
+                .into();
             template.keep_probe(key, probe.clone());
             probe
         }
     };
-    let common = text
-        .bytes()
-        .zip(probe.bytes())
-        .take_while(|(a, b)| a == b)
-        .count();
-    Ok((common, n))
+    Ok((common_prefix(text.as_bytes(), probe.as_bytes()), n))
+}
+
+/// How many leading bytes `a` and `b` share, compared 16 at a time.
+fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let at = a
+        .chunks_exact(16)
+        .zip(b.chunks_exact(16))
+        .take_while(|(x, y)| x == y)
+        .count()
+        * 16;
+    at + a[at..]
+        .iter()
+        .zip(&b[at..])
+        .take_while(|(x, y)| x == y)
+        .count()
 }
 
 /// Where the message `m` (the first after the head) renders its text: the first
@@ -297,7 +297,7 @@ fn continue_final_message(
     };
     let mut all = earlier.to_vec();
     all.push(messages::replace(last, "content", tagged));
-    let rendered = template.render_messages(&all, vars, false)?;
+    let rendered = template.render_messages(Value::from(all), vars, false)?;
     let tag = CONTINUE_TAG.trim();
     if !rendered.contains(final_text.trim()) {
         return Err(refuse());
@@ -315,6 +315,7 @@ fn continue_final_message(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::template::Templates;
     use serde_json::json;
 
     /// ChatML with tools in the system message; earlier turns' reasoning dropped.
