@@ -132,6 +132,15 @@ impl Template {
     }
 }
 
+/// The template spec a file holds: a `tokenizer_config.json` (an object with `chat_template`)
+/// as it is, any other text as a template's source.
+pub fn spec_of_file(text: &str) -> Json {
+    match serde_json::from_str::<Json>(text) {
+        Ok(v @ Json::Object(_)) if v.get("chat_template").is_some() => v,
+        _ => Json::String(text.to_string()),
+    }
+}
+
 /// What became of chat requests under templates: each a counter `kvroute.template.<name>`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
