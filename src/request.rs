@@ -372,7 +372,7 @@ pub(crate) fn read_chat(body: &[u8]) -> Result<ChatRequest<'_>, ParseError> {
 
 impl Message<'_> {
     /// About the bytes it renders to, to size the text once.
-    fn size(&self) -> usize {
+    pub(crate) fn size(&self) -> usize {
         let content = match &self.content {
             Some(Field::Text(t)) => t.0.len(),
             Some(Field::List(parts)) => parts.len() * MEDIA_BYTES,

@@ -55,7 +55,7 @@ pub struct Template {
     id: u64,
     /// Renderings of heads with a probe message after them, by what they were rendered from
     /// (`prompt::head`): a group's requests render their head once per VM.
-    probes: Mutex<HashMap<u64, Arc<str>>>,
+    probes: Mutex<HashMap<u64, Arc<[u8]>>>,
 }
 
 /// Head renderings kept per template: enough for the groups a gateway sees at once; past it,
@@ -63,11 +63,11 @@ pub struct Template {
 const PROBES: usize = 128;
 
 impl Template {
-    fn probe(&self, key: u64) -> Option<Arc<str>> {
+    fn probe(&self, key: u64) -> Option<Arc<[u8]>> {
         self.probes.lock().ok()?.get(&key).cloned()
     }
 
-    fn keep_probe(&self, key: u64, probe: Arc<str>) {
+    fn keep_probe(&self, key: u64, probe: Arc<[u8]>) {
         if let Ok(mut probes) = self.probes.lock() {
             if probes.len() >= PROBES {
                 probes.clear();

@@ -40,15 +40,18 @@ struct Vars {
     tools: Value,
     documents: Value,
     kwargs: Vec<(Value, Value)>,
+    /// About the bytes a rendering takes, to write it into one buffer.
+    size: usize,
 }
 
 impl Template {
+    /// The template rendered with `messages` and `vars`, as its UTF-8 bytes.
     fn render_messages(
         &self,
         messages: Value,
         vars: &Vars,
         add_generation_prompt: bool,
-    ) -> Result<String, RenderError> {
+    ) -> Result<Vec<u8>, RenderError> {
         let mut ctx: Vec<(Value, Value)> = Vec::with_capacity(self.tokens.len() + 8);
         for (name, token) in &self.tokens {
             ctx.push((Value::from(name.as_str()), token.clone()));
@@ -65,9 +68,11 @@ impl Template {
             .env
             .get_template(jinja::NAME)
             .map_err(|e| RenderError::Template(e.to_string()))?;
+        let mut out = Vec::with_capacity(vars.size);
         template
-            .render(Value::from_iter(ctx))
-            .map_err(|e| RenderError::Template(e.to_string()))
+            .render_captured_to(Value::from_iter(ctx), &mut out)
+            .map_err(|e| RenderError::Template(e.to_string()))?;
+        Ok(out)
     }
 }
 
@@ -122,6 +127,9 @@ pub(crate) fn render(
         tools: parse(req.tools)?.unwrap_or_default_none(),
         documents: parse(req.documents)?.unwrap_or_default_none(),
         kwargs,
+        size: 4096
+            + req.tools.map_or(0, |t| t.get().len())
+            + raw.iter().map(Message::size).sum::<usize>(),
     };
     let text = if continue_final {
         continue_final_message(template, &messages, &vars)?
@@ -140,7 +148,7 @@ pub(crate) fn render(
         history: messages.len().saturating_sub(head_messages) > 1,
         salt: req.salt(),
         usage: req.usage(),
-        text: text.into_bytes(),
+        text,
     })
 }
 
@@ -168,7 +176,7 @@ fn head(
     raw: &[Message],
     context: u64,
     vars: &Vars,
-    text: &str,
+    text: &[u8],
 ) -> Result<(usize, usize), RenderError> {
     let lead = messages
         .iter()
@@ -203,14 +211,14 @@ fn head(
         None => {
             let mut probe: Vec<Value> = messages[..n].to_vec();
             probe.push(probe_message);
-            let probe: Arc<str> = template
+            let probe: Arc<[u8]> = template
                 .render_messages(Value::from(probe), vars, false)?
                 .into();
             template.keep_probe(key, probe.clone());
             probe
         }
     };
-    Ok((common_prefix(text.as_bytes(), probe.as_bytes()), n))
+    Ok((common_prefix(text, &probe), n))
 }
 
 /// How many leading bytes `a` and `b` share, compared 16 at a time.
@@ -232,7 +240,7 @@ fn common_prefix(a: &[u8], b: &[u8]) -> usize {
 
 /// Where the message `m` (the first after the head) renders its text: the first
 /// [`OPENER_BYTES`] of its content found after the head.
-fn opener(text: &str, head: usize, m: &Value) -> Option<std::ops::Range<usize>> {
+fn opener(text: &[u8], head: usize, m: &Value) -> Option<std::ops::Range<usize>> {
     let content = m.get_attr("content").ok()?;
     let own: String = match content.kind() {
         ValueKind::String => content.as_str()?.to_string(),
@@ -251,7 +259,7 @@ fn opener(text: &str, head: usize, m: &Value) -> Option<std::ops::Range<usize>> 
     if needle.is_empty() {
         return None;
     }
-    let at = head + memmem::find(text.as_bytes().get(head..)?, needle.as_bytes())?;
+    let at = head + memmem::find(text.get(head..)?, needle.as_bytes())?;
     Some(at..at + needle.len())
 }
 
@@ -265,7 +273,7 @@ fn continue_final_message(
     template: &Template,
     messages: &[Value],
     vars: &Vars,
-) -> Result<String, RenderError> {
+) -> Result<Vec<u8>, RenderError> {
     let refuse = || RenderError::Refused("continue_final_message without a final text");
     let (last, earlier) = messages.split_last().ok_or_else(refuse)?;
     if !template.names_content {
@@ -298,6 +306,7 @@ fn continue_final_message(
     let mut all = earlier.to_vec();
     all.push(messages::replace(last, "content", tagged));
     let rendered = template.render_messages(Value::from(all), vars, false)?;
+    let rendered = String::from_utf8(rendered).map_err(|_| refuse())?;
     let tag = CONTINUE_TAG.trim();
     if !rendered.contains(final_text.trim()) {
         return Err(refuse());
@@ -309,7 +318,7 @@ fn continue_final_message(
     } else {
         text.truncate(text[..at].trim_end().len());
     }
-    Ok(text)
+    Ok(text.into_bytes())
 }
 
 #[cfg(test)]
