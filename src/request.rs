@@ -128,30 +128,54 @@ pub const MEDIA_BYTES: usize = 1024;
 /// Joins content parts, as vLLM joins text parts for string-content templates.
 const PART_JOIN: u8 = b'\n';
 
+/// A chat request body, read in one pass by both renderings: the built-in one here and a chat
+/// template's ([`crate::template`]). The fields only a template reads are kept as their JSON text
+/// and read when one is rendered, so a body's shape is judged alike with or without a template.
 #[derive(Deserialize)]
-struct ChatRequest<'a> {
+pub(crate) struct ChatRequest<'a> {
     #[serde(borrow)]
-    model: Option<Cow<'a, str>>,
+    pub model: Option<Cow<'a, str>>,
     #[serde(borrow)]
-    messages: Option<Vec<Message<'a>>>,
+    pub messages: Option<Vec<Message<'a>>>,
     #[serde(borrow)]
-    tools: Option<&'a RawValue>,
+    pub tools: Option<&'a RawValue>,
     #[serde(borrow)]
-    cache_salt: Option<&'a RawValue>,
+    pub documents: Option<&'a RawValue>,
     #[serde(borrow)]
-    stream: Option<&'a RawValue>,
+    pub add_generation_prompt: Option<&'a RawValue>,
     #[serde(borrow)]
-    stream_options: Option<&'a RawValue>,
+    pub continue_final_message: Option<&'a RawValue>,
+    #[serde(borrow)]
+    pub chat_template_kwargs: Option<&'a RawValue>,
+    #[serde(borrow)]
+    pub cache_salt: Option<&'a RawValue>,
+    #[serde(borrow)]
+    pub stream: Option<&'a RawValue>,
+    #[serde(borrow)]
+    pub stream_options: Option<&'a RawValue>,
 }
 
+/// A message: its role and content typed (the bulk of a body, read once), the rest as JSON text.
 #[derive(Deserialize)]
-struct Message<'a> {
+pub(crate) struct Message<'a> {
     #[serde(borrow)]
-    role: Option<Cow<'a, str>>,
+    pub role: Option<Cow<'a, str>>,
     #[serde(borrow)]
-    content: Option<Field<'a, Part<'a>>>,
+    pub content: Option<Field<'a, Part<'a>>>,
+    /// A list of calls; of each, the built-in rendering keeps the function's name and arguments
+    /// ([`ToolCall`]), a template gets all of it.
     #[serde(borrow)]
-    tool_calls: Option<Vec<ToolCall<'a>>>,
+    pub tool_calls: Option<&'a RawValue>,
+    #[serde(borrow)]
+    pub reasoning: Option<Text<'a>>,
+    #[serde(borrow)]
+    pub name: Option<Text<'a>>,
+    #[serde(borrow)]
+    pub tool_call_id: Option<Text<'a>>,
+    #[serde(borrow)]
+    pub task: Option<Text<'a>>,
+    #[serde(borrow)]
+    pub tools: Option<&'a RawValue>,
 }
 
 /// Of a tool call, templates render the function's name and arguments, not the call's id.
@@ -170,24 +194,43 @@ struct Function<'a> {
 }
 
 /// A content part: text parts contribute their text, others (images, audio, files) the hash of
-/// their data.
+/// their data. The fields only a template reads (its `type`, other texts and media) are JSON text.
 #[derive(Deserialize)]
-struct Part<'a> {
+pub(crate) struct Part<'a> {
+    #[serde(borrow, rename = "type")]
+    pub kind: Option<&'a RawValue>,
     #[serde(borrow)]
-    text: Option<Text<'a>>,
+    pub text: Option<Text<'a>>,
     #[serde(borrow)]
-    image_url: Option<Media<'a>>,
+    pub image_url: Option<Media<'a>>,
     #[serde(borrow)]
-    input_audio: Option<Media<'a>>,
+    pub input_audio: Option<Media<'a>>,
     #[serde(borrow)]
-    video_url: Option<Media<'a>>,
+    pub video_url: Option<Media<'a>>,
     #[serde(borrow)]
-    file: Option<Media<'a>>,
+    pub file: Option<Media<'a>>,
+    #[serde(borrow)]
+    pub refusal: Option<&'a RawValue>,
+    #[serde(borrow)]
+    pub thinking: Option<&'a RawValue>,
+    #[serde(borrow)]
+    pub image_embeds: Option<&'a RawValue>,
+    #[serde(borrow)]
+    pub image_pil: Option<&'a RawValue>,
+    #[serde(borrow)]
+    pub audio_url: Option<&'a RawValue>,
+    #[serde(borrow)]
+    pub audio_embeds: Option<&'a RawValue>,
 }
 
 /// A media reference: `{"url": ...}` is keyed by its URL alone (a `detail` hint does not change
-/// the image); any other shape by its JSON text.
-struct Media<'a>(Cow<'a, [u8]>);
+/// the image); any other shape by its JSON text (`raw`).
+pub(crate) struct Media<'a> {
+    pub key: Cow<'a, [u8]>,
+    /// Its URL, when it is `{"url": "..."}`.
+    pub url: bool,
+    pub raw: &'a RawValue,
+}
 
 impl<'de: 'a, 'a> Deserialize<'de> for Media<'a> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -198,8 +241,16 @@ impl<'de: 'a, 'a> Deserialize<'de> for Media<'a> {
         }
         let raw: &'de RawValue = Deserialize::deserialize(d)?;
         Ok(match serde_json::from_str::<Url>(raw.get()) {
-            Ok(u) => Media(u.url.0),
-            Err(_) => Media(Cow::Borrowed(raw.get().as_bytes())),
+            Ok(u) => Media {
+                key: u.url.0,
+                url: true,
+                raw,
+            },
+            Err(_) => Media {
+                key: Cow::Borrowed(raw.get().as_bytes()),
+                url: false,
+                raw,
+            },
         })
     }
 }
@@ -223,7 +274,7 @@ struct CompletionRequest<'a> {
 /// bytes a step for control characters too, and no UTF-8 check (the bytes are only hashed).
 /// This is most of the bytes of a request, so it is most of kvroute's time. A string without
 /// escapes is borrowed, never copied.
-struct Text<'a>(Cow<'a, [u8]>);
+pub(crate) struct Text<'a>(pub Cow<'a, [u8]>);
 
 struct TextVisitor;
 
@@ -252,7 +303,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
 
 /// A field that is a string or a list (message content, completion prompt), read in one pass over
 /// the body. Anything else is not an OpenAI request (`bad_json`).
-enum Field<'a, T> {
+pub(crate) enum Field<'a, T> {
     Text(Text<'a>),
     List(Vec<T>),
 }
@@ -296,15 +347,60 @@ pub fn parse(api: Api, body: &[u8]) -> Result<Prompt, ParseError> {
 
 /// Parses a request body of `api` into its [`Prompt`], tools rendered at `tools`.
 pub fn parse_with(api: Api, body: &[u8], tools: ToolsAt) -> Result<Prompt, ParseError> {
+    match api {
+        Api::Chat => render_chat(&read_chat(body)?, tools),
+        Api::Completions => parse_completion(body),
+    }
+}
+
+fn not_empty(body: &[u8]) -> Result<(), ParseError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Err(ParseError::Empty);
     }
-    // The strings kvroute keeps are taken as bytes ([`Text`]) and never checked for UTF-8: an
-    // engine refuses a body that is not, and hashing its bytes costs no pass over the body. The
-    // fields read as `str` (model, roles, names) are checked by the parser.
-    match api {
-        Api::Chat => parse_chat(body, tools),
-        Api::Completions => parse_completion(body),
+    Ok(())
+}
+
+/// Reads a chat request body into the one shape both renderings read.
+///
+/// The strings kvroute keeps are taken as bytes ([`Text`]) and never checked for UTF-8: an
+/// engine refuses a body that is not, and hashing its bytes costs no pass over the body. The
+/// fields read as `str` (model, roles, names) are checked by the parser.
+pub(crate) fn read_chat(body: &[u8]) -> Result<ChatRequest<'_>, ParseError> {
+    not_empty(body)?;
+    serde_json::from_slice(body).map_err(|_| ParseError::BadJson)
+}
+
+impl Message<'_> {
+    /// About the bytes it renders to, to size the text once.
+    pub(crate) fn size(&self) -> usize {
+        let content = match &self.content {
+            Some(Field::Text(t)) => t.0.len(),
+            Some(Field::List(parts)) => parts.len() * MEDIA_BYTES,
+            None => 0,
+        };
+        content + self.tool_calls.map_or(0, |c| c.get().len()) + 16
+    }
+}
+
+impl<'a> ChatRequest<'a> {
+    /// The model the request names (all its keys are namespaced by it).
+    pub(crate) fn model(&self) -> Result<String, ParseError> {
+        model(self.model.clone())
+    }
+
+    /// Its messages, which a chat request must have.
+    pub(crate) fn messages(&self) -> Result<&[Message<'a>], ParseError> {
+        self.messages.as_deref().ok_or(ParseError::NoPrompt)
+    }
+
+    /// vLLM's `cache_salt` (see [`Prompt::salt`]).
+    pub(crate) fn salt(&self) -> Option<String> {
+        salt(self.cache_salt)
+    }
+
+    /// Whether the response will report `usage` (see [`Prompt::usage`]).
+    pub(crate) fn usage(&self) -> bool {
+        reports_usage(self.stream, self.stream_options)
     }
 }
 
@@ -345,12 +441,12 @@ enum Item {
     Message(usize),
 }
 
-fn parse_chat(body: &[u8], tools_at: ToolsAt) -> Result<Prompt, ParseError> {
-    let req: ChatRequest = serde_json::from_slice(body).map_err(|_| ParseError::BadJson)?;
-    let model = model(req.model)?;
-    let messages = req.messages.ok_or(ParseError::NoPrompt)?;
-    let salt = salt(req.cache_salt);
-    let usage = reports_usage(req.stream, req.stream_options);
+/// The built-in rendering of a chat request (see the module's doc).
+pub(crate) fn render_chat(req: &ChatRequest, tools_at: ToolsAt) -> Result<Prompt, ParseError> {
+    let model = req.model()?;
+    let messages = req.messages()?;
+    let salt = req.salt();
+    let usage = req.usage();
     let lead = messages
         .iter()
         .take_while(|m| matches!(m.role.as_deref(), Some("system" | "developer")))
@@ -382,7 +478,9 @@ fn parse_chat(body: &[u8], tools_at: ToolsAt) -> Result<Prompt, ParseError> {
         .iter()
         .filter(|i| matches!(i, Item::Message(_)))
         .count();
-    let mut text = Vec::with_capacity(body.len());
+    let mut text = Vec::with_capacity(
+        req.tools.map_or(0, |t| t.get().len()) + messages.iter().map(Message::size).sum::<usize>(),
+    );
     let (mut head, mut opener) = (None, None);
     for (n, item) in items.iter().enumerate() {
         match *item {
@@ -394,7 +492,7 @@ fn parse_chat(body: &[u8], tools_at: ToolsAt) -> Result<Prompt, ParseError> {
             }
             Item::Message(i) => {
                 let start = text.len();
-                push_message(&mut text, &messages[i]);
+                push_message(&mut text, &messages[i])?;
                 if n >= head_items && opener.is_none() {
                     opener = Some(start..text.len());
                 }
@@ -418,7 +516,7 @@ fn parse_chat(body: &[u8], tools_at: ToolsAt) -> Result<Prompt, ParseError> {
     })
 }
 
-fn push_message(text: &mut Vec<u8>, m: &Message) {
+fn push_message(text: &mut Vec<u8>, m: &Message) -> Result<(), ParseError> {
     // A developer message is the system prompt of newer APIs; templates render it as one.
     let role = match m.role.as_deref() {
         Some("developer") => "system",
@@ -439,7 +537,12 @@ fn push_message(text: &mut Vec<u8>, m: &Message) {
         }
         None => {}
     }
-    for call in m.tool_calls.iter().flatten() {
+    let calls: Option<Vec<ToolCall>> = m
+        .tool_calls
+        .map(|c| serde_json::from_str(c.get()))
+        .transpose()
+        .map_err(|_| ParseError::BadJson)?;
+    for call in calls.iter().flatten() {
         text.push(FIELD);
         if let Some(f) = &call.function {
             text.extend_from_slice(f.name.as_deref().unwrap_or("").as_bytes());
@@ -448,6 +551,7 @@ fn push_message(text: &mut Vec<u8>, m: &Message) {
         }
     }
     text.push(RECORD);
+    Ok(())
 }
 
 fn push_part(text: &mut Vec<u8>, part: &Part) {
@@ -461,7 +565,7 @@ fn push_part(text: &mut Vec<u8>, part: &Part) {
         ("file", &part.file),
     ];
     for (kind, data) in media {
-        if let Some(Media(data)) = data {
+        if let Some(Media { key: data, .. }) = data {
             // The engine caches an image by its hash and spends a fixed number of tokens on it;
             // its base64 length says nothing about either.
             let start = text.len();
@@ -477,6 +581,7 @@ fn push_part(text: &mut Vec<u8>, part: &Part) {
 }
 
 fn parse_completion(body: &[u8]) -> Result<Prompt, ParseError> {
+    not_empty(body)?;
     let req: CompletionRequest = serde_json::from_slice(body).map_err(|_| ParseError::BadJson)?;
     let model = model(req.model)?;
     let salt = salt(req.cache_salt);

@@ -108,14 +108,15 @@ async fn route(api: &Arc<Api>, req: Request<Incoming>) -> Resp {
     }
 }
 
-async fn json_body(req: Request<Incoming>) -> Result<Value, Resp> {
+/// A JSON object body, and its bytes as sent (what a chat template renders over).
+async fn json_body(req: Request<Incoming>) -> Result<(Value, bytes::Bytes), Resp> {
     let bytes = read_body(req).await?;
-    parse_json_object(&bytes)
+    Ok((parse_json_object(&bytes)?, bytes))
 }
 
 /// vLLM's `/tokenize`: `{"prompt": ..}` or `{"messages": ..}` in, token ids out.
 async fn tokenize(api: &Arc<Api>, req: Request<Incoming>) -> Resp {
-    let body = match json_body(req).await {
+    let (body, raw) = match json_body(req).await {
         Ok(b) => b,
         Err(resp) => return resp,
     };
@@ -124,7 +125,7 @@ async fn tokenize(api: &Arc<Api>, req: Request<Incoming>) -> Resp {
     } else {
         Endpoint::Completion
     };
-    match request::prompt_tokens_in(&api.replica.vocab, endpoint, &body) {
+    match request::prompt_tokens_with(&api.replica.frontend(), endpoint, &body, Some(&raw)) {
         Ok((tokens, _)) => json_response(
             StatusCode::OK,
             &json!({"count": tokens.len(), "max_model_len": api.replica.spec.max_model_len,
@@ -136,11 +137,11 @@ async fn tokenize(api: &Arc<Api>, req: Request<Incoming>) -> Resp {
 
 /// The `/render` routes: the prompt as the server would see it, without generating.
 async fn render(api: &Arc<Api>, endpoint: Endpoint, req: Request<Incoming>) -> Resp {
-    let body = match json_body(req).await {
+    let (body, raw) = match json_body(req).await {
         Ok(b) => b,
         Err(resp) => return resp,
     };
-    match request::prompt_tokens_in(&api.replica.vocab, endpoint, &body) {
+    match request::prompt_tokens_with(&api.replica.frontend(), endpoint, &body, Some(&raw)) {
         Ok((tokens, text)) => json_response(
             StatusCode::OK,
             &json!({"token_ids": tokens, "num_tokens": tokens.len(), "prompt": text}),
@@ -150,11 +151,11 @@ async fn render(api: &Arc<Api>, endpoint: Endpoint, req: Request<Incoming>) -> R
 }
 
 async fn generate(api: &Arc<Api>, endpoint: Endpoint, req: Request<Incoming>) -> Resp {
-    let body = match json_body(req).await {
+    let (body, raw) = match json_body(req).await {
         Ok(b) => b,
         Err(resp) => return resp,
     };
-    let gen = match request::parse_in(&api.replica.vocab, endpoint, &body) {
+    let gen = match request::parse_with(&api.replica.frontend(), endpoint, &body, Some(&raw)) {
         Ok(g) => g,
         Err(e) => return bad_request(e),
     };

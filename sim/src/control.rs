@@ -5,7 +5,7 @@ use crate::engine::{Faults, Replica};
 use crate::http::{
     bad_request, json_response, method_not_allowed, not_found, parse_json_object, read_body, Resp,
 };
-use crate::request::{self, Endpoint};
+use crate::request::{self, Endpoint, Frontend};
 use hyper::body::Incoming;
 use hyper::{Method, Request, StatusCode};
 use serde_json::{json, Value};
@@ -76,8 +76,9 @@ fn match_prompt(fleet: &[Arc<Replica>], req: &Value) -> Resp {
     let Some(body) = req.get("body") else {
         return bad_request("'body' is required");
     };
-    let vocab = fleet.first().map_or(Vocab::Hash, |r| r.vocab.clone());
-    let tokens = match request::prompt_tokens_in(&vocab, endpoint, body) {
+    let hash = Vocab::Hash;
+    let frontend = fleet.first().map_or(Frontend::of(&hash), |r| r.frontend());
+    let tokens = match request::prompt_tokens_with(&frontend, endpoint, body, None) {
         Ok((tokens, _)) => tokens,
         Err(e) => return bad_request(e),
     };

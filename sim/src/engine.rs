@@ -15,8 +15,10 @@
 use crate::bpe::Vocab;
 use crate::metrics::Histogram;
 use crate::prefix_cache::{CacheEvent, Lease, PrefixCache};
+use crate::request::Frontend;
 use crate::spec::FleetSpec;
 use crate::time_model;
+use kvroute::template::Templates;
 use serde::Serialize;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -106,6 +108,8 @@ pub struct Replica {
     pub spec: Arc<FleetSpec>,
     /// How its prompts and outputs are tokenized.
     pub vocab: Vocab,
+    /// The chat template its chat prompts are rendered with (none: the built-in renderer).
+    pub template: Option<Arc<Templates>>,
     state: Mutex<State>,
     slots: Semaphore,
     kv_freed: Notify,
@@ -151,9 +155,18 @@ impl Replica {
             }),
             spec,
             vocab,
+            template: None,
             kv_freed: Notify::new(),
             events,
             stopped: watch::channel(false).0,
+        }
+    }
+
+    /// How it turns a request into prompt tokens: its tokenizer and chat template.
+    pub fn frontend(&self) -> Frontend<'_> {
+        Frontend {
+            vocab: &self.vocab,
+            template: self.template.as_deref(),
         }
     }
 

@@ -8,6 +8,7 @@ use crate::engine::Replica;
 use crate::http::serve;
 use crate::kv_events::{self, Format};
 use crate::spec::FleetSpec;
+use kvroute::template::Templates;
 use serde_json::json;
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -37,6 +38,16 @@ pub struct Fleet {
     pub control_addr: SocketAddr,
 }
 
+/// The chat template of the file at `path` (a Jinja file or a `tokenizer_config.json`), compiled.
+fn load_template(path: &str) -> Result<Templates, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
+    let mut templates = Templates::default();
+    templates
+        .set_default(&kvroute::template::spec_of_file(&text))
+        .map_err(|e| format!("{path}: {e}"))?;
+    Ok(templates)
+}
+
 fn localhost(port: u16) -> SocketAddr {
     SocketAddr::from((Ipv4Addr::LOCALHOST, port))
 }
@@ -53,6 +64,12 @@ impl Fleet {
             Some(path) => Vocab::load(std::path::Path::new(path))
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?,
             None => Vocab::Hash,
+        };
+        let template = match &spec.chat_template {
+            Some(path) => Some(Arc::new(load_template(path).map_err(|e| {
+                io::Error::new(io::ErrorKind::InvalidInput, format!("chat_template: {e}"))
+            })?)),
+            None => None,
         };
         let mut replicas = Vec::with_capacity(spec.replicas);
         for id in 0..spec.replicas {
@@ -75,12 +92,9 @@ impl Fleet {
                 format,
             )
             .await?;
-            let replica = Arc::new(Replica::with_vocab(
-                id,
-                spec.clone(),
-                Some(events),
-                vocab.clone(),
-            ));
+            let mut replica = Replica::with_vocab(id, spec.clone(), Some(events), vocab.clone());
+            replica.template = template.clone();
+            let replica = Arc::new(replica);
             tokio::spawn(run_listener(Api::new(replica.clone()), listener, addr));
             replicas.push(ReplicaHandle {
                 replica,

@@ -6,8 +6,11 @@
 //! prompt token: only the first block holds it, and the chained block hashes carry it to every
 //! later block.
 
+use std::borrow::Cow;
+
 use crate::bpe::Vocab;
 use crate::chat_template;
+use kvroute::template::Templates;
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -54,17 +57,67 @@ pub fn prompt_tokens_in(
     endpoint: Endpoint,
     body: &Value,
 ) -> Result<(Vec<u32>, Option<String>), String> {
+    prompt_tokens_with(&Frontend::of(vocab), endpoint, body, None)
+}
+
+/// What turns a request into prompt tokens: the tokenizer, and the chat template chat prompts
+/// are rendered with, if any (else the built-in renderer, [`chat_template::render`]).
+#[derive(Clone, Copy)]
+pub struct Frontend<'a> {
+    pub vocab: &'a Vocab,
+    pub template: Option<&'a Templates>,
+}
+
+impl<'a> Frontend<'a> {
+    /// The tokenizer `vocab` and the built-in renderer.
+    pub fn of(vocab: &'a Vocab) -> Self {
+        Frontend {
+            vocab,
+            template: None,
+        }
+    }
+}
+
+/// [`prompt_tokens`] through `frontend`. `raw` is the body as sent: a template is rendered over
+/// it, as the filter renders it (the request's own key order, e.g. of `tools` printed by
+/// `tojson`); without it, `body` is written back.
+pub fn prompt_tokens_with(
+    frontend: &Frontend,
+    endpoint: Endpoint,
+    body: &Value,
+    raw: Option<&[u8]>,
+) -> Result<(Vec<u32>, Option<String>), String> {
+    let vocab = frontend.vocab;
     let salt = match body.get("cache_salt") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) if !s.is_empty() => Some(s.as_str()),
         Some(_) => return Err("'cache_salt' must be a non-empty string".into()),
     };
-    let (mut tokens, text) = unsalted_tokens(vocab, endpoint, body)?;
+    let (mut tokens, text) = match (frontend.template, endpoint) {
+        (Some(template), Endpoint::Chat) => {
+            let raw = match raw {
+                Some(raw) => Cow::Borrowed(raw),
+                None => Cow::Owned(serde_json::to_vec(body).map_err(|e| e.to_string())?),
+            };
+            let text = rendered(template, &raw)?;
+            (vocab.tokenize(&text), Some(text))
+        }
+        _ => unsalted_tokens(vocab, endpoint, body)?,
+    };
     if let (Some(salt), Some(first)) = (salt, tokens.first_mut()) {
         *first = (xxh3_64_with_seed(salt.as_bytes(), u64::from(*first)) % u64::from(vocab.size()))
             as u32;
     }
     Ok((tokens, text))
+}
+
+/// A chat request's prompt as its model's chat template renders it: the filter's own rendering
+/// (kvroute's template module), so the two agree by construction.
+fn rendered(template: &Templates, raw: &[u8]) -> Result<String, String> {
+    let prompt = template
+        .render(raw)
+        .map_err(|e| format!("the chat template did not render the request: {e:?}"))?;
+    String::from_utf8(prompt.text).map_err(|_| "the rendered prompt is not UTF-8".to_string())
 }
 
 fn unsalted_tokens(
@@ -128,7 +181,17 @@ pub fn parse(endpoint: Endpoint, body: &Value) -> Result<GenRequest, String> {
 
 /// [`parse`] with the tokenizer `vocab`.
 pub fn parse_in(vocab: &Vocab, endpoint: Endpoint, body: &Value) -> Result<GenRequest, String> {
-    let (prompt_tokens, _) = prompt_tokens_in(vocab, endpoint, body)?;
+    parse_with(&Frontend::of(vocab), endpoint, body, None)
+}
+
+/// [`parse`] through `frontend`, `raw` the body as sent (see [`prompt_tokens_with`]).
+pub fn parse_with(
+    frontend: &Frontend,
+    endpoint: Endpoint,
+    body: &Value,
+    raw: Option<&[u8]>,
+) -> Result<GenRequest, String> {
+    let (prompt_tokens, _) = prompt_tokens_with(frontend, endpoint, body, raw)?;
     if prompt_tokens.is_empty() {
         return Err("the prompt is empty".into());
     }
@@ -179,6 +242,50 @@ mod tests {
             req.prompt_tokens,
             tokenize("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
         );
+    }
+
+    #[test]
+    fn a_chat_template_renders_as_the_filter_does_over_the_body_as_sent() {
+        let mut templates = Templates::default();
+        let source = "{% for t in tools %}{{ t | tojson }}\n{% endfor %}\
+            {% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}";
+        templates
+            .set_default(&kvroute::template::spec_of_file(source))
+            .unwrap();
+        let frontend = Frontend {
+            vocab: &Vocab::Hash,
+            template: Some(&templates),
+        };
+        // The tool's keys out of order: the template prints them as sent.
+        let raw =
+            br#"{"model":"m","tools":[{"z":1,"a":2}],"messages":[{"role":"user","content":"hi"}]}"#;
+        let body: Value = serde_json::from_slice(raw).unwrap();
+        let (tokens, text) =
+            prompt_tokens_with(&frontend, Endpoint::Chat, &body, Some(raw)).unwrap();
+        let text = text.unwrap();
+        assert_eq!(text, "{\"z\": 1, \"a\": 2}\n[user] hi\n");
+        assert_eq!(text.as_bytes(), templates.render(raw).unwrap().text);
+        assert_eq!(tokens, Vocab::Hash.tokenize(&text));
+        // Without a template, the built-in renderer, as before.
+        let (_, builtin) = prompt_tokens_in(&Vocab::Hash, Endpoint::Chat, &body).unwrap();
+        assert!(builtin.unwrap().starts_with("<|im_start|>system\n# Tools"));
+        // A completion has no template to go through.
+        let completion = json!({"model":"m","prompt":"a b"});
+        let (_, text) =
+            prompt_tokens_with(&frontend, Endpoint::Completion, &completion, None).unwrap();
+        assert_eq!(text.as_deref(), Some("a b"));
+        // A template that refuses the request is the request's error.
+        let mut refusing = Templates::default();
+        refusing
+            .set_default(&kvroute::template::spec_of_file(
+                "{{ raise_exception('no') }}",
+            ))
+            .unwrap();
+        let frontend = Frontend {
+            template: Some(&refusing),
+            ..frontend
+        };
+        assert!(prompt_tokens_with(&frontend, Endpoint::Chat, &body, Some(raw)).is_err());
     }
 
     #[test]

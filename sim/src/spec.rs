@@ -40,6 +40,10 @@ pub struct FleetSpec {
     pub kv_events_format: String,
     /// A `tokenizer.json` (byte-level BPE) to tokenize with; none: the hash tokenizer.
     pub tokenizer: Option<String>,
+    /// A chat template to render chat prompts with, by kvroute's template module (the code the
+    /// filter keys prompts with): a Jinja file, or a `tokenizer_config.json` holding
+    /// `chat_template`; none: the built-in ChatML renderer ([`crate::chat_template`]).
+    pub chat_template: Option<String>,
 }
 
 impl Default for FleetSpec {
@@ -62,6 +66,7 @@ impl Default for FleetSpec {
             kv_events_topic: "kv-events".into(),
             kv_events_format: "map".into(),
             tokenizer: None,
+            chat_template: None,
         }
     }
 }
@@ -119,6 +124,8 @@ mod tests {
         assert_eq!((s.replicas, s.time_scale, s.block_size), (2, 0.01, 16));
         let s = FleetSpec::from_json(r#"{"tokenizer":"t.json"}"#).unwrap();
         assert_eq!(s.tokenizer.as_deref(), Some("t.json"));
+        let s = FleetSpec::from_json(r#"{"chat_template":"qwen3.jinja"}"#).unwrap();
+        assert_eq!(s.chat_template.as_deref(), Some("qwen3.jinja"));
     }
 
     #[test]

@@ -17,103 +17,77 @@
 //! newlines); a parts template gets the part vLLM passes (`{"type": "image"}`) followed by a text
 //! part holding the marker.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 
 use minijinja::value::{Enumerator, Object, Value, ValueKind};
-use serde::de::{self, SeqAccess, Visitor};
-use serde::{Deserialize, Deserializer};
+use serde_json::value::RawValue;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-/// A message as the client sent it, read in the body's one pass: its content's text borrowed
-/// from the body where it has no escapes, the fields vLLM keeps as template values.
-#[derive(Deserialize)]
-pub struct Incoming<'a> {
-    #[serde(borrow)]
-    role: Option<Cow<'a, str>>,
-    #[serde(borrow)]
-    content: Option<Content<'a>>,
-    tool_calls: Option<Value>,
-    reasoning: Option<Value>,
-    name: Option<Value>,
-    tool_call_id: Option<Value>,
-    task: Option<Value>,
-    tools: Option<Value>,
-}
+use crate::request::{Field, Media, Message, Part as Sent, Text};
 
-/// Message content: a string, or a list of parts.
-enum Content<'a> {
-    Text(Cow<'a, str>),
-    Parts(Vec<Value>),
-}
-
-impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct ContentVisitor;
-        impl<'de> Visitor<'de> for ContentVisitor {
-            type Value = Content<'de>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a string or a list of parts")
-            }
-            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(Content::Text(Cow::Borrowed(v)))
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(Content::Text(Cow::Owned(v.to_string())))
-            }
-            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
-                Ok(Content::Text(Cow::Owned(v)))
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-                let mut parts = Vec::new();
-                while let Some(p) = seq.next_element()? {
-                    parts.push(p);
+/// A hash of everything of `message` a template can see, chained onto `seed`.
+pub(crate) fn fingerprint(message: &Message, seed: u64) -> u64 {
+    let raw =
+        |v: Option<&RawValue>, h: u64| xxh3_64_with_seed(v.map_or("", RawValue::get).as_bytes(), h);
+    let mut h = xxh3_64_with_seed(message.role.as_deref().unwrap_or("\u{0}").as_bytes(), seed);
+    match &message.content {
+        Some(Field::Text(t)) => h = xxh3_64_with_seed(&t.0, h),
+        Some(Field::List(parts)) => {
+            for p in parts {
+                h = raw(p.kind, h);
+                h = xxh3_64_with_seed(p.text.as_ref().map_or(&b"\x00"[..], |t| &t.0), h);
+                for m in [&p.image_url, &p.input_audio, &p.video_url, &p.file] {
+                    h = raw(m.as_ref().map(|m| m.raw), h);
                 }
-                Ok(Content::Parts(parts))
+                for v in [
+                    p.refusal,
+                    p.thinking,
+                    p.image_embeds,
+                    p.image_pil,
+                    p.audio_url,
+                    p.audio_embeds,
+                ] {
+                    h = raw(v, h);
+                }
             }
         }
-        d.deserialize_any(ContentVisitor)
+        None => h ^= 1,
+    }
+    for v in [
+        &message.reasoning,
+        &message.name,
+        &message.tool_call_id,
+        &message.task,
+    ] {
+        h = xxh3_64_with_seed(v.as_ref().map_or(&b"\x00"[..], |t| &t.0), h);
+    }
+    for v in [message.tool_calls, message.tools] {
+        h = raw(v, h);
+    }
+    h
+}
+
+/// A field kept as JSON text, as a template value (undefined when absent).
+fn value(raw: Option<&RawValue>) -> Result<Value, Refused> {
+    match raw {
+        None => Ok(Value::UNDEFINED),
+        Some(raw) => serde_json::from_str(raw.get()).map_err(|_| Refused("a field is not JSON")),
     }
 }
 
-impl Incoming<'_> {
-    /// The role, if the message has one.
-    pub fn role(&self) -> Option<&str> {
-        self.role.as_deref()
-    }
-
-    /// A hash of everything of the message a template can see, chained onto `seed`.
-    pub fn fingerprint(&self, seed: u64) -> u64 {
-        let mut h = xxh3_64_with_seed(self.role().unwrap_or("\u{0}").as_bytes(), seed);
-        match &self.content {
-            Some(Content::Text(t)) => h = xxh3_64_with_seed(t.as_bytes(), h),
-            Some(Content::Parts(p)) => h = xxh3_64_with_seed(format!("{p:?}").as_bytes(), h),
-            None => h ^= 1,
-        }
-        for v in [
-            &self.tool_calls,
-            &self.reasoning,
-            &self.name,
-            &self.tool_call_id,
-            &self.task,
-            &self.tools,
-        ] {
-            h = xxh3_64_with_seed(
-                v.as_ref()
-                    .map_or(String::new(), |v| format!("{v:?}"))
-                    .as_bytes(),
-                h,
-            );
-        }
-        h
-    }
+/// A text the client sent, as a template string: UTF-8, which minijinja needs (an engine
+/// refuses a body that is not).
+fn text(t: &Text) -> Result<Value, Refused> {
+    std::str::from_utf8(&t.0)
+        .map(Value::from)
+        .map_err(|_| Refused("text is not UTF-8"))
 }
 
 /// A prepared message: its fields in vLLM's order, looked up without a map.
 #[derive(Debug)]
-struct Message(Vec<(&'static str, Value)>);
+struct Prepared(Vec<(&'static str, Value)>);
 
-impl Object for Message {
+impl Object for Prepared {
     fn get_value(self: &Arc<Self>, key: &Value) -> Option<Value> {
         let key = key.as_str()?;
         self.0
@@ -206,65 +180,83 @@ fn hash_of(v: &Value) -> u64 {
     }
 }
 
-fn part(p: &Value) -> Result<Part, Refused> {
-    if let Some(s) = p.as_str() {
-        return Ok(Part::Text(Value::from(s)));
+/// The hash of a medium given as `{"url": ...}` (its URL's bytes, read as the body's one pass
+/// read them), a string, or any other value.
+fn media_hash(m: &Media) -> Result<u64, Refused> {
+    if m.url {
+        return Ok(xxh3_64(&m.key));
     }
-    if p.kind() != ValueKind::Map {
-        return Err(Refused("content part is not an object"));
-    }
-    let kind = get(p, "type");
-    let media = |kind: &'static str, v: Value| Ok(Part::Media(kind, hash_of(&v)));
-    match kind.as_str() {
-        Some("text" | "input_text" | "output_text") => {
-            let t = get(p, "text");
-            Ok(if present(&t) {
-                Part::Text(t)
-            } else {
-                Part::Skip
-            })
+    Ok(hash_of(&value(Some(m.raw))?))
+}
+
+fn raw_hash(raw: Option<&RawValue>) -> Result<u64, Refused> {
+    Ok(hash_of(&value(raw)?))
+}
+
+fn part(p: &Sent) -> Result<Part, Refused> {
+    let kind = p
+        .kind
+        .and_then(|k| serde_json::from_str::<std::borrow::Cow<str>>(k.get()).ok());
+    let media = |kind: &'static str, m: &Option<Media>| -> Result<Part, Refused> {
+        Ok(Part::Media(
+            kind,
+            match m {
+                Some(m) => media_hash(m)?,
+                None => hash_of(&Value::UNDEFINED),
+            },
+        ))
+    };
+    let raw_media = |kind: &'static str, v: Option<&RawValue>| Ok(Part::Media(kind, raw_hash(v)?));
+    let some_text = |v: Option<&RawValue>| -> Result<Part, Refused> {
+        let v = value(v)?;
+        Ok(if present(&v) {
+            Part::Text(v)
+        } else {
+            Part::Skip
+        })
+    };
+    match kind.as_deref() {
+        Some("text" | "input_text" | "output_text") => match &p.text {
+            Some(t) => Ok(Part::Text(text(t)?)),
+            None => Ok(Part::Skip),
+        },
+        Some("refusal") => some_text(p.refusal),
+        Some("thinking") => Ok(Part::Text(value(p.thinking)?)),
+        Some("image_url" | "input_image") => media("image", &p.image_url),
+        Some("image_embeds") => raw_media("image", p.image_embeds),
+        Some("image_pil") => raw_media("image", p.image_pil),
+        Some("audio_url") => raw_media("audio", p.audio_url),
+        Some("audio_embeds") => raw_media("audio", p.audio_embeds),
+        Some("input_audio") => {
+            let audio = value(p.input_audio.as_ref().map(|m| m.raw))?;
+            Ok(Part::Media("audio", hash_of(&get(&audio, "data"))))
         }
-        Some("refusal") => {
-            let t = get(p, "refusal");
-            Ok(if present(&t) {
-                Part::Text(t)
-            } else {
-                Part::Skip
-            })
-        }
-        Some("thinking") => Ok(Part::Text(get(p, "thinking"))),
-        Some("image_url" | "input_image") => media("image", get(p, "image_url")),
-        Some("image_embeds") => media("image", get(p, "image_embeds")),
-        Some("image_pil") => media("image", get(p, "image_pil")),
-        Some("audio_url") => media("audio", get(p, "audio_url")),
-        Some("audio_embeds") => media("audio", get(p, "audio_embeds")),
-        Some("input_audio") => media("audio", get(&get(p, "input_audio"), "data")),
-        Some("video_url") => media("video", get(p, "video_url")),
-        Some("file") => media("file", get(p, "file")),
+        Some("video_url") => media("video", &p.video_url),
+        Some("file") => media("file", &p.file),
         Some(_) => Err(Refused("unsupported content part type")),
-        None if present(&get(p, "image_url")) => media("image", get(p, "image_url")),
-        None if present(&get(p, "audio_url")) => media("audio", get(p, "audio_url")),
-        None if present(&get(p, "video_url")) => media("video", get(p, "video_url")),
+        None if p.image_url.is_some() => media("image", &p.image_url),
+        None if p.audio_url.is_some_and(|a| a.get() != "null") => raw_media("audio", p.audio_url),
+        None if p.video_url.is_some() => media("video", &p.video_url),
         None => Err(Refused("content part without a type")),
     }
 }
 
 /// A message's content as the template gets it.
-fn content(content: Option<&Content>, format: ContentFormat) -> Result<Value, Refused> {
-    let parts: Vec<Value> = match content {
+fn content(content: Option<&Field<Sent>>, format: ContentFormat) -> Result<Value, Refused> {
+    let parts: Vec<Part> = match content {
         None => Vec::new(),
-        Some(Content::Text(t)) => match format {
+        Some(Field::Text(t)) => match format {
             // The common case: a string stays one.
-            ContentFormat::String => return Ok(Value::from(&**t)),
-            ContentFormat::OpenAi => vec![Value::from(&**t)],
+            ContentFormat::String => return text(t),
+            ContentFormat::OpenAi => vec![Part::Text(text(t)?)],
         },
-        Some(Content::Parts(p)) => p.clone(),
+        Some(Field::List(p)) => p.iter().map(part).collect::<Result<_, _>>()?,
     };
     let mut texts: Vec<Value> = Vec::new();
     let mut markers: Vec<String> = Vec::new();
     let mut out: Vec<Value> = Vec::new();
-    for p in &parts {
-        match part(p)? {
+    for p in parts {
+        match p {
             Part::Skip => {}
             Part::Text(t) => match format {
                 ContentFormat::String => texts.push(t),
@@ -343,19 +335,20 @@ pub(crate) fn replace(map: &Value, key: &str, value: Value) -> Value {
 }
 
 /// One message as vLLM passes it to the template.
-pub fn prepare(message: &Incoming, format: ContentFormat) -> Result<Value, Refused> {
-    let Some(role_str) = message.role() else {
+pub(crate) fn prepare(message: &Message, format: ContentFormat) -> Result<Value, Refused> {
+    let Some(role_str) = message.role.as_deref() else {
         return Err(Refused("message without a role"));
     };
     let role = Value::from(role_str);
     let mut content = content(message.content.as_ref(), format)?;
-    let field = |v: &Option<Value>| v.clone().unwrap_or_default();
+    let field = |v: &Option<&RawValue>| value(*v);
+    let string = |v: &Option<Text>| v.as_ref().map_or(Ok(Value::UNDEFINED), text);
     let mut out: Vec<(&'static str, Value)> = Vec::with_capacity(6);
     match role_str {
         "assistant" => {
             out.push(("role", role));
             out.push(("content", content));
-            let calls = field(&message.tool_calls);
+            let calls = field(&message.tool_calls)?;
             if calls.kind() == ValueKind::Seq && calls.len() != Some(0) {
                 let calls: Vec<Value> = calls
                     .try_iter()
@@ -367,7 +360,7 @@ pub fn prepare(message: &Incoming, format: ContentFormat) -> Result<Value, Refus
             } else if present(&calls) && calls.kind() != ValueKind::Seq {
                 out.push(("tool_calls", calls));
             }
-            let reasoning = field(&message.reasoning);
+            let reasoning = string(&message.reasoning)?;
             if present(&reasoning) {
                 out.push(("reasoning", reasoning.clone()));
                 out.push(("reasoning_content", reasoning));
@@ -386,23 +379,23 @@ pub fn prepare(message: &Incoming, format: ContentFormat) -> Result<Value, Refus
             }
             out.push(("role", role));
             out.push(("content", content));
-            out.push(("tool_call_id", field(&message.tool_call_id)));
+            out.push(("tool_call_id", string(&message.tool_call_id)?));
         }
         _ => {
             out.push(("role", role));
             out.push(("content", content));
         }
     }
-    let name = field(&message.name);
+    let name = string(&message.name)?;
     if name.kind() == ValueKind::String {
         out.push(("name", name));
     }
-    let task = field(&message.task);
+    let task = string(&message.task)?;
     if task.kind() == ValueKind::String {
         out.push(("task", task));
     }
     if role_str == "developer" {
-        out.push(("tools", field(&message.tools)));
+        out.push(("tools", field(&message.tools)?));
     }
     // transformers drops the keys whose value is None, then names the reasoning under all the
     // keys templates read it from: `thinking` first, `reasoning_content` after the rest.
@@ -417,14 +410,14 @@ pub fn prepare(message: &Incoming, format: ContentFormat) -> Result<Value, Refus
             slot.1 = r;
         }
     }
-    Ok(Value::from_object(Message(out)))
+    Ok(Value::from_object(Prepared(out)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn v(text: &str) -> Incoming<'_> {
+    fn v(text: &str) -> Message<'_> {
         serde_json::from_str(text).unwrap()
     }
 

@@ -55,7 +55,7 @@ pub struct Template {
     id: u64,
     /// Renderings of heads with a probe message after them, by what they were rendered from
     /// (`prompt::head`): a group's requests render their head once per VM.
-    probes: Mutex<HashMap<u64, Arc<str>>>,
+    probes: Mutex<HashMap<u64, Arc<[u8]>>>,
 }
 
 /// Head renderings kept per template: enough for the groups a gateway sees at once; past it,
@@ -63,11 +63,11 @@ pub struct Template {
 const PROBES: usize = 128;
 
 impl Template {
-    fn probe(&self, key: u64) -> Option<Arc<str>> {
+    fn probe(&self, key: u64) -> Option<Arc<[u8]>> {
         self.probes.lock().ok()?.get(&key).cloned()
     }
 
-    fn keep_probe(&self, key: u64, probe: Arc<str>) {
+    fn keep_probe(&self, key: u64, probe: Arc<[u8]>) {
         if let Ok(mut probes) = self.probes.lock() {
             if probes.len() >= PROBES {
                 probes.clear();
@@ -129,6 +129,15 @@ impl Template {
     /// The content format vLLM would pass this template.
     pub fn format(&self) -> ContentFormat {
         self.format
+    }
+}
+
+/// The template spec a file holds: a `tokenizer_config.json` (an object with `chat_template`)
+/// as it is, any other text as a template's source.
+pub fn spec_of_file(text: &str) -> Json {
+    match serde_json::from_str::<Json>(text) {
+        Ok(v @ Json::Object(_)) if v.get("chat_template").is_some() => v,
+        _ => Json::String(text.to_string()),
     }
 }
 
@@ -221,27 +230,39 @@ impl Templates {
     }
 
     /// The prompt of a request, rendered by its model's template where there is one, else (or
-    /// when the template fails) as [`request::parse_with`] renders it. Counts the outcome.
+    /// when the template fails) as [`request::parse_with`] renders it. Counts the outcome. The
+    /// body is read once, for both.
     pub fn parse(&self, api: Api, body: &[u8], tools: ToolsAt) -> Result<Prompt, ParseError> {
         if self.is_empty() || api != Api::Chat {
             return request::parse_with(api, body, tools);
         }
-        let outcome = match prompt::render(self, body) {
+        let req = request::read_chat(body)?;
+        let model = req.model()?;
+        req.messages()?;
+        let Some(template) = self.for_model(&model) else {
+            self.count(Outcome::NoTemplate);
+            return request::render_chat(&req, tools);
+        };
+        match prompt::render(template, &req, model) {
             Ok(prompt) => {
                 self.count(Outcome::Rendered);
-                return Ok(prompt);
+                Ok(prompt)
             }
-            Err(RenderError::NoTemplate) => Outcome::NoTemplate,
-            Err(RenderError::Body) => return request::parse_with(api, body, tools),
-            Err(RenderError::Refused(_) | RenderError::Template(_)) => Outcome::Failed,
-        };
-        self.count(outcome);
-        request::parse_with(api, body, tools)
+            Err(RenderError::Body) => request::render_chat(&req, tools),
+            Err(RenderError::NoTemplate | RenderError::Refused(_) | RenderError::Template(_)) => {
+                self.count(Outcome::Failed);
+                request::render_chat(&req, tools)
+            }
+        }
     }
 
     /// The prompt of a chat request as its model's template renders it, or why not.
     pub fn render(&self, body: &[u8]) -> Result<Prompt, RenderError> {
-        prompt::render(self, body)
+        let req = request::read_chat(body).map_err(|_| RenderError::Body)?;
+        let model = req.model().map_err(|_| RenderError::Body)?;
+        req.messages().map_err(|_| RenderError::Body)?;
+        let template = self.for_model(&model).ok_or(RenderError::NoTemplate)?;
+        prompt::render(template, &req, model)
     }
 
     fn count(&self, outcome: Outcome) {

@@ -9,24 +9,23 @@
 //! (the tools, a date, the next turn's header) is in it exactly as far as it is shared. The
 //! opener is where the first message after the head renders its text.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 
 use memchr::memmem;
 use minijinja::value::{Value, ValueKind};
-use serde::Deserialize;
 use serde_json::value::RawValue;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use super::messages::{self, ContentFormat, Incoming};
-use super::{jinja, Template, Templates};
+use super::messages::{self, ContentFormat};
+use super::{jinja, Template};
 use crate::prefix::OPENER_BYTES;
-use crate::request::{self, Prompt};
+use crate::request::{ChatRequest, Message, Prompt};
 
 /// Why a request was not rendered by a template.
 #[derive(Debug)]
 pub enum RenderError {
-    /// The body is no chat request with a model and messages (today's parser says which).
+    /// The body is no chat request with a model and messages (the built-in rendering says
+    /// which), or a field only a template reads has a shape it cannot take.
     Body,
     /// The request's model has no template.
     NoTemplate,
@@ -36,47 +35,28 @@ pub enum RenderError {
     Template(String),
 }
 
-#[derive(Deserialize)]
-struct Body<'a> {
-    #[serde(borrow)]
-    model: Option<Cow<'a, str>>,
-    #[serde(borrow)]
-    messages: Option<Vec<Incoming<'a>>>,
-    #[serde(borrow)]
-    tools: Option<&'a RawValue>,
-    #[serde(borrow)]
-    documents: Option<&'a RawValue>,
-    add_generation_prompt: Option<bool>,
-    continue_final_message: Option<bool>,
-    #[serde(borrow)]
-    chat_template_kwargs: Option<&'a RawValue>,
-    #[serde(borrow)]
-    cache_salt: Option<&'a RawValue>,
-    #[serde(borrow)]
-    stream: Option<&'a RawValue>,
-    #[serde(borrow)]
-    stream_options: Option<&'a RawValue>,
-}
-
 /// What a template is rendered with, but the messages.
 struct Vars {
     tools: Value,
     documents: Value,
     kwargs: Vec<(Value, Value)>,
+    /// About the bytes a rendering takes, to write it into one buffer.
+    size: usize,
 }
 
 impl Template {
+    /// The template rendered with `messages` and `vars`, as its UTF-8 bytes.
     fn render_messages(
         &self,
-        messages: &[Value],
+        messages: Value,
         vars: &Vars,
         add_generation_prompt: bool,
-    ) -> Result<String, RenderError> {
+    ) -> Result<Vec<u8>, RenderError> {
         let mut ctx: Vec<(Value, Value)> = Vec::with_capacity(self.tokens.len() + 8);
         for (name, token) in &self.tokens {
             ctx.push((Value::from(name.as_str()), token.clone()));
         }
-        ctx.push((Value::from("messages"), Value::from(messages.to_vec())));
+        ctx.push((Value::from("messages"), messages));
         ctx.push((Value::from("tools"), vars.tools.clone()));
         ctx.push((Value::from("documents"), vars.documents.clone()));
         ctx.push((
@@ -88,21 +68,32 @@ impl Template {
             .env
             .get_template(jinja::NAME)
             .map_err(|e| RenderError::Template(e.to_string()))?;
+        let mut out = Vec::with_capacity(vars.size);
         template
-            .render(Value::from_iter(ctx))
-            .map_err(|e| RenderError::Template(e.to_string()))
+            .render_captured_to(Value::from_iter(ctx), &mut out)
+            .map_err(|e| RenderError::Template(e.to_string()))?;
+        Ok(out)
     }
 }
 
-/// Renders a chat request by its model's template.
-pub fn render(templates: &Templates, body: &[u8]) -> Result<Prompt, RenderError> {
-    let req: Body = serde_json::from_slice(body).map_err(|_| RenderError::Body)?;
-    let model = match req.model {
-        Some(m) if !m.is_empty() => m.into_owned(),
-        _ => return Err(RenderError::Body),
-    };
-    let raw = req.messages.ok_or(RenderError::Body)?;
-    let template = templates.for_model(&model).ok_or(RenderError::NoTemplate)?;
+/// A flag a template reads (`add_generation_prompt`, `continue_final_message`): a boolean, or
+/// absent.
+fn flag(raw: Option<&RawValue>) -> Result<Option<bool>, RenderError> {
+    match raw.map(RawValue::get) {
+        None | Some("null") => Ok(None),
+        Some("true") => Ok(Some(true)),
+        Some("false") => Ok(Some(false)),
+        Some(_) => Err(RenderError::Body),
+    }
+}
+
+/// Renders a chat request (read once, [`request::read_chat`]) of `model` by `template`.
+pub(crate) fn render(
+    template: &Template,
+    req: &ChatRequest,
+    model: String,
+) -> Result<Prompt, RenderError> {
+    let raw = req.messages().map_err(|_| RenderError::Body)?;
     let format = template.format;
     let messages = raw
         .iter()
@@ -118,8 +109,8 @@ pub fn render(templates: &Templates, body: &[u8]) -> Result<Prompt, RenderError>
         .fold(0u64, |h, v| {
             xxh3_64_with_seed(v.map_or("", |v| v.get()).as_bytes(), h)
         });
-    let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
-    let continue_final = req.continue_final_message.unwrap_or(false);
+    let add_generation_prompt = flag(req.add_generation_prompt)?.unwrap_or(true);
+    let continue_final = flag(req.continue_final_message)?.unwrap_or(false);
     if add_generation_prompt && continue_final {
         return Err(RenderError::Refused(
             "add_generation_prompt and continue_final_message",
@@ -136,13 +127,16 @@ pub fn render(templates: &Templates, body: &[u8]) -> Result<Prompt, RenderError>
         tools: parse(req.tools)?.unwrap_or_default_none(),
         documents: parse(req.documents)?.unwrap_or_default_none(),
         kwargs,
+        size: 4096
+            + req.tools.map_or(0, |t| t.get().len())
+            + raw.iter().map(Message::size).sum::<usize>(),
     };
     let text = if continue_final {
         continue_final_message(template, &messages, &vars)?
     } else {
-        template.render_messages(&messages, &vars, add_generation_prompt)?
+        template.render_messages(Value::from(messages.clone()), &vars, add_generation_prompt)?
     };
-    let (head, head_messages) = head(template, &messages, &raw, context, &vars, &text)?;
+    let (head, head_messages) = head(template, &messages, raw, context, &vars, &text)?;
     let opener = messages
         .get(head_messages)
         .and_then(|m| opener(&text, head, m))
@@ -152,9 +146,9 @@ pub fn render(templates: &Templates, body: &[u8]) -> Result<Prompt, RenderError>
         head,
         opener,
         history: messages.len().saturating_sub(head_messages) > 1,
-        salt: request::salt(req.cache_salt),
-        usage: request::reports_usage(req.stream, req.stream_options),
-        text: text.into_bytes(),
+        salt: req.salt(),
+        usage: req.usage(),
+        text,
     })
 }
 
@@ -179,10 +173,10 @@ fn role(m: &Value) -> Option<String> {
 fn head(
     template: &Template,
     messages: &[Value],
-    raw: &[Incoming],
+    raw: &[Message],
     context: u64,
     vars: &Vars,
-    text: &str,
+    text: &[u8],
 ) -> Result<(usize, usize), RenderError> {
     let lead = messages
         .iter()
@@ -210,29 +204,43 @@ fn head(
     let key = raw[..n]
         .iter()
         .fold(xxh3_64_with_seed(next_role.as_bytes(), context), |h, m| {
-            m.fingerprint(h)
+            messages::fingerprint(m, h)
         });
     let probe = match template.probe(key) {
         Some(probe) => probe,
         None => {
             let mut probe: Vec<Value> = messages[..n].to_vec();
             probe.push(probe_message);
-            let probe: Arc<str> = template.render_messages(&probe, vars, false)?.into();
+            let probe: Arc<[u8]> = template
+                .render_messages(Value::from(probe), vars, false)?
+                .into();
             template.keep_probe(key, probe.clone());
             probe
         }
     };
-    let common = text
-        .bytes()
-        .zip(probe.bytes())
-        .take_while(|(a, b)| a == b)
-        .count();
-    Ok((common, n))
+    Ok((common_prefix(text, &probe), n))
+}
+
+/// How many leading bytes `a` and `b` share, compared 16 at a time.
+fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let at = a
+        .chunks_exact(16)
+        .zip(b.chunks_exact(16))
+        .take_while(|(x, y)| x == y)
+        .count()
+        * 16;
+    at + a[at..]
+        .iter()
+        .zip(&b[at..])
+        .take_while(|(x, y)| x == y)
+        .count()
 }
 
 /// Where the message `m` (the first after the head) renders its text: the first
 /// [`OPENER_BYTES`] of its content found after the head.
-fn opener(text: &str, head: usize, m: &Value) -> Option<std::ops::Range<usize>> {
+fn opener(text: &[u8], head: usize, m: &Value) -> Option<std::ops::Range<usize>> {
     let content = m.get_attr("content").ok()?;
     let own: String = match content.kind() {
         ValueKind::String => content.as_str()?.to_string(),
@@ -251,7 +259,7 @@ fn opener(text: &str, head: usize, m: &Value) -> Option<std::ops::Range<usize>> 
     if needle.is_empty() {
         return None;
     }
-    let at = head + memmem::find(text.as_bytes().get(head..)?, needle.as_bytes())?;
+    let at = head + memmem::find(text.get(head..)?, needle.as_bytes())?;
     Some(at..at + needle.len())
 }
 
@@ -265,7 +273,7 @@ fn continue_final_message(
     template: &Template,
     messages: &[Value],
     vars: &Vars,
-) -> Result<String, RenderError> {
+) -> Result<Vec<u8>, RenderError> {
     let refuse = || RenderError::Refused("continue_final_message without a final text");
     let (last, earlier) = messages.split_last().ok_or_else(refuse)?;
     if !template.names_content {
@@ -297,7 +305,8 @@ fn continue_final_message(
     };
     let mut all = earlier.to_vec();
     all.push(messages::replace(last, "content", tagged));
-    let rendered = template.render_messages(&all, vars, false)?;
+    let rendered = template.render_messages(Value::from(all), vars, false)?;
+    let rendered = String::from_utf8(rendered).map_err(|_| refuse())?;
     let tag = CONTINUE_TAG.trim();
     if !rendered.contains(final_text.trim()) {
         return Err(refuse());
@@ -309,12 +318,13 @@ fn continue_final_message(
     } else {
         text.truncate(text[..at].trim_end().len());
     }
-    Ok(text)
+    Ok(text.into_bytes())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::template::Templates;
     use serde_json::json;
 
     /// ChatML with tools in the system message; earlier turns' reasoning dropped.
