@@ -476,9 +476,11 @@ mod tests {
         assert_eq!(snap.generation_tokens_total, 40);
     }
 
-    #[tokio::test]
+    // Paused time: the clock moves only when every task waits, so a loaded machine cannot let
+    // one request finish before the next arrives.
+    #[tokio::test(start_paused = true)]
     async fn requests_beyond_max_num_seqs_wait_in_fifo_order() {
-        // Each request takes ~15 ms real here: 9.5 ms prefill plus one 5 ms decode tick.
+        // Each request takes ~15 ms here: 9.5 ms prefill plus one 5 ms decode tick.
         let spec = Arc::new(FleetSpec {
             max_num_seqs: 1,
             time_scale: 0.1,
