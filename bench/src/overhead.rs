@@ -102,10 +102,10 @@ impl Target {
 
     fn over(&self) -> &'static str {
         let envoy = ENVOY_CONFIGS.contains(&self.name) || precise::CONFIGS.contains(&self.name);
-        match self.name {
-            "plain" => "backend",
-            _ if envoy => "plain",
-            _ => "backend",
+        if envoy && self.name != "plain" {
+            "plain"
+        } else {
+            "backend"
         }
     }
 }
@@ -262,37 +262,11 @@ pub async fn overhead(
             }
         }
     }
-    let mut precise_decisions = None;
-    for t in &targets {
-        let Some(envoy) = t.envoy.as_ref().filter(|_| t.name.starts_with("kvroute")) else {
-            continue;
-        };
-        if t.name == precise::CONFIGS[1] {
-            let d = precise::decisions(envoy).await;
-            match &d {
-                Ok(d) => println!(
-                    "{}: the engine index decided {} of {} requests; index stats {:?}",
-                    t.name, d.engine, d.routed, d.index
-                ),
-                Err(e) => eprintln!("overhead: {e}"),
-            }
-            precise_decisions = Some(d);
-            continue;
-        }
-        let routed = envoy
-            .stats("kvroute.routed.")
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut routed: Vec<_> = routed.into_iter().filter(|(_, v)| *v > 0).collect();
-        routed.sort();
-        println!("{} decisions during the run: {routed:?}", t.name);
-    }
-    // Written to `--json` either way, then an error when the engine index decided too little.
-    let (precise_decisions, precise_failed) = match precise_decisions {
-        Some(Err(e)) => (None, Some(e)),
-        Some(Ok(d)) => (Some(d), None),
-        None => (None, None),
-    };
+    let kvroutes = targets
+        .iter()
+        .filter_map(|t| Some((t.name, t.envoy.as_ref()?)))
+        .filter(|(name, _)| name.starts_with("kvroute"));
+    let precise_decisions = precise::print_decisions(kvroutes).await?;
     if let Some(path) = json_out {
         let doc = json!({
             "seconds_per_phase": seconds,
@@ -307,7 +281,8 @@ pub async fn overhead(
         std::fs::write(path, text + "\n").map_err(|e| format!("{}: {e}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
-    precise_failed.map_or(Ok(()), Err)
+    // After `--json` is written: a run whose engine index decided too little measured nothing.
+    precise_decisions.as_ref().map_or(Ok(()), precise::check)
 }
 
 /// The four in-process backends every config goes to, and their addresses. They keep no copy

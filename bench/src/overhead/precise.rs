@@ -185,29 +185,45 @@ pub(crate) struct Decisions {
     pub index: Vec<(String, u64)>,
 }
 
-/// Reads `kvroute-precise`'s decisions from `envoy`'s stats; an error when the engine index made
-/// too few of them for its row to measure the lookup that decides.
-pub(crate) async fn decisions(envoy: &Envoy) -> Result<Decisions, String> {
-    let routed = envoy
-        .stats("kvroute.routed.")
-        .await
-        .map_err(|e| e.to_string())?;
-    let index = envoy
-        .stats("kvroute.index.")
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut index: Vec<(String, u64)> = index.into_iter().filter(|(_, v)| *v > 0).collect();
-    index.sort();
-    let engine = routed
-        .iter()
-        .filter(|(k, _)| k.ends_with("kvroute.routed.engine"))
-        .map(|(_, v)| *v)
-        .sum();
-    let d = Decisions {
-        routed: routed.values().sum(),
-        engine,
-        index,
-    };
+/// Prints each kvroute config's decisions during the run (`envoys`: by name), and returns
+/// `kvroute-precise`'s.
+pub(crate) async fn print_decisions<'a>(
+    envoys: impl Iterator<Item = (&'a str, &'a Envoy)>,
+) -> Result<Option<Decisions>, String> {
+    let mut precise = None;
+    for (name, envoy) in envoys {
+        let stats = |prefix| async move {
+            let stats = envoy.stats(prefix).await.map_err(|e| e.to_string())?;
+            let mut stats: Vec<(String, u64)> = stats.into_iter().filter(|(_, v)| *v > 0).collect();
+            stats.sort();
+            Ok::<_, String>(stats)
+        };
+        let routed = stats("kvroute.routed.").await?;
+        if name != CONFIGS[1] {
+            println!("{name} decisions during the run: {routed:?}");
+            continue;
+        }
+        let d = Decisions {
+            routed: routed.iter().map(|(_, v)| v).sum(),
+            engine: routed
+                .iter()
+                .filter(|(k, _)| k.ends_with("kvroute.routed.engine"))
+                .map(|(_, v)| v)
+                .sum(),
+            index: stats("kvroute.index.").await?,
+        };
+        println!(
+            "{name}: the engine index decided {} of {} requests; index stats {:?}",
+            d.engine, d.routed, d.index
+        );
+        precise = Some(d);
+    }
+    Ok(precise)
+}
+
+/// An error when the engine index made too few of `kvroute-precise`'s decisions for its row to
+/// measure the lookup that decides.
+pub(crate) fn check(d: &Decisions) -> Result<(), String> {
     let share = d.engine as f64 / d.routed.max(1) as f64;
     if share < MIN_ENGINE_SHARE {
         return Err(format!(
@@ -216,7 +232,7 @@ pub(crate) async fn decisions(envoy: &Envoy) -> Result<Decisions, String> {
             d.engine, d.routed, d.index
         ));
     }
-    Ok(d)
+    Ok(())
 }
 
 /// The line precise mode's cost target is stated in, per prompt size: `kvroute-precise`'s CPU per
