@@ -83,8 +83,8 @@ ROOT = 1
 
 
 SHAPE = {"conversation": False}
-# The stand-in indexer's answers, in order (the last one repeats): see `precise_feed`.
-FEED = {"answers": [b""]}
+# The stand-in indexer's answers, by kind (`--precise`): see `precise_feed`.
+FEED = {}
 
 
 def body(i, size):
@@ -140,7 +140,6 @@ class Host:
         self.shared = {}
         self.metric_names = []
         self.metrics = {}
-        self.feed_answers = list(FEED["answers"])
         self.maps = {REQUEST_HEADERS: [], RESPONSE_HEADERS: [], CALL_RESPONSE_HEADERS: []}
         self.buffers = {PLUGIN_CONFIGURATION: CONFIG}
         self.properties = {}
@@ -268,7 +267,10 @@ class Host:
         token_ptr = rest[-1]
         token = len(self.pending_calls) + 1
         raw = self.read(headers_ptr, headers_size)
-        kind = "admin" if b"/clusters" in raw else "index" if b"/v1/changes" in raw else "engine"
+        kind = "admin" if b"/clusters" in raw else "engine"
+        if b"/v1/changes" in raw:
+            # As an indexer answers: the whole index unless the filter is at its version.
+            kind = "no change" if b"epoch=1&since=1\0" in raw else "whole index"
         self.pending_calls.append((token, kind))
         self.write(token_ptr, struct.pack("<I", token))
         return OK
@@ -281,16 +283,11 @@ class Host:
         answers = 0
         calls, self.pending_calls = self.pending_calls, []
         for token, kind in calls:
-            answer = {"admin": self.clusters, "engine": ENGINE_METRICS}.get(kind) or self.feed()
+            answer = {"admin": self.clusters, "engine": ENGINE_METRICS}.get(kind) or FEED[kind]
             self.maps[CALL_RESPONSE_HEADERS] = [(b":status", b"200")]
             self.buffers[CALL_RESPONSE_BODY] = answer
             answers += self.run("proxy_on_http_call_response", ROOT, token, 1, len(answer), 0)[1]
         return spent, answers
-
-    def feed(self):
-        """The indexer's answer: the whole index first, then no change."""
-        answer, self.feed_answers = self.feed_answers[0], self.feed_answers[-1:]
-        return answer
 
     def request(self, ctx, payload):
         """One request and its response through the filter: wasm instructions per callback."""
@@ -327,8 +324,9 @@ class Host:
 
 
 def precise_feed(args, sizes):
-    """The change feed's answers for `--precise`: the whole index, in which endpoint g mod hosts
-    holds the keys group g's bodies share at every size, then an answer with no change."""
+    """The change feed's answers for `--precise`: the whole index (epoch 1, version 1), in which
+    endpoint g mod hosts holds the keys group g's bodies share at every size, and the answer with
+    no change to a filter at that version."""
     endpoints = ["127.0.0.1:%d" % (8001 + i) for i in range(args.hosts)]
     changes = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -350,7 +348,7 @@ def precise_feed(args, sizes):
     def answer(full, changes):
         return json.dumps({"epoch": 1, "version": 1, "full": full, "endpoints": endpoints,
                            "stale": [], "changes": changes}).encode()
-    return [answer(True, changes), answer(False, [])]
+    return {"whole index": answer(True, changes), "no change": answer(False, [])}
 
 
 def started(args, size):
@@ -462,7 +460,7 @@ def main():
         CONFIG = json.dumps(config).encode()
     sizes = [int(b) for b in args.bytes.split(",") if b]
     if args.precise:
-        FEED["answers"] = precise_feed(args, sizes)
+        FEED.update(precise_feed(args, sizes))
     for size in sizes:
         requests(args, size)
     if args.ticks > 0:
