@@ -275,7 +275,7 @@ mod tests {
                     &prompt.text,
                     prompt.head,
                     false,
-                    shape(config),
+                    shape(&config),
                 )
                 .keys;
                 let held = &prefixes[i % GROUPS];
