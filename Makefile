@@ -150,8 +150,9 @@ bench-core: deps
 
 # The whole filter's own instructions per request, by callback, and its host calls: kvroute.wasm
 # under wasmtime with a stand-in for Envoy's side of proxy-wasm (seconds, deterministic).
+# WASM_COST_ARGS adds options, e.g. '--chat-template FILE --precise' for precise mode's path.
 bench-wasm-cost: deps build
-	$(VENV)/bin/python tools/wasm-cost.py $(WASM)
+	$(VENV)/bin/python tools/wasm-cost.py $(WASM) $(WASM_COST_ARGS)
 
 # Property tests (tests/fuzz.rs) over request parsing, prefix keys, the config and shared-data
 # decoding, FUZZ_CASES per property (six properties: over ten million cases); `make test` runs a

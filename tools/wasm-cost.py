@@ -14,17 +14,24 @@ counts that. With `--perf`, no fuel is counted and wasmtime writes /tmp/perf-<pi
 `perf record -g` over this script names the filter's functions.
 
     wasm-cost.py target/wasm32-wasip1/release/kvroute.wasm [--requests N] [--bytes 1024,24576]
-        [--hosts 4] [--ticks 50] [--chat-template FILE] [--conversation]
+        [--hosts 4] [--ticks 50] [--chat-template FILE [--precise]] [--conversation]
 
 `--chat-template FILE` (a raw Jinja template or a tokenizer_config.json) configures it as the
 template of every model, so the requests are keyed over the prompt it renders; `--conversation`
 sends each size as a conversation (a system prompt of a quarter of it, then turns of about 1 KB,
 an assistant turn with its reasoning among them) instead of a system prompt and one question.
+`--precise` (with `--chat-template`) runs precise mode: the filter also polls an indexer's change
+feed, whose first answer says one endpoint's engine holds each group's shared prefix (its keys
+computed by `kvroute-bench keys` over the template's rendering) and later ones change nothing, so
+the engine index decides the requests; the engine decisions are printed with the counts.
 """
 import argparse
 import json
+import os
 import struct
+import subprocess
 import sys
+import tempfile
 
 import wasmtime
 
@@ -76,6 +83,8 @@ ROOT = 1
 
 
 SHAPE = {"conversation": False}
+# The stand-in indexer's answers, by kind (`--precise`): see `precise_feed`.
+FEED = {}
 
 
 def body(i, size):
@@ -129,6 +138,8 @@ class Host:
         self.store.set_wasi(wasi)
         self.calls = {}
         self.shared = {}
+        self.metric_names = []
+        self.metrics = {}
         self.maps = {REQUEST_HEADERS: [], RESPONSE_HEADERS: [], CALL_RESPONSE_HEADERS: []}
         self.buffers = {PLUGIN_CONFIGURATION: CONFIG}
         self.properties = {}
@@ -239,14 +250,28 @@ class Host:
         return OK
 
     def define_metric(self, _kind, name_ptr, name_size, id_ptr):
-        self.write(id_ptr, struct.pack("<I", hash(self.read(name_ptr, name_size)) & 0xFFFF))
+        self.metric_names.append(self.read(name_ptr, name_size).decode(errors="replace"))
+        self.write(id_ptr, struct.pack("<I", len(self.metric_names) - 1))
+        return OK
+
+    def increment_metric(self, metric_id, offset):
+        name = self.metric_names[metric_id]
+        self.metrics[name] = self.metrics.get(name, 0) + offset
+        return OK
+
+    def record_metric(self, metric_id, value):
+        self.metrics[self.metric_names[metric_id]] = value
         return OK
 
     def http_call(self, _up_ptr, _up_size, headers_ptr, headers_size, *rest):
         token_ptr = rest[-1]
         token = len(self.pending_calls) + 1
         raw = self.read(headers_ptr, headers_size)
-        self.pending_calls.append((token, b"/clusters" in raw))
+        kind = "admin" if b"/clusters" in raw else "engine"
+        if b"/v1/changes" in raw:
+            # As an indexer answers: the whole index unless the filter is at its version.
+            kind = "no change" if b"epoch=1&since=1\0" in raw else "whole index"
+        self.pending_calls.append((token, kind))
         self.write(token_ptr, struct.pack("<I", token))
         return OK
 
@@ -257,8 +282,8 @@ class Host:
         spent = self.run("proxy_on_tick", ROOT)[1]
         answers = 0
         calls, self.pending_calls = self.pending_calls, []
-        for token, admin in calls:
-            answer = self.clusters if admin else ENGINE_METRICS
+        for token, kind in calls:
+            answer = {"admin": self.clusters, "engine": ENGINE_METRICS}.get(kind) or FEED[kind]
             self.maps[CALL_RESPONSE_HEADERS] = [(b":status", b"200")]
             self.buffers[CALL_RESPONSE_BODY] = answer
             answers += self.run("proxy_on_http_call_response", ROOT, token, 1, len(answer), 0)[1]
@@ -296,6 +321,34 @@ class Host:
         run("proxy_on_done", ctx)
         run("proxy_on_delete", ctx)
         return spent, bool(chosen)
+
+
+def precise_feed(args, sizes):
+    """The change feed's answers for `--precise`: the whole index (epoch 1, version 1), in which
+    endpoint g mod hosts holds the keys group g's bodies share at every size, and the answer with
+    no change to a filter at that version."""
+    endpoints = ["127.0.0.1:%d" % (8001 + i) for i in range(args.hosts)]
+    changes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        request = os.path.join(tmp, "request.json")
+        for size in sizes:
+            shared = {}
+            for i in range(128):
+                with open(request, "wb") as f:
+                    f.write(body(i, size))
+                out = subprocess.run([args.bench, "keys", "--chat-template", args.chat_template,
+                                      "--request", request], check=True, capture_output=True)
+                keys = [int(k, 16) for k in json.loads(out.stdout)["keys"]]
+                group = shared.setdefault(i % 16, keys)
+                while group and keys[:len(group)] != group:
+                    group.pop()
+            for g, keys in shared.items():
+                changes += [[g % args.hosts, 1, k] for k in keys]
+
+    def answer(full, changes):
+        return json.dumps({"epoch": 1, "version": 1, "full": full, "endpoints": endpoints,
+                           "stale": [], "changes": changes}).encode()
+    return {"whole index": answer(True, changes), "no change": answer(False, [])}
 
 
 def started(args, size):
@@ -345,6 +398,11 @@ def requests(args, size):
             print(f"    {export:28} {spent / n:9.0f}")
         print(f"    {'all':28} {sum(totals.values()) / n:9.0f}")
     print_calls(host, n, "request")
+    if args.precise:
+        host.tick()
+        engine = host.metrics.get("kvroute.routed.engine", 0)
+        routed = sum(v for k, v in host.metrics.items() if k.startswith("kvroute.routed."))
+        print(f"  decided by the engine index: {engine} of {routed} requests routed since start")
 
 
 def ticks(args):
@@ -378,8 +436,15 @@ def main():
                         help="the template of every model: a Jinja file or a tokenizer_config.json")
     parser.add_argument("--conversation", action="store_true",
                         help="multi-turn conversations instead of a system prompt and a question")
+    parser.add_argument("--precise", action="store_true",
+                        help="precise mode: an indexer's feed holds each group's prefix "
+                             "(needs --chat-template)")
+    parser.add_argument("--bench", default="target/release/kvroute-bench",
+                        help="the kvroute-bench binary that computes the keys for --precise")
     args = parser.parse_args()
     SHAPE["conversation"] = args.conversation
+    if args.precise and not args.chat_template:
+        sys.exit("--precise needs --chat-template: the feed's keys are over the rendered prompt")
     if args.chat_template:
         global CONFIG
         with open(args.chat_template, encoding="utf-8") as f:
@@ -390,8 +455,13 @@ def main():
             spec = text
         config = json.loads(CONFIG)
         config["chat_template"] = spec
+        if args.precise:
+            config["index_cluster"] = "kvroute_indexer"
         CONFIG = json.dumps(config).encode()
-    for size in [int(b) for b in args.bytes.split(",") if b]:
+    sizes = [int(b) for b in args.bytes.split(",") if b]
+    if args.precise:
+        FEED.update(precise_feed(args, sizes))
+    for size in sizes:
         requests(args, size)
     if args.ticks > 0:
         ticks(args)

@@ -6,6 +6,9 @@
 //! from kvroute's own code), and the peer routers as a hop (smg, vllm-router).
 //! With `--compare-wasm`, another build of the filter runs as `kvroute-b` beside `kvroute`, so a
 //! change's cost is measured in one run rather than across runs on a noisy machine.
+//! `kvroute+template` and `kvroute-precise` ([`precise`]) measure precise mode: both render the
+//! prompt with a chat template, and the second also follows an indexer's change feed whose engine
+//! holdings decide its requests.
 //!
 //! Every config runs at once against the same in-process backends, and every client sends each
 //! body to every config in turn (rotating which goes first), so machine noise (this box is shared)
@@ -27,6 +30,8 @@ use serde_json::{json, Value};
 
 use crate::peers::{self, PeerProcess};
 use crate::stats::percentile;
+
+mod precise;
 
 /// Prompt sizes measured, in bytes of prompt text.
 const SIZES: [usize; 2] = [1024, 24 * 1024];
@@ -96,9 +101,11 @@ impl Target {
     }
 
     fn over(&self) -> &'static str {
-        match self.name {
-            "floor" | "floor+header" | "floor+reads" | "kvroute" | "kvroute-b" => "plain",
-            _ => "backend",
+        let envoy = ENVOY_CONFIGS.contains(&self.name) || precise::CONFIGS.contains(&self.name);
+        if envoy && self.name != "plain" {
+            "plain"
+        } else {
+            "backend"
         }
     }
 }
@@ -110,13 +117,18 @@ pub async fn overhead(
     json_out: Option<&Path>,
     compare_wasm: Option<&Path>,
 ) -> Result<(), String> {
-    let known: Vec<&str> = ENVOY_CONFIGS.into_iter().chain(PEERS).collect();
+    let known: Vec<&str> = ENVOY_CONFIGS
+        .into_iter()
+        .chain(precise::CONFIGS)
+        .chain(PEERS)
+        .collect();
     let wanted = wanted_configs(&known, configs, compare_wasm.is_some())?;
     let load_before = load_average();
     let (_backends, addrs) = quiet_backends().await?;
     let workers: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
     let mut targets = Vec::new();
     let mut skipped: Vec<(&str, String)> = Vec::new();
+    let precise = precise::start(&addrs, &plugin_config, &wanted).await?;
     for (name, opts) in envoy_configs(&addrs, plugin_config, compare_wasm) {
         if !wanted(name) {
             continue;
@@ -131,6 +143,15 @@ pub async fn overhead(
             peer: None,
         });
     }
+    for (name, envoy) in precise.envoys {
+        targets.push(Target {
+            name,
+            url: envoy.url(),
+            envoy: Some(envoy),
+            peer: None,
+        });
+    }
+    let _feed = precise.feed;
     for name in PEERS.into_iter().filter(|n| wanted(n)) {
         let peer = match name {
             "smg" => peers::start_smg_on(&workers).await,
@@ -241,17 +262,11 @@ pub async fn overhead(
             }
         }
     }
-    if let Some(kvroute) = targets.iter().find(|t| t.name == "kvroute") {
-        if let Some(envoy) = &kvroute.envoy {
-            let routed = envoy
-                .stats("kvroute.routed.")
-                .await
-                .map_err(|e| e.to_string())?;
-            let mut routed: Vec<_> = routed.into_iter().filter(|(_, v)| *v > 0).collect();
-            routed.sort();
-            println!("kvroute decisions during the run: {routed:?}");
-        }
-    }
+    let kvroutes = targets
+        .iter()
+        .filter_map(|t| Some((t.name, t.envoy.as_ref()?)))
+        .filter(|(name, _)| name.starts_with("kvroute"));
+    let precise_decisions = precise::print_decisions(kvroutes).await?;
     if let Some(path) = json_out {
         let doc = json!({
             "seconds_per_phase": seconds,
@@ -260,12 +275,14 @@ pub async fn overhead(
             "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
             "load_average_1m": { "before": load_before, "after": load_after },
             "rows": rows,
+            "precise_decisions": precise_decisions,
         });
         let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
         std::fs::write(path, text + "\n").map_err(|e| format!("{}: {e}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
-    Ok(())
+    // After `--json` is written: a run whose engine index decided too little measured nothing.
+    precise_decisions.as_ref().map_or(Ok(()), precise::check)
 }
 
 /// The four in-process backends every config goes to, and their addresses. They keep no copy
@@ -403,6 +420,9 @@ fn print_ratios(rows: &[Row]) {
                 diff(b.cpu_us_per_request, kv.cpu_us_per_request),
                 diff(b.added_p50_us, kv.added_p50_us)
             );
+        }
+        if let Some(line) = precise::ratio_line(rows, size) {
+            println!("{line}");
         }
         let (Some(kv), Some(floor)) = (get("kvroute"), get("floor")) else {
             continue;
