@@ -40,9 +40,7 @@ impl std::str::FromStr for EngineSpec {
         };
         for part in parts {
             match part.split_once('=') {
-                Some(("replay", url)) if zmq_address(url) => {
-                    spec.replay = Some(url.into())
-                }
+                Some(("replay", url)) if zmq_address(url) => spec.replay = Some(url.into()),
                 Some(("model", name)) if !name.is_empty() => spec.model = Some(name.into()),
                 _ => {
                     return Err(format!(
