@@ -138,9 +138,10 @@ $(REAL_MODEL)/config.json: $(VLLM_VENV)/.installed tools/real/make-model.py
 
 vllm: $(VLLM_VENV)/.installed $(REAL_MODEL)/config.json
 
-# kvroute against real engines, and the simulator held against them (tests/real_vllm.rs).
+# kvroute against real engines, and the simulator held against them (tests/real_vllm.rs): its
+# tests start engines of their own, so they run one at a time.
 test-real: deps build vllm
-	$(CARGO) test --release -p kvroute --test real_vllm -- --ignored --nocapture
+	$(CARGO) test --release -p kvroute --test real_vllm -- --ignored --nocapture --test-threads=1
 
 # The routing core's cost per request: natively (criterion), and compiled to wasm under wasmtime.
 bench-core: deps

@@ -12,8 +12,16 @@
 //! - a group's requests stay on one replica;
 //! - an engine that evicted a conversation's prefix is noticed (the closed loop, `src/eviction.rs`);
 //! - an engine killed under load loses no request.
+//!
+//! Two more tests start engines of their own (`make test-real` runs the three one at a time):
+//! precise mode on three engines and the indexer ([`precise`]), and the filter's chat template
+//! rendering against vLLM's ([`templates`]).
 
 mod common;
+#[path = "real_vllm/precise.rs"]
+mod precise;
+#[path = "real_vllm/templates.rs"]
+mod templates;
 
 use kvroute_harness::vllm::{gauge, vllm_missing, VllmFleet, VllmOptions, SERVED_MODEL};
 use kvroute_harness::Envoy;

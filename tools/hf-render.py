@@ -4,7 +4,8 @@ filter's template rendering (src/template/) is held against in tests/template_co
 
 Each request's messages are prepared as vLLM prepares them (parse_chat_messages: content as one
 string or as text parts by what the template loops over, tool results' text parts joined, only the
-fields vLLM keeps, tool call arguments parsed from JSON) and rendered with
+fields vLLM keeps, tool call arguments parsed from JSON, developer messages as system ones for a
+template that does not name the role) and each tool as vLLM's model dumps it, then rendered with
 `apply_chat_template(tokenize=False)` of a tokenizer carrying the template and its special tokens.
 Media parts are written as the filter writes them (src/template/messages.rs): vLLM's placeholder is
 model-specific and the engine keys images by a hash no text carries.
@@ -175,20 +176,72 @@ def postprocess(conversation):
                 call["function"]["arguments"] = {}
 
 
+def vllm_tool(tool):
+    """A tool as vLLM passes it: validated as ChatCompletionToolsParam and dumped back."""
+    if not isinstance(tool, dict) or tool.get("type", "function") not in ("function", None):
+        raise ValueError("a tool vLLM refuses")
+    function = tool.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError("a tool vLLM refuses")
+    dumped = {
+        "name": function["name"],
+        "description": function.get("description"),
+        "parameters": function.get("parameters"),
+    }
+    if function.get("strict") is not None:
+        dumped["strict"] = function["strict"]
+    defer = function.get("defer_loading")
+    if defer is None:
+        defer = tool.get("defer_loading")
+    if defer is not None:
+        dumped["defer_loading"] = defer
+    out = {"type": "function", "function": dumped}
+    if tool.get("defer_loading") is not None:
+        out["defer_loading"] = tool["defer_loading"]
+    return out
+
+
+def text_of(content):
+    if isinstance(content, list):
+        return "\n".join(p["text"] if isinstance(p, dict) else p for p in content if isinstance(p, str) or (isinstance(p, dict) and "text" in p))
+    return content or ""
+
+
+def developer_as_system(conversation, source):
+    """vLLM's conversion for a template that does not name the developer role."""
+    if '"developer"' in source or "'developer'" in source or not any(m["role"] == "developer" for m in conversation):
+        return conversation
+    converted = []
+    for m in conversation:
+        if m["role"] == "developer":
+            m = dict(m, role="system")
+            m.pop("tools", None)
+        converted.append(m)
+    systems = [i for i, m in enumerate(converted) if m["role"] == "system"]
+    if len(systems) < 2 and all(i == 0 for i in systems):
+        return converted
+    texts = [t for t in (text_of(converted[i].get("content", "")) for i in systems) if t]
+    return [{"role": "system", "content": "\n\n".join(texts)}] + [m for m in converted if m["role"] != "system"]
+
+
 def render(tokenizers, case):
     if case["template"] not in tokenizers:
         source, tokens = load(case["template"])
         backend = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=source, **tokens)
-        tokenizers[case["template"]] = (tokenizer, content_format(source))
-    tokenizer, fmt = tokenizers[case["template"]]
+        tokenizers[case["template"]] = (tokenizer, content_format(source), source)
+    tokenizer, fmt, source = tokenizers[case["template"]]
     request = case["request"]
     conversation = [prepare(m, fmt) for m in request["messages"]]
     postprocess(conversation)
+    conversation = developer_as_system(conversation, source)
+    tools = request.get("tools")
+    if tools is not None:
+        tools = [vllm_tool(t) for t in tools]
     kwargs = dict(request.get("chat_template_kwargs") or {})
     return tokenizer.apply_chat_template(
         conversation,
-        tools=request.get("tools"),
+        tools=tools,
         documents=request.get("documents"),
         add_generation_prompt=request.get("add_generation_prompt", True),
         continue_final_message=request.get("continue_final_message", False),

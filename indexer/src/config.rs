@@ -4,7 +4,8 @@ use clap::Parser;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-/// One engine stream: `ADDR=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,model=NAME]`.
+/// One engine stream: `ADDR=EVENTS[,replay=EVENTS][,model=NAME]`, EVENTS a ZMQ address
+/// `tcp://HOST:PORT` or `ipc://PATH` (a Unix socket: an engine on the same host).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineSpec {
     /// The endpoint Envoy routes to (`ip:port`): the name the filter knows the engine by.
@@ -26,9 +27,9 @@ impl std::str::FromStr for EngineSpec {
             .ok_or("expected ADDR=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,model=NAME]")?;
         let mut parts = rest.split(',');
         let events = parts.next().unwrap_or_default().to_owned();
-        if !events.starts_with("tcp://") {
+        if !zmq_address(&events) {
             return Err(format!(
-                "{events:?}: the events address must be tcp://HOST:PORT"
+                "{events:?}: the events address must be tcp://HOST:PORT or ipc://PATH"
             ));
         }
         let mut spec = EngineSpec {
@@ -39,19 +40,24 @@ impl std::str::FromStr for EngineSpec {
         };
         for part in parts {
             match part.split_once('=') {
-                Some(("replay", url)) if url.starts_with("tcp://") => {
-                    spec.replay = Some(url.into())
-                }
+                Some(("replay", url)) if zmq_address(url) => spec.replay = Some(url.into()),
                 Some(("model", name)) if !name.is_empty() => spec.model = Some(name.into()),
                 _ => {
                     return Err(format!(
-                        "{part:?}: expected replay=tcp://HOST:PORT or model=NAME"
+                        "{part:?}: expected replay=tcp://HOST:PORT (or ipc://PATH) or model=NAME"
                     ))
                 }
             }
         }
         Ok(spec)
     }
+}
+
+/// Whether `url` is a ZMQ address the subscriber can connect to.
+fn zmq_address(url: &str) -> bool {
+    url.strip_prefix("tcp://")
+        .or_else(|| url.strip_prefix("ipc://"))
+        .is_some_and(|rest| !rest.is_empty())
 }
 
 /// kvroute-indexer: subscribes to vLLM engines' KV-cache events and serves, over HTTP, which
@@ -71,7 +77,8 @@ pub struct Config {
     /// Bytes per key chunk: must equal the filter's `chunk_size`.
     #[arg(long, default_value_t = 512)]
     pub chunk_size: usize,
-    /// An engine: ADDR=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,model=NAME]; repeat for
+    /// An engine: ADDR=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,model=NAME] (or ipc://PATH
+    /// for an engine on this host: vLLM binds only wildcard and ipc endpoints); repeat for
     /// each engine and each data-parallel rank (same ADDR, its own port).
     #[arg(long = "engine")]
     pub engines: Vec<EngineSpec>,
@@ -117,6 +124,12 @@ mod tests {
         assert_eq!(e.model.as_deref(), Some("m"));
         assert!("a:1".parse::<EngineSpec>().is_err());
         assert!("a:1=udp://x".parse::<EngineSpec>().is_err());
+        assert!("a:1=ipc://".parse::<EngineSpec>().is_err());
+        let ipc: EngineSpec = "127.0.0.1:8000=ipc:///tmp/kv-events,replay=ipc:///tmp/replay"
+            .parse()
+            .unwrap();
+        assert_eq!(ipc.events, "ipc:///tmp/kv-events");
+        assert_eq!(ipc.replay.as_deref(), Some("ipc:///tmp/replay"));
         assert!("a:1=tcp://x:1,bogus=1".parse::<EngineSpec>().is_err());
     }
 

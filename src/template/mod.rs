@@ -15,10 +15,12 @@
 //! before ([`request::parse_with`]); each outcome is counted (`kvroute.template.*`).
 
 mod clock;
+pub mod developer;
 pub mod jinja;
 pub mod messages;
 mod prompt;
 pub mod pyjson;
+pub mod tools;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -48,6 +50,9 @@ pub struct Template {
     env: Environment<'static>,
     /// Whether the source names `content` (transformers' condition for continuing a message).
     names_content: bool,
+    /// Whether the source names the developer role (else vLLM passes developer messages as
+    /// system ones: [`developer`]).
+    names_developer: bool,
     format: ContentFormat,
     /// `bos_token`, `eos_token`, ...: what transformers passes a template from the tokenizer.
     tokens: Vec<(String, Value)>,
@@ -115,10 +120,12 @@ impl Template {
         let id = xxh3_64(format!("{source}\u{0}{tokens:?}").as_bytes());
         let format = ContentFormat::detect(&source);
         let names_content = source.contains("content");
+        let names_developer = developer::named(&source);
         let env = jinja::environment(source).map_err(|e| format!("does not compile: {e}"))?;
         Ok(Template {
             env,
             names_content,
+            names_developer,
             format,
             tokens,
             id,

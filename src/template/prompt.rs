@@ -17,7 +17,7 @@ use serde_json::value::RawValue;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::messages::{self, ContentFormat};
-use super::{jinja, Template};
+use super::{developer, jinja, tools, Template};
 use crate::prefix::OPENER_BYTES;
 use crate::request::{ChatRequest, Message, Prompt};
 
@@ -99,16 +99,27 @@ pub(crate) fn render(
         .iter()
         .map(|m| messages::prepare(m, format).map_err(|r| RenderError::Refused(r.0)))
         .collect::<Result<Vec<Value>, _>>()?;
+    let (messages, merged) = match template.names_developer {
+        true => (messages, false),
+        false => developer::as_system(messages),
+    };
     let parse = |v: Option<&RawValue>| -> Result<Option<Value>, RenderError> {
         v.map(|v| serde_json::from_str(v.get()).map_err(|_| RenderError::Body))
             .transpose()
     };
     // What the head's rendering depends on besides its messages.
-    let context = [req.tools, req.documents, req.chat_template_kwargs]
+    let mut context = [req.tools, req.documents, req.chat_template_kwargs]
         .iter()
         .fold(0u64, |h, v| {
             xxh3_64_with_seed(v.map_or("", |v| v.get()).as_bytes(), h)
         });
+    if merged {
+        // The first message stands for every system and developer message.
+        context = raw
+            .iter()
+            .filter(|m| matches!(m.role.as_deref(), Some("system" | "developer")))
+            .fold(context, |h, m| messages::fingerprint(m, h));
+    }
     let add_generation_prompt = flag(req.add_generation_prompt)?.unwrap_or(true);
     let continue_final = flag(req.continue_final_message)?.unwrap_or(false);
     if add_generation_prompt && continue_final {
@@ -124,7 +135,8 @@ pub(crate) fn render(
         }
     }
     let vars = Vars {
-        tools: parse(req.tools)?.unwrap_or_default_none(),
+        tools: tools::as_vllm_passes(parse(req.tools)?.unwrap_or_default_none())
+            .map_err(RenderError::Refused)?,
         documents: parse(req.documents)?.unwrap_or_default_none(),
         kwargs,
         size: 4096
@@ -394,7 +406,8 @@ mod tests {
 
     #[test]
     fn the_head_holds_the_tools_and_is_the_same_in_every_turn() {
-        // Raw bodies: the key order of the tools is the client's.
+        // Raw bodies: the key order of the parameters is the client's; the tool is as vLLM
+        // dumps it (`tools`).
         let tools = r#"[{"type":"function","function":{"name":"f","parameters":{"z":1,"a":2}}}]"#;
         let render = |messages: &str| {
             let body = format!(r#"{{"model":"m","tools":{tools},"messages":[{messages}]}}"#);
@@ -409,7 +422,7 @@ mod tests {
         let head = &text(&t1)[..t1.head];
         assert!(
             head.contains(
-                r#"{"type": "function", "function": {"name": "f", "parameters": {"z": 1, "a": 2}}}"#
+                r#"{"type": "function", "function": {"name": "f", "description": null, "parameters": {"z": 1, "a": 2}}}"#
             ),
             "{head}"
         );

@@ -4,6 +4,7 @@
 
 pub mod load;
 pub mod precise;
+pub mod template_corpus;
 
 use kvroute_harness::backend::Backend;
 use kvroute_harness::{Envoy, EnvoyOptions, Lb};
