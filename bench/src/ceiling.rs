@@ -6,8 +6,8 @@
 //! recomputed), over the same requests the routers were sent.
 
 use crate::workload::{Api, Workload};
-use kvroute_sim::prefix_cache::{block_hashes, usable_hit_blocks, BlockHash, PrefixCache};
 use kvroute_sim::bpe::Vocab;
+use kvroute_sim::prefix_cache::{block_hashes, usable_hit_blocks, BlockHash, PrefixCache};
 use kvroute_sim::request::{prompt_tokens_in, Endpoint};
 use kvroute_sim::spec::FleetSpec;
 use serde_json::{json, Value};

@@ -341,7 +341,11 @@ mod tests {
                         .zip(sim.bytes())
                         .take_while(|(a, b)| a == b)
                         .count();
-                    let show = |s: &str| s.get(at.saturating_sub(40)..(at + 60).min(s.len())).unwrap_or("").to_string();
+                    let show = |s: &str| {
+                        s.get(at.saturating_sub(40)..(at + 60).min(s.len()))
+                            .unwrap_or("")
+                            .to_string()
+                    };
                     panic!(
                         "{}: {} renders differently from byte {at}:\n filter: {:?}\n    sim: {:?}",
                         w.name,

@@ -213,7 +213,10 @@ impl Router {
                 .map_err(|e| e.to_string())?;
                 Ok(Running {
                     url: envoy.url(),
-                    process: Process::Precise { envoy, indexer },
+                    process: Process::Precise {
+                        envoy,
+                        indexer: Box::new(indexer),
+                    },
                 })
             }
             Router::Smg => peer(peers::start_smg(fleet).await),
@@ -255,7 +258,10 @@ pub enum Process {
     Peer(PeerProcess),
     Oracle(Oracle),
     /// kvroute in precise mode and its own indexer.
-    Precise { envoy: Envoy, indexer: Indexer },
+    Precise {
+        envoy: Envoy,
+        indexer: Box<Indexer>,
+    },
     /// `NAME@N`: the round-robin front Envoy and the instances behind it.
     Scaled {
         front: Envoy,
@@ -315,14 +321,16 @@ impl Running {
             let before = before.unwrap_or(0);
             let applied = |v: u64| v >= before + n;
             let wait = std::time::Duration::from_secs(30);
-            let _ = envoy.wait_for_stat("kvroute.index.poll_ok", applied, wait).await;
+            let _ = envoy
+                .wait_for_stat("kvroute.index.poll_ok", applied, wait)
+                .await;
         }
     }
 
     /// The indexers of a precise router: its own, or for `kvroute-precise@N` each instance's.
     pub fn indexers(&self) -> Vec<&Indexer> {
         match &self.process {
-            Process::Precise { indexer, .. } => vec![indexer],
+            Process::Precise { indexer, .. } => vec![&**indexer],
             Process::Scaled { instances, .. } => {
                 instances.iter().flat_map(Running::indexers).collect()
             }
