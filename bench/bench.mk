@@ -1,5 +1,6 @@
 # Benchmark and demo targets (owned by the bench crate). Included from the top-level Makefile.
-#   make run    the demo: kvroute vs round robin on an embedded small fleet (1-2 minutes)
+#   make run    the demo: kvroute vs round robin on an embedded small fleet (1-2 minutes);
+#               `make run PRECISE=1`: kvroute in precise mode (its own kvroute-indexer) vs kvroute
 #   make bench  the llm-d-shaped comparison across every router, prints the table
 #               (results.json, results.md, ttft.svg in $(BENCH_OUT))
 #   make bench-overhead  CPU and latency kvroute adds, next to plain Envoy, the floor filter, smg
@@ -22,7 +23,8 @@ BENCH_OUT ?= .work/bench
 BENCH_FLEET ?= bench/fleets/default.json
 BENCH_WORKLOAD ?= bench/workloads/llm-d.json
 # NAME@N: N instances of NAME behind one round-robin Envoy (scale-out, each with its own state).
-BENCH_ROUTERS ?= round_robin,least_request,ring_hash,kvroute,kvroute@3,kvroute:prefix_hash,smg,smg@3,vllm-router:cache_aware,vllm-router:consistent_hash,vllm-router:kv_aware,oracle
+# kvroute-precise: kvroute with its own kvroute-indexer on the engines' KV events (precise mode).
+BENCH_ROUTERS ?= round_robin,least_request,ring_hash,kvroute,kvroute@3,kvroute:prefix_hash,kvroute-precise,kvroute-precise@3,smg,smg@3,vllm-router:cache_aware,vllm-router:consistent_hash,vllm-router:kv_aware,oracle
 # Each peer: venv name and the PyPI requirement installed into it.
 PEER_PKGS := smg=smg vllm-router=vllm-router
 
@@ -33,7 +35,7 @@ REAL_OUT ?= .work/real
 REAL_ROUTERS ?= round_robin,kvroute,smg,kvroute@3,smg@3
 
 run: deps build
-	$(BENCH) demo
+	$(BENCH) demo $(if $(PRECISE),--precise)
 
 bench: deps build peers
 	$(BENCH) compare --fleet $(BENCH_FLEET) --workload $(BENCH_WORKLOAD) --routers $(BENCH_ROUTERS) --out $(BENCH_OUT)
@@ -73,8 +75,8 @@ bench-placement: deps build peers
 RESULTS_DIR := bench/results
 RESULTS_ALL := llm-d zipf-pressure grouped-pressure agentic multimodal tenants
 RESULTS_SETS ?= $(RESULTS_ALL)
-RESULTS_SCALE := round_robin,kvroute,kvroute@3,smg,smg@3,oracle
-RESULTS_SHAPES := round_robin,kvroute,smg,oracle
+RESULTS_SCALE := round_robin,kvroute,kvroute@3,kvroute-precise,smg,smg@3,oracle
+RESULTS_SHAPES := round_robin,kvroute,kvroute-precise,smg,oracle
 RESULTS_FLEET.llm-d := default
 RESULTS_FLEET.zipf-pressure := pressure
 RESULTS_FLEET.grouped-pressure := pressure

@@ -6,8 +6,9 @@
 //! recomputed), over the same requests the routers were sent.
 
 use crate::workload::{Api, Workload};
+use kvroute_sim::bpe::Vocab;
 use kvroute_sim::prefix_cache::{block_hashes, usable_hit_blocks, BlockHash, PrefixCache};
-use kvroute_sim::request::{prompt_tokens, Endpoint};
+use kvroute_sim::request::{prompt_tokens_in, Endpoint};
 use kvroute_sim::spec::FleetSpec;
 use serde_json::{json, Value};
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -34,7 +35,12 @@ fn prompts(workload: &Workload, spec: &FleetSpec, sent: usize) -> Result<Vec<Vec
         Api::Chat => Endpoint::Chat,
         Api::Completions => Endpoint::Completion,
     };
-    let tokens = |body: &Value| prompt_tokens(endpoint, body).map(|(t, _)| t);
+    // The fleet's tokenizer file when it names one, else the simulator's hash tokenizer.
+    let vocab = match &spec.tokenizer {
+        Some(path) => Vocab::load(std::path::Path::new(path))?,
+        None => Vocab::Hash,
+    };
+    let tokens = |body: &Value| prompt_tokens_in(&vocab, endpoint, body).map(|(t, _)| t);
     let ping = match workload.api {
         Api::Chat => {
             json!({"model": spec.model, "messages": [{"role": "user", "content": "ping"}]})

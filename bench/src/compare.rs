@@ -2,6 +2,7 @@
 
 use crate::driver::{self, Sample};
 use crate::misses;
+use crate::precise::{self, IndexFreshness};
 use crate::real_fleet::RealFleet;
 use crate::report::{measure, Measured, Results, RouterResult};
 use crate::routers::{Router, Running};
@@ -19,6 +20,9 @@ const CORRECTIONS: [&str; 3] = [
     "kvroute.affinity.withdrawn",
     "kvroute.served_elsewhere",
 ];
+
+/// kvroute's counters of its polls of the indexer: answered and applied, and not.
+const INDEX_POLLS: [&str; 2] = ["kvroute.index.poll_ok", "kvroute.index.poll_failed"];
 
 /// How long a started router may take to serve its first request before it is skipped.
 const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
@@ -54,6 +58,14 @@ pub async fn compare(
         true => Some(Arc::new(RealFleet::start(fleet_spec).await?)),
         false => None,
     };
+    // Precise mode decodes the engines' blocks with a tokenizer file: with a precise router in
+    // the run, every router's fleet tokenizes with the simulator's BPE, so all see one fleet.
+    let (fleet_spec, shown_spec, _tokenizer) =
+        match real.is_none() && routers.iter().any(Router::is_precise) {
+            true => precise::with_tokenizer(fleet_spec)?,
+            false => (fleet_spec.clone(), fleet_spec.clone(), None),
+        };
+    let fleet_spec = &fleet_spec;
     for (i, router) in routers.iter().enumerate() {
         eprintln!("== [{}/{}] {}", i + 1, routers.len(), router.name());
         let run = run_one(fleet_spec, real.as_ref(), workload, router, workers).await?;
@@ -147,7 +159,7 @@ pub async fn compare(
     Ok(Results {
         stamp: Some(stamp),
         workload: serde_json::to_value(workload).map_err(|e| e.to_string())?,
-        fleet: fleet_spec.clone(),
+        fleet: shown_spec,
         envoy_workers: workers,
         ceiling_hit_rate: bounds.map(|b| round(b.ceiling)),
         capacity_bound_hit_rate: bounds.map(|b| round(b.capacity)),
@@ -189,18 +201,52 @@ pub async fn run_one(
         Ok(r) => r,
         Err(reason) => return skipped(reason),
     };
+    let indexers = running.indexers();
+    if !indexers.is_empty() {
+        // Every indexer has heard every replica (the probes that made them publish cached
+        // blocks): empty the caches, as every other router's run starts.
+        if let Err(reason) = precise::reset_caches(&fleet, &indexers).await {
+            return skipped(reason);
+        }
+        running.wait_index_polls(2).await;
+    }
     if let Err(reason) = first_request(&running, workload, &fleet.model).await {
         return skipped(reason);
     }
     let before = fleet.state().await?;
     let usage_before = running.kvroute_usage().await;
-    let outcome = driver::run(&running.url, workload, &fleet.model, &name).await;
+    let polls_before = running.kvroute_counters(&INDEX_POLLS).await;
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let drive = async {
+        let outcome = driver::run(&running.url, workload, &fleet.model, &name).await;
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        outcome
+    };
+    // How fresh the index is, looked at through the run (nothing to look at for other routers).
+    let sample = async {
+        let (mut fresh, mut samples) = (0u64, 0u64);
+        while !indexers.is_empty() && !done.load(std::sync::atomic::Ordering::Relaxed) {
+            fresh += u64::from(precise::all_fresh(&indexers).await);
+            samples += 1;
+            tokio::time::sleep(precise::SAMPLE_EVERY).await;
+        }
+        (fresh, samples)
+    };
+    let (outcome, (fresh, samples)) = tokio::join!(drive, sample);
     running.settle_counters(outcome.samples.len() as u64).await;
     let after = fleet.state().await?;
     let usage_after = running.kvroute_usage().await;
     let decisions = running.kvroute_decisions().await;
     let corrections = running.kvroute_counters(&CORRECTIONS).await;
     let mut measured: Measured = measure(&name, &outcome, &before, &after);
+    if !indexers.is_empty() {
+        let polls_after = running.kvroute_counters(&INDEX_POLLS).await;
+        let grown = |i: usize| {
+            let at = |v: &[(String, u64)]| v.get(i).map_or(0, |(_, n)| *n);
+            at(&polls_after).saturating_sub(at(&polls_before))
+        };
+        measured.index = Some(IndexFreshness::new(grown(0), grown(1), fresh, samples));
+    }
     if let (Some((c0, p0)), Some((c1, p1))) = (usage_before, usage_after) {
         let prompt = p1.saturating_sub(p0);
         if prompt > 0 {

@@ -1,5 +1,6 @@
 //! `demo` (what `make run` does): kvroute vs round robin on a small embedded fleet and workload,
-//! printing where requests went, how many followed cache affinity, and the hit rates.
+//! printing where requests went, how many followed cache affinity, and the hit rates; with
+//! `--precise` (`make run PRECISE=1`), kvroute in precise mode vs kvroute.
 
 use crate::compare::{replica_shares, run_one, RouterRun};
 use crate::report::RouterResult;
@@ -11,8 +12,18 @@ use serde_json::Value;
 pub const DEMO_FLEET: &str = include_str!("../fleets/demo.json");
 pub const DEMO_WORKLOAD: &str = include_str!("../workloads/demo.json");
 
-pub async fn demo() -> Result<(), String> {
+pub async fn demo(precise: bool) -> Result<(), String> {
     let fleet: Value = serde_json::from_str(DEMO_FLEET).map_err(|e| format!("demo fleet: {e}"))?;
+    // Precise mode: both fleets tokenize with the simulator's BPE, which the indexer decodes.
+    let (fleet, _, _tokenizer) = match precise {
+        true => crate::precise::with_tokenizer(&fleet)?,
+        false => (fleet, Value::Null, None),
+    };
+    let (base, candidate) = match precise {
+        true => (Router::Kvroute(None), Router::KvroutePrecise),
+        false => (Router::RoundRobin, Router::Kvroute(None)),
+    };
+    let (base_name, name) = (base.name(), candidate.name());
     let workload = Workload::from_json(DEMO_WORKLOAD)?;
     println!(
         "kvroute demo: {} groups x {} users sharing {}-token system prompts, {} s of traffic per router\n",
@@ -21,27 +32,21 @@ pub async fn demo() -> Result<(), String> {
         workload.system_prompt_tokens,
         workload.stage_duration_s * workload.arrival.stages() as f64
     );
-    let rr = run_one(&fleet, None, &workload, &Router::RoundRobin, ENVOY_WORKERS).await?;
-    let kv = run_one(
-        &fleet,
-        None,
-        &workload,
-        &Router::Kvroute(None),
-        ENVOY_WORKERS,
-    )
-    .await?;
+    let rr = run_one(&fleet, None, &workload, &base, ENVOY_WORKERS).await?;
+    let kv = run_one(&fleet, None, &workload, &candidate, ENVOY_WORKERS).await?;
     println!();
-    for (name, run) in [("round_robin", &rr), ("kvroute", &kv)] {
+    for (name, run) in [(&base_name, &rr), (&name, &kv)] {
         let shares = replica_shares(&run.per_replica, "  ");
-        println!("{name:>12}: requests per replica  {shares}");
+        println!("{name:>15}: requests per replica  {shares}");
     }
     let total: u64 = kv.decisions.iter().map(|(_, n)| n).sum();
     if total > 0 {
-        // Sent to their group's home, or after their conversation's history.
+        // Sent to their group's home, after their conversation's history, or (precise mode) to
+        // the engine that said it holds their prefix.
         let affinity = kv
             .decisions
             .iter()
-            .filter(|(d, _)| d == "home" || d == "affinity")
+            .filter(|(d, _)| d == "home" || d == "affinity" || d == "engine")
             .map(|(_, n)| n)
             .sum::<u64>();
         let all: Vec<String> = kv
@@ -50,7 +55,7 @@ pub async fn demo() -> Result<(), String> {
             .map(|(d, n)| format!("{d}={n}"))
             .collect();
         println!(
-            "\nkvroute decisions: {}  ->  {:.0}% of requests went where their prefix was cached (home or affinity)",
+            "\n{name} decisions: {}  ->  {:.0}% of requests went where their prefix was cached (home, affinity or engine)",
             all.join("  "),
             100.0 * affinity as f64 / total as f64
         );
@@ -59,13 +64,13 @@ pub async fn demo() -> Result<(), String> {
     }
     let (hr_rr, hr_kv) = (hit_rate(&rr), hit_rate(&kv));
     println!(
-        "\nprefix-cache hit rate: kvroute {:.1}%  vs  round_robin {:.1}%",
+        "\nprefix-cache hit rate: {name} {:.1}%  vs  {base_name} {:.1}%",
         hr_kv * 100.0,
         hr_rr * 100.0
     );
     if let (RouterResult::Measured(a), RouterResult::Measured(b)) = (&rr.result, &kv.result) {
         if let (Some(x), Some(y)) = (a.ttft_ms.p90, b.ttft_ms.p90) {
-            println!("TTFT p90:              kvroute {y:.0} ms  vs  round_robin {x:.0} ms");
+            println!("TTFT p90:              {name} {y:.0} ms  vs  {base_name} {x:.0} ms");
         }
     }
     println!(

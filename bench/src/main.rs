@@ -12,6 +12,7 @@ mod oracle;
 mod overhead;
 mod paths;
 mod peers;
+mod precise;
 mod real_fleet;
 mod repeats;
 mod report;
@@ -42,8 +43,8 @@ enum Cmd {
         #[arg(long)]
         workload: PathBuf,
         /// Comma-separated: round_robin, least_request, ring_hash, kvroute, kvroute:<policy>,
-        /// smg, vllm-router:<policy>, oracle; NAME@N runs N instances of NAME behind one
-        /// round-robin Envoy.
+        /// kvroute-precise (with its own kvroute-indexer), smg, vllm-router:<policy>, oracle;
+        /// NAME@N runs N instances of NAME behind one round-robin Envoy.
         #[arg(long, default_value = "round_robin,kvroute,oracle")]
         routers: String,
         /// Output directory.
@@ -65,7 +66,12 @@ enum Cmd {
         envoy_workers: u32,
     },
     /// kvroute vs round robin on a small embedded fleet and workload (about a minute).
-    Demo,
+    Demo {
+        /// kvroute in precise mode (its own kvroute-indexer on the engines' KV events) vs
+        /// kvroute, instead of kvroute vs round robin.
+        #[arg(long)]
+        precise: bool,
+    },
     /// README's results table from DIR/<workload>/results.json: a column per workload, a row per
     /// router, each cell the prefix hit rate and TTFT p90; printed, and written to DIR/summary.md.
     Summary {
@@ -187,7 +193,7 @@ fn main() {
                     let n = repeat as usize;
                     run_compare(fleet, workload, routers, out, n, b, envoy_workers).await
                 }
-                Cmd::Demo => demo::demo().await,
+                Cmd::Demo { precise } => demo::demo(precise).await,
                 Cmd::Summary {
                     results,
                     workloads,

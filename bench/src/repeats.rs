@@ -294,6 +294,7 @@ mod tests {
             prefix_hit_rate: hit,
             share_max_over_min: Some(spread),
             engine_reported_hit_rate: None,
+            index: None,
         })
     }
 

@@ -2,6 +2,7 @@
 
 use crate::driver::{RunOutcome, Sample};
 use crate::misses::{self, Misses};
+use crate::precise::IndexFreshness;
 use crate::sim_process::FleetState;
 use crate::stamp::Stamp;
 use crate::stats::{max_over_min, percentile, ratio};
@@ -65,6 +66,9 @@ pub struct Measured {
     /// Envoy stats (`kvroute.usage.cached_tokens` / `prompt_tokens`) counted it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine_reported_hit_rate: Option<f64>,
+    /// Precise routers only: how fresh their index was through the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<IndexFreshness>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -121,6 +125,7 @@ pub fn measure(
         prefix_hit_rate: (ratio(hits, queries) * 1e4).round() / 1e4,
         share_max_over_min: max_over_min(&per_replica).map(round),
         engine_reported_hit_rate: None,
+        index: None,
     }
 }
 
@@ -229,6 +234,7 @@ impl Results {
                 l * 100.0
             );
         }
+        s += &self.freshness_markdown();
         s += &self.misses_markdown();
         let Some(rr) = self.measured().find(|m| m.router == "round_robin") else {
             return s;
@@ -247,6 +253,30 @@ impl Results {
                 times(m.e2e_ms.p50, rr.e2e_ms.p50),
                 times(Some(m.output_tok_s), Some(rr.output_tok_s)),
                 times(Some(m.prefix_hit_rate), Some(rr.prefix_hit_rate)),
+            );
+        }
+        s
+    }
+
+    /// How fresh each precise router's index was, when a row has one.
+    fn freshness_markdown(&self) -> String {
+        let rows: Vec<(&str, &IndexFreshness)> = self
+            .measured()
+            .filter_map(|m| Some((m.router.as_str(), m.index.as_ref()?)))
+            .collect();
+        if rows.is_empty() {
+            return String::new();
+        }
+        let mut s = "\nHow fresh precise mode's index was: the share of kvroute's polls of its \
+            indexer answered and applied, and of the samples through the run (every 500 ms) in \
+            which no indexer called an engine stale\n\n| router | polls answered | time fresh |\n|---|---:|---:|\n"
+            .to_string();
+        for (router, f) in rows {
+            let _ = writeln!(
+                s,
+                "| {router} | {:.1}% | {:.1}% |",
+                f.polls_answered * 100.0,
+                f.fresh * 100.0
             );
         }
         s

@@ -2,6 +2,7 @@
 
 use crate::oracle::Oracle;
 use crate::peers::{self, PeerProcess};
+use crate::precise::{self, Indexer};
 use crate::sim_process::SimFleet;
 use crate::workload::SESSION_HEADER;
 use kvroute_harness::{Envoy, EnvoyOptions, Lb};
@@ -26,6 +27,9 @@ pub enum Router {
     RingHash,
     /// kvroute with the shipped plugin config, or with `policy` laid over it.
     Kvroute(Option<String>),
+    /// `kvroute-precise`: kvroute in precise mode, polling its own kvroute-indexer subscribed to
+    /// every replica's KV events.
+    KvroutePrecise,
     /// `kvroute-b`: another build of the filter (`--compare-wasm`), with the shipped config, so
     /// two builds run side by side on the same requests.
     KvrouteB(PathBuf),
@@ -65,6 +69,7 @@ impl Router {
             ("least_request", None) => Router::LeastRequest,
             ("ring_hash", None) => Router::RingHash,
             ("kvroute", policy) => Router::Kvroute(policy),
+            ("kvroute-precise", None) => Router::KvroutePrecise,
             ("kvroute-b", None) => match b {
                 Some(path) => Router::KvrouteB(path.to_path_buf()),
                 None => return Err("kvroute-b is the build --compare-wasm names; give it".into()),
@@ -75,7 +80,7 @@ impl Router {
             _ => {
                 return Err(format!(
                     "unknown router {name:?} (round_robin, least_request, ring_hash, kvroute, \
-                     kvroute:<policy>, smg, vllm-router:<policy>, oracle, any of them as NAME@N)"
+                     kvroute:<policy>, kvroute-precise, smg, vllm-router:<policy>, oracle, any of them as NAME@N)"
                 ))
             }
         })
@@ -96,11 +101,22 @@ impl Router {
             Router::RingHash => "ring_hash".into(),
             Router::Kvroute(None) => "kvroute".into(),
             Router::Kvroute(Some(p)) => format!("kvroute:{p}"),
+            Router::KvroutePrecise => "kvroute-precise".into(),
             Router::KvrouteB(_) => "kvroute-b".into(),
             Router::Smg => "smg".into(),
             Router::Vllm(p) => format!("vllm-router:{p}"),
             Router::Oracle => "oracle".into(),
             Router::Scaled(inner, n) => format!("{}@{n}", inner.name()),
+        }
+    }
+
+    /// Whether this router runs kvroute in precise mode (its fleet must tokenize with a tokenizer
+    /// file, and every indexer hear every replica before the run).
+    pub fn is_precise(&self) -> bool {
+        match self {
+            Router::KvroutePrecise => true,
+            Router::Scaled(inner, _) => inner.is_precise(),
+            _ => false,
         }
     }
 
@@ -177,6 +193,32 @@ impl Router {
             }
             Router::Kvroute(policy) => envoy(kvroute_lb(policy.as_deref()), None).await,
             Router::KvrouteB(wasm) => envoy(kvroute_lb(None), Some(wasm.clone())).await,
+            Router::KvroutePrecise => {
+                let indexer = Indexer::start(fleet, fleet_spec).await?;
+                let backends = fleet
+                    .replicas
+                    .iter()
+                    .map(|r| addr_of(&r.url))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let envoy = Envoy::start(EnvoyOptions {
+                    backends,
+                    lb: Lb::Kvroute {
+                        plugin_config: precise::plugin_config(),
+                    },
+                    concurrency: workers,
+                    indexer: Some(indexer.addr),
+                    ..EnvoyOptions::default()
+                })
+                .await
+                .map_err(|e| e.to_string())?;
+                Ok(Running {
+                    url: envoy.url(),
+                    process: Process::Precise {
+                        envoy,
+                        indexer: Box::new(indexer),
+                    },
+                })
+            }
             Router::Smg => peer(peers::start_smg(fleet).await),
             Router::Vllm(policy) => peer(peers::start_vllm_router(policy, fleet, fleet_spec).await),
             Router::Oracle if fleet.is_real() => Err(
@@ -215,6 +257,11 @@ pub enum Process {
     Envoy(Envoy),
     Peer(PeerProcess),
     Oracle(Oracle),
+    /// kvroute in precise mode and its own indexer.
+    Precise {
+        envoy: Envoy,
+        indexer: Box<Indexer>,
+    },
     /// `NAME@N`: the round-robin front Envoy and the instances behind it.
     Scaled {
         front: Envoy,
@@ -254,14 +301,39 @@ impl Running {
     /// `kvroute@N` the N behind the front; none for the peers and the oracle.
     fn kvroute_envoys(&self) -> Vec<&Envoy> {
         match &self.process {
-            Process::Envoy(envoy) => vec![envoy],
+            Process::Envoy(envoy) | Process::Precise { envoy, .. } => vec![envoy],
             Process::Scaled { instances, .. } => instances
                 .iter()
                 .filter_map(|r| match &r.process {
-                    Process::Envoy(envoy) => Some(envoy),
+                    Process::Envoy(envoy) | Process::Precise { envoy, .. } => Some(envoy),
                     _ => None,
                 })
                 .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Waits until each of kvroute's Envoys has applied `n` more of its indexer's answers (each
+    /// worker's poll), for 30 s at most: what the indexers hold now is what kvroute routes by.
+    pub async fn wait_index_polls(&self, n: u64) {
+        for envoy in self.kvroute_envoys() {
+            let before = envoy.stat("kvroute.index.poll_ok").await.ok().flatten();
+            let before = before.unwrap_or(0);
+            let applied = |v: u64| v >= before + n;
+            let wait = std::time::Duration::from_secs(30);
+            let _ = envoy
+                .wait_for_stat("kvroute.index.poll_ok", applied, wait)
+                .await;
+        }
+    }
+
+    /// The indexers of a precise router: its own, or for `kvroute-precise@N` each instance's.
+    pub fn indexers(&self) -> Vec<&Indexer> {
+        match &self.process {
+            Process::Precise { indexer, .. } => vec![&**indexer],
+            Process::Scaled { instances, .. } => {
+                instances.iter().flat_map(Running::indexers).collect()
+            }
             _ => Vec::new(),
         }
     }
@@ -352,7 +424,7 @@ mod tests {
 
     #[test]
     fn router_names_round_trip() {
-        let names = "round_robin,least_request,ring_hash,kvroute,kvroute:prefix_hash,smg,vllm-router:kv_aware,oracle";
+        let names = "round_robin,least_request,ring_hash,kvroute,kvroute:prefix_hash,kvroute-precise,smg,vllm-router:kv_aware,oracle";
         let parsed = Router::parse_list(names, None).unwrap();
         let back: Vec<String> = parsed.iter().map(Router::name).collect();
         assert_eq!(back.join(","), names);
@@ -376,7 +448,7 @@ mod tests {
 
     #[test]
     fn scaled_router_names_round_trip() {
-        let names = "kvroute@3,smg@3,vllm-router:cache_aware@2,kvroute:prefix_hash@1,round_robin@4,oracle@2";
+        let names = "kvroute@3,smg@3,vllm-router:cache_aware@2,kvroute:prefix_hash@1,round_robin@4,oracle@2,kvroute-precise@8";
         let parsed = Router::parse_list(names, None).unwrap();
         assert_eq!(
             parsed[0],
@@ -402,6 +474,9 @@ mod tests {
             "nginx@2",
             "vllm-router@2",
             "kvroute@2@3",
+            "kvroute-precise@9",
+            "kvroute-precise:x",
+            "kvroute-precise@3@2",
         ] {
             assert!(Router::parse(bad, None).is_err(), "{bad} parsed");
         }
