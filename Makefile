@@ -97,7 +97,7 @@ istio-deps: $(ISTIO_VENV)/bin/python .work/istio-k8s-models .work/kubectl
 
 $(HF_VENV)/bin/python:
 	$(PYTHON) -m venv $(HF_VENV)
-	$(HF_VENV)/bin/pip install --quiet --disable-pip-version-check transformers==5.24.0 jinja2==3.1.6 xxhash==4.1.0
+	$(HF_VENV)/bin/pip install --quiet --disable-pip-version-check transformers==5.19.0 jinja2==3.1.6 xxhash==4.1.0
 
 .work/templates/.done: $(HF_VENV)/bin/python
 	rm -rf .work/templates .work/template-wheels

@@ -397,19 +397,6 @@ pub(crate) fn prepare(message: &Message, format: ContentFormat) -> Result<Value,
     if role_str == "developer" {
         out.push(("tools", field(&message.tools)?));
     }
-    // transformers drops the keys whose value is None, then names the reasoning under all the
-    // keys templates read it from: `thinking` first, `reasoning_content` after the rest.
-    out.retain(|(_, v)| present(v));
-    if let Some(r) = out
-        .iter()
-        .find(|(k, _)| *k == "reasoning")
-        .map(|(_, v)| v.clone())
-    {
-        out.insert(0, ("thinking", r.clone()));
-        if let Some(slot) = out.iter_mut().find(|(k, _)| *k == "reasoning_content") {
-            slot.1 = r;
-        }
-    }
     Ok(Value::from_object(Prepared(out)))
 }
 
