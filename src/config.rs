@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 
 use serde_json::{Map, Value};
 
+use crate::prefix::Shape;
 use crate::request::ToolsAt;
 use crate::template::Templates;
 
@@ -158,6 +159,15 @@ fn err(field: &str, reason: impl Into<String>) -> ConfigError {
 }
 
 impl Config {
+    /// How this config cuts a prompt into keys.
+    pub fn shape(&self) -> Shape {
+        Shape {
+            chunk_size: self.chunk_size,
+            max_chunks: self.max_chunks,
+            group_bytes: self.group_bytes,
+        }
+    }
+
     /// Whether `cluster` is one kvroute polls (the admin, the indexer) rather than routes to.
     pub fn is_own_cluster(&self, cluster: &str) -> bool {
         [&self.admin_cluster, &self.index_cluster]

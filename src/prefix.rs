@@ -3,6 +3,7 @@
 //! seeded by the model and, when the request has one, its cache salt: the engine shares no
 //! cached block between salts, so neither do the keys.
 
+use crate::request::Prompt;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 /// Bytes of a conversation's opening message that tell it apart: conversations that open alike
@@ -57,6 +58,18 @@ impl PrefixKeys {
         shape: Shape,
     ) -> PrefixKeys {
         Self::salted(None, model, text, head, history, shape)
+    }
+
+    /// The keys of a parsed request's prompt: its salt, model, text, head and history.
+    pub fn of(prompt: &Prompt, shape: Shape) -> PrefixKeys {
+        PrefixKeys::salted(
+            prompt.salt.as_deref(),
+            &prompt.model,
+            &prompt.text,
+            prompt.head,
+            prompt.history,
+            shape,
+        )
     }
 
     /// [`PrefixKeys::new`] for a request with vLLM's `cache_salt`: the salt seeds the chain and

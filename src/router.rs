@@ -11,7 +11,7 @@ use crate::counters::{self, Table};
 use crate::endpoints::Host;
 use crate::eviction::Predicted;
 use crate::policy::{self, Answer, Candidate, Decision, Input, Needs, Policy, Settled};
-use crate::prefix::{PrefixKeys, Shape};
+use crate::prefix::PrefixKeys;
 use crate::request::{Api, ParseError};
 use crate::store::SharedStore;
 
@@ -205,20 +205,8 @@ impl Router {
         let prompt = config
             .templates
             .parse(req.api, req.body, config.tools_position)?;
-        let shape = Shape {
-            chunk_size: config.chunk_size,
-            max_chunks: config.max_chunks,
-            group_bytes: config.group_bytes,
-        };
-        let keys = PrefixKeys::salted(
-            prompt.salt.as_deref(),
-            &prompt.model,
-            &prompt.text,
-            prompt.head,
-            prompt.history,
-            shape,
-        )
-        .opened_by(prompt.text.get(prompt.opener.clone()).unwrap_or_default());
+        let keys = PrefixKeys::of(&prompt, config.shape())
+            .opened_by(prompt.text.get(prompt.opener.clone()).unwrap_or_default());
         let candidates = candidates(inflight, hosts);
         if candidates.is_empty() {
             return Err(Fallback::NoHealthyEndpoint);

@@ -14,7 +14,7 @@
 
 use super::{chat, counters, post, system, usage_of, BLOCKS, BLOCK_SIZE};
 use crate::common;
-use kvroute::prefix::{PrefixKeys, Shape};
+use kvroute::prefix::PrefixKeys;
 use kvroute::template::Templates;
 use kvroute_harness::vllm::{vllm_model, VllmFleet, VllmOptions, SERVED_MODEL};
 use kvroute_harness::Envoy;
@@ -239,21 +239,7 @@ fn filter_keys(spec: &Value, body: &Value) -> Result<(Vec<u8>, Vec<u64>), String
     let prompt = templates
         .render(body.to_string().as_bytes())
         .map_err(|e| format!("not rendered: {e:?}"))?;
-    let defaults = kvroute::config::Config::default();
-    let shape = Shape {
-        chunk_size: defaults.chunk_size,
-        max_chunks: defaults.max_chunks,
-        group_bytes: defaults.group_bytes,
-    };
-    let keys = PrefixKeys::salted(
-        prompt.salt.as_deref(),
-        &prompt.model,
-        &prompt.text,
-        prompt.head,
-        prompt.history,
-        shape,
-    )
-    .keys;
+    let keys = PrefixKeys::of(&prompt, kvroute::config::Config::default().shape()).keys;
     Ok((prompt.text, keys))
 }
 

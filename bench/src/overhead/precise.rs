@@ -18,7 +18,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvroute::config::Config;
-use kvroute::prefix::{PrefixKeys, Shape};
+use kvroute::prefix::PrefixKeys;
 use kvroute::request::Api;
 use kvroute_harness::mesh::FakeAdmin;
 use kvroute_harness::{Envoy, EnvoyOptions, Lb};
@@ -143,15 +143,7 @@ fn group_prefixes(config: &Config, bodies: &[String]) -> Result<Vec<Vec<u64>>, S
             .templates
             .parse(Api::Chat, body.as_bytes(), config.tools_position)
             .map_err(|e| format!("body {i}: not parsed: {e:?}"))?;
-        let keys = PrefixKeys::salted(
-            prompt.salt.as_deref(),
-            &prompt.model,
-            &prompt.text,
-            prompt.head,
-            prompt.history,
-            shape(config),
-        )
-        .keys;
+        let keys = PrefixKeys::of(&prompt, config.shape()).keys;
         let group = &mut shared[i % GROUPS];
         *group = Some(match group.take() {
             None => keys,
@@ -164,15 +156,6 @@ fn group_prefixes(config: &Config, bodies: &[String]) -> Result<Vec<Vec<u64>>, S
         });
     }
     Ok(shared.into_iter().map(Option::unwrap_or_default).collect())
-}
-
-/// How `config` cuts a prompt into keys.
-fn shape(config: &Config) -> Shape {
-    Shape {
-        chunk_size: config.chunk_size,
-        max_chunks: config.max_chunks,
-        group_bytes: config.group_bytes,
-    }
 }
 
 /// What `kvroute-precise` decided during the run.
@@ -275,7 +258,7 @@ mod tests {
                     &prompt.text,
                     prompt.head,
                     false,
-                    shape(&config),
+                    config.shape(),
                 )
                 .keys;
                 let held = &prefixes[i % GROUPS];
