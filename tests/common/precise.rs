@@ -57,31 +57,13 @@ impl BpeFleet {
     /// An indexer's configuration following every replica (never stale on its own while the test
     /// runs), listening on a free port of 127.0.0.1.
     pub fn indexer_config(&self) -> IndexerConfig {
-        IndexerConfig {
-            listen: "127.0.0.1:0".parse().expect("address"),
-            tokenizer: self.tokenizer.clone(),
-            model: MODEL.into(),
-            chunk_size: 512,
-            engines: self
-                .sim
-                .replicas
-                .iter()
-                .map(|r| EngineSpec {
-                    endpoint: r.addr.to_string(),
-                    events: r.kv_events_endpoint(),
-                    replay: None,
-                    model: None,
-                })
-                .collect(),
-            topic: String::new(),
-            envoy_admin: None,
-            cluster: None,
-            kv_events_port: None,
-            replay_port: None,
-            stale_after: 3600.0,
-            gap_hold: 3600.0,
-            feed_capacity: 1 << 16,
-        }
+        let engines = self.sim.replicas.iter().map(|r| EngineSpec {
+            endpoint: r.addr.to_string(),
+            events: r.kv_events_endpoint(),
+            replay: None,
+            model: None,
+        });
+        following(self.tokenizer.clone(), MODEL, engines.collect(), 1 << 16)
     }
 
     /// The backends' addresses, in replica order.
@@ -235,5 +217,31 @@ impl IndexerProcess {
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+}
+
+/// An indexer's configuration following `engines`, keying for `model` in the filter's default
+/// chunk size, never calling an engine stale on its own while a test runs, listening on a free
+/// port of 127.0.0.1.
+pub fn following(
+    tokenizer: PathBuf,
+    model: &str,
+    engines: Vec<EngineSpec>,
+    feed_capacity: usize,
+) -> IndexerConfig {
+    IndexerConfig {
+        listen: "127.0.0.1:0".parse().expect("address"),
+        tokenizer,
+        model: model.into(),
+        chunk_size: kvroute::config::Config::default().chunk_size,
+        engines,
+        topic: String::new(),
+        envoy_admin: None,
+        cluster: None,
+        kv_events_port: None,
+        replay_port: None,
+        stale_after: 3600.0,
+        gap_hold: 3600.0,
+        feed_capacity,
     }
 }

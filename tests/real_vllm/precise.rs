@@ -18,7 +18,7 @@ use kvroute::prefix::PrefixKeys;
 use kvroute::template::Templates;
 use kvroute_harness::vllm::{vllm_model, VllmFleet, VllmOptions, SERVED_MODEL};
 use kvroute_harness::Envoy;
-use kvroute_indexer::config::{Config as IndexerConfig, EngineSpec};
+use kvroute_indexer::config::EngineSpec;
 use kvroute_indexer::token_bytes::TokenBytes;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
@@ -122,30 +122,19 @@ fn model_file(name: &str) -> String {
 /// when their cache changes (vLLM sends no heartbeat), so silence does not make them stale here:
 /// the sequence leaves replicas idle for minutes on a loaded machine.
 async fn start_indexer(fleet: &VllmFleet) -> kvroute_indexer::Running {
-    kvroute_indexer::start(IndexerConfig {
-        listen: "127.0.0.1:0".parse().expect("address"),
-        tokenizer: vllm_model().join("tokenizer.json"),
-        model: SERVED_MODEL.into(),
-        chunk_size: kvroute::config::Config::default().chunk_size,
-        engines: fleet
-            .engines
-            .iter()
-            .map(|e| EngineSpec {
-                endpoint: endpoint(&e.url),
-                events: e.kv_events.clone(),
-                replay: None,
-                model: None,
-            })
-            .collect(),
-        topic: String::new(),
-        envoy_admin: None,
-        cluster: None,
-        kv_events_port: None,
-        replay_port: None,
-        stale_after: 3600.0,
-        gap_hold: 3600.0,
-        feed_capacity: 1 << 18,
-    })
+    let engines = fleet.engines.iter().map(|e| EngineSpec {
+        endpoint: endpoint(&e.url),
+        events: e.kv_events.clone(),
+        replay: None,
+        model: None,
+    });
+    let tokenizer = vllm_model().join("tokenizer.json");
+    kvroute_indexer::start(common::precise::following(
+        tokenizer,
+        SERVED_MODEL,
+        engines.collect(),
+        1 << 18,
+    ))
     .await
     .expect("indexer starts")
 }
