@@ -256,14 +256,18 @@ mod tests {
             vocab: &Vocab::Hash,
             template: Some(&templates),
         };
-        // The tool's keys out of order: the template prints them as sent.
-        let raw =
-            br#"{"model":"m","tools":[{"z":1,"a":2}],"messages":[{"role":"user","content":"hi"}]}"#;
+        // The parameters' keys out of order: the template prints them as sent, the tool as
+        // vLLM passes it.
+        let raw = br#"{"model":"m","tools":[{"type":"function","function":{"name":"f","parameters":{"z":1,"a":2}}}],"messages":[{"role":"user","content":"hi"}]}"#;
         let body: Value = serde_json::from_slice(raw).unwrap();
         let (tokens, text) =
             prompt_tokens_with(&frontend, Endpoint::Chat, &body, Some(raw)).unwrap();
         let text = text.unwrap();
-        assert_eq!(text, "{\"z\": 1, \"a\": 2}\n[user] hi\n");
+        assert_eq!(
+            text,
+            "{\"type\": \"function\", \"function\": {\"name\": \"f\", \"description\": null, \
+             \"parameters\": {\"z\": 1, \"a\": 2}}}\n[user] hi\n"
+        );
         assert_eq!(text.as_bytes(), templates.render(raw).unwrap().text);
         assert_eq!(tokens, Vocab::Hash.tokenize(&text));
         // Without a template, the built-in renderer, as before.
