@@ -67,36 +67,50 @@ fn file_in_layer(layer: &[u8], name: &str) -> Option<Vec<u8>> {
     None
 }
 
+/// An image packed twice into `<tmp>/oci` and `<tmp>/again` by `pack` (which prints the digest)
+/// and copied by skopeo into `<tmp>/out`: both packings gave one digest, and skopeo sees it.
+struct Copied {
+    tmp: PathBuf,
+    out: PathBuf,
+    /// The image as skopeo names it, `oci:<layout>:<tag>`.
+    src: String,
+    manifest: serde_json::Value,
+}
+
+impl Copied {
+    fn of(name: &str, tag: &str, pack: impl Fn(&Path) -> String) -> Copied {
+        let tmp = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).unwrap();
+        let digest = pack(&tmp.join("oci"));
+        assert!(
+            digest.starts_with("sha256:") && digest.len() == 71,
+            "{digest}"
+        );
+        assert_eq!(pack(&tmp.join("again")), digest, "same input, same digest");
+        let src = format!("oci:{}:{tag}", tmp.join("oci").display());
+        let out = tmp.join("out");
+        skopeo(&["copy", &src, &format!("dir:{}", out.display())]);
+        let manifest_path = out.join("manifest.json");
+        let copied = skopeo(&["manifest-digest", manifest_path.to_str().unwrap()]);
+        assert_eq!(copied.trim(), digest, "skopeo sees the printed digest");
+        let manifest = serde_json::from_slice(&std::fs::read(&manifest_path).unwrap()).unwrap();
+        Copied {
+            tmp,
+            out,
+            src,
+            manifest,
+        }
+    }
+}
+
 #[test]
 fn skopeo_copies_the_module_back_byte_for_byte() {
     let wasm = kvroute_wasm();
     let module = std::fs::read(&wasm).unwrap();
-    let tmp = std::env::temp_dir().join(format!("oci-image-skopeo-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).unwrap();
-
-    let digest = oci_image(&wasm, &tmp.join("oci"));
-    assert!(
-        digest.starts_with("sha256:") && digest.len() == 71,
-        "{digest}"
-    );
-    assert_eq!(
-        oci_image(&wasm, &tmp.join("again")),
-        digest,
-        "same module, same digest"
-    );
-
-    let src = format!("oci:{}:kvroute", tmp.join("oci").display());
-    let dst = format!("dir:{}", tmp.join("out").display());
-    skopeo(&["copy", &src, &dst]);
-    let out = tmp.join("out");
-    let manifest_path = out.join("manifest.json");
-    let copied = skopeo(&["manifest-digest", manifest_path.to_str().unwrap()]);
-    assert_eq!(copied.trim(), digest, "skopeo sees the printed digest");
-
-    let manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&manifest_path).unwrap()).unwrap();
-    let layers = manifest["layers"].as_array().expect("layers");
+    let copy = Copied::of("oci-image-skopeo", "kvroute", |dir| oci_image(&wasm, dir));
+    let (tmp, out, src) = (&copy.tmp, &copy.out, &copy.src);
+    let layers = copy.manifest["layers"].as_array().expect("layers");
     let last = layers.last().expect("a layer");
     assert_eq!(last["mediaType"], oci_image::LAYER_MEDIA_TYPE);
     let hex = last["digest"]
@@ -112,9 +126,9 @@ fn skopeo_copies_the_module_back_byte_for_byte() {
     );
 
     let inspect: serde_json::Value =
-        serde_json::from_str(&skopeo(&["inspect", "--config", &src])).unwrap();
+        serde_json::from_str(&skopeo(&["inspect", "--config", src])).unwrap();
     assert_eq!(inspect["os"], "wasi");
-    std::fs::remove_dir_all(&tmp).unwrap();
+    std::fs::remove_dir_all(tmp).unwrap();
 }
 
 /// kvroute-indexer built for x86_64-unknown-linux-musl: `$KVROUTE_INDEXER_STATIC` (the Makefile
@@ -159,40 +173,20 @@ fn oci_executable(binary: &Path, dir: &Path) -> String {
 fn skopeo_reads_the_indexer_image_and_its_entrypoint_is_the_static_binary() {
     let binary = static_indexer();
     let bytes = std::fs::read(&binary).unwrap();
-    let tmp = std::env::temp_dir().join(format!("oci-indexer-skopeo-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).unwrap();
-
-    let digest = oci_executable(&binary, &tmp.join("oci"));
-    assert!(
-        digest.starts_with("sha256:") && digest.len() == 71,
-        "{digest}"
-    );
-    assert_eq!(
-        oci_executable(&binary, &tmp.join("again")),
-        digest,
-        "same binary, same digest"
-    );
-
-    let src = format!("oci:{}:kvroute-indexer", tmp.join("oci").display());
-    let dst = format!("dir:{}", tmp.join("out").display());
-    skopeo(&["copy", &src, &dst]);
-    let out = tmp.join("out");
-    let manifest_path = out.join("manifest.json");
-    let copied = skopeo(&["manifest-digest", manifest_path.to_str().unwrap()]);
-    assert_eq!(copied.trim(), digest, "skopeo sees the printed digest");
+    let copy = Copied::of("oci-indexer-skopeo", "kvroute-indexer", |dir| {
+        oci_executable(&binary, dir)
+    });
+    let (tmp, out, src) = (&copy.tmp, &copy.out, &copy.src);
 
     let inspect: serde_json::Value =
-        serde_json::from_str(&skopeo(&["inspect", "--config", &src])).unwrap();
+        serde_json::from_str(&skopeo(&["inspect", "--config", src])).unwrap();
     assert_eq!(inspect["os"], "linux");
     assert_eq!(inspect["architecture"], "amd64");
     assert_eq!(inspect["config"]["User"], oci_image::EXECUTABLE_USER);
     let entrypoint = inspect["config"]["Entrypoint"][0]
         .as_str()
         .expect("an entrypoint");
-    let manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&manifest_path).unwrap()).unwrap();
-    let hex = manifest["layers"][0]["digest"]
+    let hex = copy.manifest["layers"][0]["digest"]
         .as_str()
         .unwrap()
         .trim_start_matches("sha256:");
@@ -214,5 +208,5 @@ fn skopeo_reads_the_indexer_image_and_its_entrypoint_is_the_static_binary() {
         u32::from_le_bytes(file[at..at + 4].try_into().unwrap()) == 3
     });
     assert!(!interp, "{} asks for a dynamic loader", binary.display());
-    std::fs::remove_dir_all(&tmp).unwrap();
+    std::fs::remove_dir_all(tmp).unwrap();
 }
