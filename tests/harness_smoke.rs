@@ -113,3 +113,56 @@ async fn failing_backend_answers_500_and_fails_health_checks() {
     let reply = fleet.chat(&chat_body("sys", "q", false)).await;
     assert_eq!((reply.status, reply.backend), (200, Some(1)));
 }
+
+/// A port the harness found free can be taken by a parallel test before Envoy binds it. The first
+/// bootstrap here listens on a port this test holds, as if another process had just taken it:
+/// Envoy exits on the bind, and the harness starts it again on fresh ports.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_starts_again_when_its_port_was_taken() {
+    use kvroute_harness::{bootstrap, paths, Envoy, EnvoyOptions, HarnessError};
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let taken_port = taken.local_addr().expect("addr").port();
+    let shipped = std::fs::read_to_string(paths::shipped_bootstrap()).expect("bootstrap");
+    let backends = Backend::start_many(1).await.expect("backend");
+    let addrs = [backends[0].addr()];
+    let mut listeners = Vec::new();
+    let envoy = Envoy::start_with(
+        |admin_port, listener_port, _| -> Result<String, HarnessError> {
+            let listener_port = if listeners.is_empty() {
+                taken_port
+            } else {
+                listener_port
+            };
+            listeners.push(listener_port);
+            bootstrap::render(
+                &shipped,
+                &bootstrap::Patch {
+                    admin_port,
+                    listener_port,
+                    backends: &addrs,
+                    lb: &Lb::RoundRobin,
+                    wasm: None,
+                    health_check_interval: None,
+                    active_health_checks: false,
+                    wasm_plugin_like: false,
+                    admin_target: None,
+                    indexer: None,
+                    name_upstream: false,
+                },
+            )
+        },
+        EnvoyOptions::default(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(listeners.len(), 2, "Envoy started on ports {listeners:?}");
+    assert_ne!(envoy.url(), format!("http://127.0.0.1:{taken_port}"));
+    let reply = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", envoy.url()))
+        .json(&chat_body("a prompt", "a question", false))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(reply.status(), 200);
+    drop(taken);
+}

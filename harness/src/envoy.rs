@@ -119,44 +119,68 @@ impl Envoy {
             Lb::Floor | Lb::FloorHeader { .. } => Some(paths::floor_wasm()?),
             _ => None,
         };
-        let [admin_port, listener_port] = free_ports()?;
         let shipped = opts
             .bootstrap
             .clone()
             .unwrap_or_else(paths::shipped_bootstrap);
         let shipped = std::fs::read_to_string(shipped)?;
-        let yaml = bootstrap::render(
-            &shipped,
-            &bootstrap::Patch {
-                admin_port,
-                listener_port,
-                backends: &opts.backends,
-                lb: &opts.lb,
-                wasm: wasm.as_deref(),
-                health_check_interval: opts.health_check_interval,
-                active_health_checks: opts.active_health_checks,
-                wasm_plugin_like: opts.wasm_plugin_like,
-                admin_target: opts.admin_target,
-                indexer: opts.indexer,
-                name_upstream: opts.name_upstream,
-            },
-        )?;
-        let dir = temp_dir()?;
-        Envoy::spawn(&envoy_bin, yaml, [admin_port, listener_port], dir, &opts).await
+        let render = |admin_port, listener_port, _: &std::path::Path| {
+            bootstrap::render(
+                &shipped,
+                &bootstrap::Patch {
+                    admin_port,
+                    listener_port,
+                    backends: &opts.backends,
+                    lb: &opts.lb,
+                    wasm: wasm.as_deref(),
+                    health_check_interval: opts.health_check_interval,
+                    active_health_checks: opts.active_health_checks,
+                    wasm_plugin_like: opts.wasm_plugin_like,
+                    admin_target: opts.admin_target,
+                    indexer: opts.indexer,
+                    name_upstream: opts.name_upstream,
+                },
+            )
+        };
+        Envoy::launch(&envoy_bin, render, &opts).await
     }
 
     /// Starts Envoy from a bootstrap the caller builds: `bootstrap(admin_port, listener_port, dir)`
     /// returns the YAML and may write files it refers to into `dir` (Envoy's temp dir). With
     /// `wait_healthy`, waits for `opts.backends` in the `inference_pool` cluster, as [`Envoy::start`].
     pub async fn start_with(
-        bootstrap: impl FnOnce(u16, u16, &std::path::Path) -> Result<String, HarnessError>,
+        bootstrap: impl FnMut(u16, u16, &std::path::Path) -> Result<String, HarnessError>,
         opts: EnvoyOptions,
     ) -> Result<Envoy, HarnessError> {
         let envoy_bin = paths::envoy_bin()?;
-        let [admin_port, listener_port] = free_ports()?;
-        let dir = temp_dir()?;
-        let yaml = bootstrap(admin_port, listener_port, &dir)?;
-        Envoy::spawn(&envoy_bin, yaml, [admin_port, listener_port], dir, &opts).await
+        Envoy::launch(&envoy_bin, bootstrap, &opts).await
+    }
+
+    /// Picks two free ports, renders the bootstrap for them and starts Envoy. A port is free only
+    /// until Envoy binds it, and a parallel test may take it first: when Envoy exits because an
+    /// address is in use, it starts again on fresh ports (a few times), so that race never fails
+    /// a test.
+    async fn launch(
+        envoy_bin: &std::path::Path,
+        mut bootstrap: impl FnMut(u16, u16, &std::path::Path) -> Result<String, HarnessError>,
+        opts: &EnvoyOptions,
+    ) -> Result<Envoy, HarnessError> {
+        const ATTEMPTS: usize = 5;
+        let mut attempt = 1;
+        loop {
+            let ports @ [admin_port, listener_port] = free_ports()?;
+            let dir = temp_dir()?;
+            let yaml = bootstrap(admin_port, listener_port, &dir)?;
+            match Envoy::spawn(envoy_bin, yaml, ports, dir.clone(), opts).await {
+                Err(HarnessError::Envoy { log_tail, .. })
+                    if attempt < ATTEMPTS && log_tail.contains("Address already in use") =>
+                {
+                    attempt += 1;
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+                started => return started,
+            }
+        }
     }
 
     async fn spawn(
@@ -419,8 +443,8 @@ fn is_healthy(status: &Json) -> bool {
     flags_clear && status["eds_health_status"] == "HEALTHY"
 }
 
-/// Ports that were free a moment ago (both held at once so they differ). Envoy binds them
-/// itself, so there is a small race window, which is acceptable on a test machine.
+/// Ports that were free a moment ago (both held at once so they differ). Whoever binds them
+/// next may lose them to another process first; [`Envoy::launch`] retries when that happens.
 pub(crate) fn free_ports() -> std::io::Result<[u16; 2]> {
     let a = TcpListener::bind("127.0.0.1:0")?;
     let b = TcpListener::bind("127.0.0.1:0")?;
