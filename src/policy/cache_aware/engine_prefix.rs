@@ -5,7 +5,8 @@ use std::cell::RefCell;
 
 use crate::engine_index::{EngineIndex, Status};
 use crate::policy::pipeline::{Scorer, Scoring};
-use crate::policy::{Decision, Input};
+use crate::policy::OverloadBound;
+use crate::policy::{Candidate, Decision, Input};
 
 /// How long a worker goes by the engine index's status it read (a request reads it again after
 /// that): the records it reads must be of the generation the status names, and a full resync
@@ -58,9 +59,48 @@ impl EngineHolders {
 }
 
 /// 1 for an endpoint whose engine holds the request's longest engine-held prefix
-/// ([`EngineHolders::lookup`]); 0 for the others. Its weight outranks a history holder and a
-/// home together: what the engines hold comes before what this gateway remembers.
-pub struct EngineHolder;
+/// ([`EngineHolders::lookup`]) and that may take the group's request; 0 for the others. Its weight
+/// outranks a history holder and a home together: what the engines hold comes before what this
+/// gateway remembers. But placement owns where a group lives: a holder other than the group's home
+/// counts only while its load is within the home's band: at most `rel` times the home's load plus
+/// `abs` (the overload bound's terms, over the home's load rather than the fleet's mean), or the
+/// home queues. So a group first placed where the balanced assignment would not put it moves home
+/// once its traffic weighs on that holder, rather than staying wherever it landed first, and does
+/// not move for the swings of a fleet's load from one request to the next.
+pub struct EngineHolder {
+    pub band: OverloadBound,
+}
+
+impl EngineHolder {
+    /// Whether candidate `i` is the group's home or within its load band.
+    fn may_take(&self, s: &Scoring, i: usize) -> bool {
+        let Some(home) = s.order.first().map(|&h| &s.candidates[h]) else {
+            return true;
+        };
+        let c = &s.candidates[i];
+        c.id == home.id || home.queueing || within(&self.band, c, home)
+    }
+}
+
+/// Whether `c`'s load is within `other`'s band (`rel` × its load + `abs`), queueing only where
+/// `other` queues too.
+fn within(band: &OverloadBound, c: &Candidate, other: &Candidate) -> bool {
+    (other.queueing || !c.queueing)
+        && c.load as f64 <= band.rel * other.load as f64 + band.abs as f64
+}
+
+/// With every endpoint overloaded, the least loaded of the endpoints whose engines hold the
+/// request's prefix, if it is within the band of `least`, the least loaded of all: a hit there
+/// saves the prefill the request would queue for anywhere else.
+pub fn holder_over_balance(s: &Scoring, least: usize, band: &OverloadBound) -> Option<usize> {
+    let holders = s.engine_holders?;
+    s.order
+        .iter()
+        .copied()
+        .filter(|&i| holders.contains(&s.candidates[i].id))
+        .min_by_key(|&i| (s.candidates[i].queueing, s.candidates[i].load))
+        .filter(|&i| within(band, &s.candidates[i], &s.candidates[least]))
+}
 
 impl Scorer for EngineHolder {
     fn weight(&self) -> f64 {
@@ -71,7 +111,7 @@ impl Scorer for EngineHolder {
         let held = s
             .engine_holders
             .is_some_and(|h| h.contains(&s.candidates[i].id));
-        if held {
+        if held && self.may_take(s, i) {
             1.0
         } else {
             0.0

@@ -12,8 +12,9 @@
 //! - overloaded endpoints (the engine queues, or the load exceeds `rel` × the mean + `abs`) are
 //!   filtered out;
 //! - in precise mode, the endpoints whose engines report holding the request's longest prefix,
-//!   if it covers at least `cache_threshold` of the request and the engine index is fresh
-//!   ([`engine_prefix`]; `engine`);
+//!   if it covers at least `cache_threshold` of the request and the engine index is fresh, and,
+//!   off the group's home, while within `rel` × the home's load + `abs` ([`engine_prefix`];
+//!   `engine`);
 //! - a prefix of the request that reaches past its head (a conversation's history) and that the
 //!   prefix index ([`prefix_index`]) says an endpoint holds, if it covers at least
 //!   `cache_threshold` of the request: its first holder in the group's order that used it within
@@ -21,7 +22,8 @@
 //! - else the group's home (`home`), or, overloaded, the next endpoint in its order (`spread`),
 //!   so a hot group grows onto a few replicas, always the same ones, and comes back home when it
 //!   drains;
-//! - every endpoint overloaded: the least loaded (`balance`).
+//! - every endpoint overloaded: the least loaded (`balance`), or, in precise mode, the least
+//!   loaded engine holder if it is within `rel` × that load + `abs` (`engine`).
 //!
 //! The prefix index records which endpoint served which prefix, settled by the engines' reports
 //! once each response is in ([`PrefixIndex::answered`]).
@@ -55,6 +57,7 @@ pub struct CacheAware {
     /// What the engines hold, in precise mode.
     engine: Option<EngineHolders>,
     homes: GroupHomes,
+    overload: OverloadBound,
     filters: Vec<Box<dyn Filter>>,
     scorers: Vec<Box<dyn Scorer>>,
 }
@@ -73,6 +76,7 @@ impl CacheAware {
             index: Box::new(AffinityIndex::new(capacity, 0)),
             engine: None,
             homes: GroupHomes::new(warmup_ms, hold_ms),
+            overload,
             filters: vec![Box::new(stages::NotOverloaded(overload))],
             scorers: vec![
                 Box::new(stages::HistoryHolder { cache_threshold }),
@@ -85,8 +89,10 @@ impl CacheAware {
     /// hold the longest prefix of a request ([`EngineHolders`]).
     pub fn with_engine_index(mut self, engine: EngineHolders) -> Self {
         self.engine = Some(engine);
-        self.scorers
-            .insert(0, Box::new(engine_prefix::EngineHolder));
+        let holder = engine_prefix::EngineHolder {
+            band: self.overload,
+        };
+        self.scorers.insert(0, Box::new(holder));
         self
     }
 
@@ -94,6 +100,19 @@ impl CacheAware {
     pub fn with_index(mut self, index: Box<dyn PrefixIndex>) -> Self {
         self.index = index;
         self
+    }
+}
+
+impl CacheAware {
+    /// Every endpoint overloaded: the least loaded, or in precise mode an engine holding the
+    /// request's prefix that is within its band ([`engine_prefix::holder_over_balance`]).
+    fn balance(&self, s: &Scoring) -> (usize, Decision) {
+        let least = least_loaded(s.candidates, s.input.keys.group);
+        match self.engine {
+            Some(_) => engine_prefix::holder_over_balance(s, least, &self.overload)
+                .map_or((least, Decision::Balance), |h| (h, Decision::Engine)),
+            None => (least, Decision::Balance),
+        }
     }
 }
 
@@ -118,7 +137,7 @@ impl Policy for CacheAware {
             mean_load: mean_load(candidates),
         };
         let (index, decision) = pipeline::pick(&scoring, &self.filters, &self.scorers)
-            .unwrap_or_else(|| (least_loaded(candidates, group), Decision::Balance));
+            .unwrap_or_else(|| self.balance(&scoring));
         Some(Pick {
             index,
             decision,

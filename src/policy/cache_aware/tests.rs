@@ -493,3 +493,56 @@ fn a_stale_index_or_a_shallow_match_leaves_the_request_to_its_home() {
     let late = deep.pick(&c, &at(1002)).unwrap();
     assert_eq!((late.index, late.decision), (home, Decision::Home));
 }
+
+#[test]
+fn a_holder_off_home_wins_only_within_the_homes_load_band() {
+    let c = candidates(&[0, 0, 0, 0]);
+    let keys = follow_up("g", "an earlier turn and a new question");
+    let home = order(&c, &keys)[0];
+    let other = (home + 1) % c.len();
+    let store = MemoryStore::new();
+    let p = indexed(&store, &keys, c[other].addr, keys.keys.len() - 1, 1);
+    let pick_at = |loads: &[(usize, u64)], queueing: bool| {
+        let mut c = c.clone();
+        for &(i, load) in loads {
+            c[i].load = load;
+        }
+        c[home].queueing = queueing;
+        let pick = p.pick(&c, &input(&keys, &store)).unwrap();
+        (pick.index, pick.decision)
+    };
+    // Within 1.5 × the home's load + 2: the holder still saves the prefill.
+    assert_eq!(pick_at(&[(other, 2)], false), (other, Decision::Engine));
+    assert_eq!(
+        pick_at(&[(home, 3), (other, 5)], false),
+        (other, Decision::Engine)
+    );
+    // Beyond, though not overloaded: the group goes home, where placement puts it.
+    assert_eq!(pick_at(&[(other, 3)], false), (home, Decision::Home));
+    // A queueing home takes nothing: the holder wins again.
+    assert_eq!(pick_at(&[(other, 3)], true), (other, Decision::Engine));
+}
+
+#[test]
+fn with_every_endpoint_overloaded_a_holder_near_the_least_load_takes_the_request() {
+    let c = candidates(&[0, 0, 0, 0]);
+    let keys = follow_up("g", "an earlier turn and a new question");
+    let home = order(&c, &keys)[0];
+    let holder = (home + 1) % c.len();
+    let store = MemoryStore::new();
+    let p = indexed(&store, &keys, c[holder].addr, keys.keys.len() - 1, 1);
+    let pick_at = |holder_load: u64| {
+        let mut c = c.clone();
+        for (i, e) in c.iter_mut().enumerate() {
+            e.queueing = true;
+            e.load = if i == holder { holder_load } else { 8 + i as u64 };
+        }
+        let pick = p.pick(&c, &input(&keys, &store)).unwrap();
+        (pick.index, pick.decision)
+    };
+    // Within 1.5 × 8 + 2 of the least loaded (8): its hit saves the prefill.
+    assert_eq!(pick_at(14), (holder, Decision::Engine));
+    // Further: the least loaded, as without the index.
+    let least = (0..c.len()).find(|&i| i != holder).unwrap();
+    assert_eq!(pick_at(15), (least, Decision::Balance));
+}
