@@ -15,8 +15,6 @@ pub struct Scoring<'a> {
     pub order: &'a [usize],
     /// The longest prefix of the request some endpoint holds, from the policy's prefix index.
     pub matched: Option<&'a Match>,
-    /// The endpoints whose engines report holding the request's longest prefix (precise mode).
-    pub engine_holders: Option<&'a [u32]>,
     /// The candidates' mean load.
     pub mean_load: f64,
 }
@@ -105,7 +103,6 @@ mod tests {
             input: &input,
             order: &[2, 0, 1],
             matched: None,
-            engine_holders: None,
             mean_load: 0.0,
         };
         let a: Box<dyn Scorer> = Box::new(Table(vec![0.0, 1.0, 0.0], 2.0, Decision::Affinity));

@@ -1,12 +1,11 @@
 //! Precise mode's signal: which endpoints' engines hold the longest prefix of a request, from the
-//! engine index ([`engine_index`](crate::engine_index)), and the scorer that prefers them.
+//! engine index ([`engine_index`](crate::engine_index)), and where that sends a request.
 
 use std::cell::RefCell;
 
 use crate::engine_index::{EngineIndex, Status};
-use crate::policy::pipeline::{Scorer, Scoring};
 use crate::policy::OverloadBound;
-use crate::policy::{Candidate, Decision, Input};
+use crate::policy::{Candidate, Input};
 
 /// How long a worker goes by the engine index's status it read (a request reads it again after
 /// that): the records it reads must be of the generation the status names, and a full resync
@@ -58,67 +57,27 @@ impl EngineHolders {
     }
 }
 
-/// 1 for an endpoint whose engine holds the request's longest engine-held prefix
-/// ([`EngineHolders::lookup`]) and that may take the group's request; 0 for the others. Its weight
-/// outranks a history holder and a home together: what the engines hold comes before what this
-/// gateway remembers. But placement owns where a group lives: a holder other than the group's home
-/// counts only while its load is within the home's band: at most `rel` times the home's load plus
-/// `abs` (the overload bound's terms, over the home's load rather than the fleet's mean), or the
-/// home queues. So a group first placed where the balanced assignment would not put it moves home
-/// once its traffic weighs on that holder, rather than staying wherever it landed first, and does
-/// not move for the swings of a fleet's load from one request to the next.
-pub struct EngineHolder {
-    pub band: OverloadBound,
-}
-
-impl EngineHolder {
-    /// Whether candidate `i` is the group's home or within its load band.
-    fn may_take(&self, s: &Scoring, i: usize) -> bool {
-        let Some(home) = s.order.first().map(|&h| &s.candidates[h]) else {
-            return true;
-        };
-        let c = &s.candidates[i];
-        c.id == home.id || home.queueing || within(&self.band, c, home)
-    }
-}
-
-/// Whether `c`'s load is within `other`'s band (`rel` × its load + `abs`), queueing only where
-/// `other` queues too.
-fn within(band: &OverloadBound, c: &Candidate, other: &Candidate) -> bool {
-    (other.queueing || !c.queueing)
-        && c.load as f64 <= band.rel * other.load as f64 + band.abs as f64
-}
-
-/// With every endpoint overloaded, the least loaded of the endpoints whose engines hold the
-/// request's prefix, if it is within the band of `least`, the least loaded of all: a hit there
-/// saves the prefill the request would queue for anywhere else.
-pub fn holder_over_balance(s: &Scoring, least: usize, band: &OverloadBound) -> Option<usize> {
-    let holders = s.engine_holders?;
-    s.order
+/// The endpoint precise mode sends the request to instead of `placed`, the one the stages picked
+/// without the engine index: the least loaded of the endpoints whose engines hold the request's
+/// prefix (`holders`; ties to the earliest in the group's `order`), if it is `placed` itself or its
+/// load (running and waiting) is within `placed`'s band, `rel` × that load + `abs`. A hit saves
+/// the request's prefill, which is worth a few requests' wait, not any wait: placement still owns
+/// where a group lives, so a group first placed where the balanced assignment would not put it
+/// moves home once its traffic weighs on that holder, and a conversation whose replica queues far
+/// beyond the others goes where the stages send it.
+pub fn instead_of(
+    placed: usize,
+    holders: &[u32],
+    candidates: &[Candidate],
+    order: &[usize],
+    band: &OverloadBound,
+) -> Option<usize> {
+    let load = |i: usize| candidates[i].load;
+    let holder = order
         .iter()
         .copied()
-        .filter(|&i| holders.contains(&s.candidates[i].id))
-        .min_by_key(|&i| (s.candidates[i].queueing, s.candidates[i].load))
-        .filter(|&i| within(band, &s.candidates[i], &s.candidates[least]))
-}
-
-impl Scorer for EngineHolder {
-    fn weight(&self) -> f64 {
-        4.0
-    }
-
-    fn score(&self, s: &Scoring, i: usize) -> f64 {
-        let held = s
-            .engine_holders
-            .is_some_and(|h| h.contains(&s.candidates[i].id));
-        if held && self.may_take(s, i) {
-            1.0
-        } else {
-            0.0
-        }
-    }
-
-    fn decision(&self, _s: &Scoring, _i: usize) -> Decision {
-        Decision::Engine
-    }
+        .filter(|&i| holders.contains(&candidates[i].id))
+        .min_by_key(|&i| load(i))?;
+    let within = load(holder) as f64 <= band.rel * load(placed) as f64 + band.abs as f64;
+    (holder == placed || within).then_some(holder)
 }

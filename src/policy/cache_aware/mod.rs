@@ -11,10 +11,6 @@
 //!
 //! - overloaded endpoints (the engine queues, or the load exceeds `rel` × the mean + `abs`) are
 //!   filtered out;
-//! - in precise mode, the endpoints whose engines report holding the request's longest prefix,
-//!   if it covers at least `cache_threshold` of the request and the engine index is fresh, and,
-//!   off the group's home, while within `rel` × the home's load + `abs` ([`engine_prefix`];
-//!   `engine`);
 //! - a prefix of the request that reaches past its head (a conversation's history) and that the
 //!   prefix index ([`prefix_index`]) says an endpoint holds, if it covers at least
 //!   `cache_threshold` of the request: its first holder in the group's order that used it within
@@ -22,8 +18,11 @@
 //! - else the group's home (`home`), or, overloaded, the next endpoint in its order (`spread`),
 //!   so a hot group grows onto a few replicas, always the same ones, and comes back home when it
 //!   drains;
-//! - every endpoint overloaded: the least loaded (`balance`), or, in precise mode, the least
-//!   loaded engine holder if it is within `rel` × that load + `abs` (`engine`).
+//! - every endpoint overloaded: the least loaded (`balance`);
+//! - in precise mode, last: instead of that pick, the least-loaded endpoint whose engine reports
+//!   holding the request's longest prefix, if that prefix covers at least `cache_threshold` of the
+//!   request, the engine index is fresh, and its load is within `rel` × the pick's load + `abs`
+//!   ([`engine_prefix`]; `engine`).
 //!
 //! The prefix index records which endpoint served which prefix, settled by the engines' reports
 //! once each response is in ([`PrefixIndex::answered`]).
@@ -85,14 +84,10 @@ impl CacheAware {
         }
     }
 
-    /// Precise mode: prefers, before anything this gateway remembers, the endpoints whose engines
-    /// hold the longest prefix of a request ([`EngineHolders`]).
+    /// Precise mode: sends a request where the engines hold its longest prefix, if that endpoint
+    /// is within the band of the one the stages pick ([`engine_prefix::instead_of`]).
     pub fn with_engine_index(mut self, engine: EngineHolders) -> Self {
         self.engine = Some(engine);
-        let holder = engine_prefix::EngineHolder {
-            band: self.overload,
-        };
-        self.scorers.insert(0, Box::new(holder));
         self
     }
 
@@ -100,19 +95,6 @@ impl CacheAware {
     pub fn with_index(mut self, index: Box<dyn PrefixIndex>) -> Self {
         self.index = index;
         self
-    }
-}
-
-impl CacheAware {
-    /// Every endpoint overloaded: the least loaded, or in precise mode an engine holding the
-    /// request's prefix that is within its band ([`engine_prefix::holder_over_balance`]).
-    fn balance(&self, s: &Scoring) -> (usize, Decision) {
-        let least = least_loaded(s.candidates, s.input.keys.group);
-        match self.engine {
-            Some(_) => engine_prefix::holder_over_balance(s, least, &self.overload)
-                .map_or((least, Decision::Balance), |h| (h, Decision::Engine)),
-            None => (least, Decision::Balance),
-        }
     }
 }
 
@@ -127,17 +109,20 @@ impl Policy for CacheAware {
         if let Some(at) = order.iter().position(|&i| i == home) {
             order[..=at].rotate_right(1);
         }
-        let engine_holders = self.engine.as_ref().and_then(|e| e.lookup(input));
         let scoring = Scoring {
             candidates,
             input,
             order: &order,
             matched: matched.as_ref(),
-            engine_holders: engine_holders.as_deref(),
             mean_load: mean_load(candidates),
         };
-        let (index, decision) = pipeline::pick(&scoring, &self.filters, &self.scorers)
-            .unwrap_or_else(|| self.balance(&scoring));
+        let placed = pipeline::pick(&scoring, &self.filters, &self.scorers)
+            .unwrap_or_else(|| (least_loaded(candidates, group), Decision::Balance));
+        let holders = self.engine.as_ref().and_then(|e| e.lookup(input));
+        let engine = holders.and_then(|h| {
+            engine_prefix::instead_of(placed.0, &h, candidates, &order, &self.overload)
+        });
+        let (index, decision) = engine.map_or(placed, |h| (h, Decision::Engine));
         Some(Pick {
             index,
             decision,

@@ -502,25 +502,31 @@ fn a_holder_off_home_wins_only_within_the_homes_load_band() {
     let other = (home + 1) % c.len();
     let store = MemoryStore::new();
     let p = indexed(&store, &keys, c[other].addr, keys.keys.len() - 1, 1);
-    let pick_at = |loads: &[(usize, u64)], queueing: bool| {
+    let pick_at = |loads: &[(usize, u64)], queueing: usize| {
         let mut c = c.clone();
         for &(i, load) in loads {
             c[i].load = load;
         }
-        c[home].queueing = queueing;
+        if let Some(q) = c.get_mut(queueing) {
+            q.queueing = true;
+        }
         let pick = p.pick(&c, &input(&keys, &store)).unwrap();
         (pick.index, pick.decision)
     };
-    // Within 1.5 × the home's load + 2: the holder still saves the prefill.
-    assert_eq!(pick_at(&[(other, 2)], false), (other, Decision::Engine));
+    let nobody = c.len();
+    // Within 1.5 × the home's load + 2: the holder saves the prefill.
+    assert_eq!(pick_at(&[(other, 2)], nobody), (other, Decision::Engine));
     assert_eq!(
-        pick_at(&[(home, 3), (other, 5)], false),
+        pick_at(&[(home, 3), (other, 5)], nobody),
         (other, Decision::Engine)
     );
     // Beyond, though not overloaded: the group goes home, where placement puts it.
-    assert_eq!(pick_at(&[(other, 3)], false), (home, Decision::Home));
-    // A queueing home takes nothing: the holder wins again.
-    assert_eq!(pick_at(&[(other, 3)], true), (other, Decision::Engine));
+    assert_eq!(pick_at(&[(other, 3)], nobody), (home, Decision::Home));
+    // A holder that queues still takes the request within the band: its queue is in its load.
+    assert_eq!(pick_at(&[(other, 2)], other), (other, Decision::Engine));
+    // A queueing home takes nothing: the band is the endpoint the stages pick instead.
+    let (spread, decision) = pick_at(&[(other, 9)], home);
+    assert_eq!((spread != home, decision), (true, Decision::Spread));
 }
 
 #[test]
