@@ -9,7 +9,7 @@
 //! prompt's chunks, as the filter keys them), then, at every later poll, no change, as an indexer
 //! answers while the engines store nothing new. Each request then takes the lookup path that
 //! decides: the index's status, then its keys probed from the last back until the group's prefix
-//! is found, which then outranks the group's home. The run fails unless most of
+//! is found, whose holder then takes the request from the group's home. The run fails unless most of
 //! `kvroute-precise`'s decisions were the engine index's (`kvroute.routed.engine`): otherwise its
 //! row would not measure that path. What the feed's changes cost to apply is idle work (the
 //! poll), not a request's, and is not measured here.
