@@ -288,8 +288,19 @@ async fn run_compare(
     let workload = workload::Workload::from_file(&workload)?;
     let routers = routers::Router::parse_list(&routers, compare_wasm)?;
     if repeat > 1 {
-        let summary =
-            repeats::repeat(&fleet_spec, &workload, &routers, repeat, workers, &out).await?;
+        let fleet_name = fleet
+            .file_stem()
+            .map_or(String::new(), |s| s.to_string_lossy().into_owned());
+        let summary = repeats::repeat(
+            &fleet_name,
+            &fleet_spec,
+            &workload,
+            &routers,
+            repeat,
+            workers,
+            &out,
+        )
+        .await?;
         println!("{summary}");
         eprintln!("wrote {}/repeats.md, repeats.json", out.display());
         return Ok(());
