@@ -256,7 +256,7 @@ pub fn judge(target: &Target, value: Option<f64>, reference: Option<f64>) -> Out
 /// The table's header.
 const HEADER: &str =
     "| line | figure | mean | against | target | result | build, date, repeats |\n\
-                      |---|---|---:|---:|---|---|---|\n";
+                      |---|---|---:|---|---|---|---|\n";
 
 /// The table for the lines under `dir` (`dir/<line>/repeats.json`); a line without its file is
 /// shown with its targets as not measured. A file whose workload, fleet or routers are not the
