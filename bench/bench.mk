@@ -9,13 +9,17 @@
 #               kvroute, each Envoy under valgrind's callgrind (counts that ignore the machine's load)
 #   make bench-placement  the placement issue's three lines, each run PLACEMENT_REPEAT times with
 #               the next seeds (compare --repeat): Zipf and grouped under cache pressure, llm-d
+#   make bench-precise  precise mode's lines, each PRECISE_REPEAT times (compare --repeat, default
+#               3) into bench/results/precise/<line>/, then the table of their targets, met or
+#               missed (summary.md there, and README.md's and bench/README.md's precise blocks);
+#               `make bench-precise PRECISE_LINES=zipf-pressure` runs one line; commit what it writes
 #   make bench-results  the README's tables: each workload of RESULTS_SETS through its routers,
 #               one run each, into bench/results/<workload>/ (results.json, results.md, ttft.svg,
 #               stamped with the build's commit and the run's date); commit what it writes
 #   make peers  installs the peer routers (smg, vllm-router), each in its own venv
 #   make real   the comparison on real vLLM engines (CPU, a tiny model) instead of the sim:
 #               round robin, kvroute, smg, kvroute@3, smg@3 (results in $(REAL_OUT))
-.PHONY: run bench peers bench-all bench-overhead bench-instructions bench-placement bench-results bench-summary real
+.PHONY: run bench peers bench-all bench-overhead bench-instructions bench-placement bench-precise bench-precise-summary bench-results bench-summary real
 
 BENCH := target/release/kvroute-bench
 PEERS := .work/peers
@@ -69,6 +73,37 @@ bench-placement: deps build peers
 	$(BENCH) compare --fleet bench/fleets/pressure.json --workload bench/workloads/zipf-pressure.json --routers kvroute,smg,oracle --repeat $(PLACEMENT_REPEAT) --out $(BENCH_OUT)/placement-zipf
 	$(BENCH) compare --fleet bench/fleets/pressure.json --workload bench/workloads/grouped-pressure.json --routers kvroute,kvroute@3 --repeat $(PLACEMENT_REPEAT) --out $(BENCH_OUT)/placement-grouped
 	$(BENCH) compare --fleet $(BENCH_FLEET) --workload bench/workloads/llm-d.json --routers kvroute,oracle --repeat $(PLACEMENT_REPEAT) --out $(BENCH_OUT)/placement-llm-d
+
+# Precise mode's lines: kvroute-precise first (repeats.md pairs it with each other router), a
+# workload on a fleet (agentic-pressure: agentic on the pressure fleet). Their targets are in
+# bench/src/precise_lines.rs; `precise-summary` refuses a line whose repeats.json is not its
+# workload, fleet and routers. PRECISE_REPEAT must be at least 2 (one run writes no repeats.json).
+PRECISE_DIR := bench/results/precise
+PRECISE_ALL := zipf-pressure grouped-pressure llm-d agentic tenants agentic-pressure
+PRECISE_LINES ?= $(PRECISE_ALL)
+PRECISE_REPEAT ?= 3
+PRECISE_WORKLOAD.agentic-pressure := agentic
+PRECISE_FLEET.zipf-pressure := pressure
+PRECISE_FLEET.grouped-pressure := pressure
+PRECISE_FLEET.agentic-pressure := pressure
+PRECISE_ROUTERS := kvroute-precise,kvroute
+PRECISE_ROUTERS.zipf-pressure := kvroute-precise,smg
+PRECISE_ROUTERS.grouped-pressure := kvroute-precise,kvroute-precise@3,kvroute-precise@8
+PRECISE_ROUTERS.agentic-pressure := kvroute-precise,oracle,smg
+
+bench-precise: deps build peers
+	@set -e; $(foreach l,$(PRECISE_LINES),\
+	  echo "bench-precise: $(l)"; \
+	  $(BENCH) compare --fleet bench/fleets/$(or $(PRECISE_FLEET.$(l)),default).json \
+	    --workload bench/workloads/$(or $(PRECISE_WORKLOAD.$(l)),$(l)).json \
+	    --routers $(or $(PRECISE_ROUTERS.$(l)),$(PRECISE_ROUTERS)) \
+	    --repeat $(PRECISE_REPEAT) --out $(PRECISE_DIR)/$(l);)
+	$(MAKE) --no-print-directory bench-precise-summary
+
+# The precise lines' table from every line present (bench/results/precise/summary.md, and the
+# precise blocks of README.md and bench/README.md); lines not run show as not measured.
+bench-precise-summary: bins
+	$(BENCH) precise-summary --results $(PRECISE_DIR) --readme README.md --readme bench/README.md
 
 # The generated results the READMEs quote: one set per workload, for the build checked out.
 # `make bench-results RESULTS_SETS=llm-d` regenerates one. Each set: its fleet and its routers.

@@ -13,6 +13,7 @@ mod overhead;
 mod paths;
 mod peers;
 mod precise;
+mod precise_lines;
 mod real_fleet;
 mod repeats;
 mod report;
@@ -84,6 +85,19 @@ enum Cmd {
         /// Also put the table into FILE, between its `<!-- results` and `<!-- /results -->` lines.
         #[arg(long, value_name = "FILE")]
         readme: Option<PathBuf>,
+    },
+    /// Precise mode's lines (`make bench-precise`) against their targets, from
+    /// DIR/<line>/repeats.json: per line each figure's mean, what it is held against, the target
+    /// and met or missed, and the build; a line without its file shows as not measured. Printed,
+    /// and written to DIR/summary.md.
+    PreciseSummary {
+        /// Where `make bench-precise` wrote the lines.
+        #[arg(long, default_value = "bench/results/precise")]
+        results: PathBuf,
+        /// Also put the table into FILE, between its `<!-- precise` and `<!-- /precise -->`
+        /// lines (repeatable).
+        #[arg(long, value_name = "FILE")]
+        readme: Vec<PathBuf>,
     },
     /// CPU per request and latency kvroute adds, next to plain Envoy, the floor filter, smg and
     /// vllm-router, all measured in one interleaved run.
@@ -200,18 +214,11 @@ fn main() {
                     readme,
                 } => {
                     let table = report::summary(&results, &workloads)?;
-                    let path = results.join("summary.md");
-                    std::fs::write(&path, &table)
-                        .map_err(|e| format!("{}: {e}", path.display()))?;
-                    if let Some(readme) = readme {
-                        let io = |e: std::io::Error| format!("{}: {e}", readme.display());
-                        let text = std::fs::read_to_string(&readme).map_err(io)?;
-                        let text = report::replace_block(&text, &table)
-                            .ok_or_else(|| format!("{}: no results block", readme.display()))?;
-                        std::fs::write(&readme, text).map_err(io)?;
-                    }
-                    print!("{table}");
-                    Ok(())
+                    write_summary(&results, &table, "results", readme.as_slice())
+                }
+                Cmd::PreciseSummary { results, readme } => {
+                    let table = precise_lines::summary(&results)?;
+                    write_summary(&results, &table, "precise", &readme)
                 }
                 Cmd::Overhead {
                     seconds,
@@ -252,6 +259,27 @@ fn main() {
     }
 }
 
+/// Writes `table` to `dir/summary.md` and into each of `readmes`' `name` block; prints it.
+fn write_summary(
+    dir: &std::path::Path,
+    table: &str,
+    block: &str,
+    readmes: &[PathBuf],
+) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let path = dir.join("summary.md");
+    std::fs::write(&path, table).map_err(|e| format!("{}: {e}", path.display()))?;
+    for readme in readmes {
+        let io = |e: std::io::Error| format!("{}: {e}", readme.display());
+        let text = std::fs::read_to_string(readme).map_err(io)?;
+        let text = report::replace_block(&text, block, table)
+            .ok_or_else(|| format!("{}: no {block} block", readme.display()))?;
+        std::fs::write(readme, text).map_err(io)?;
+    }
+    print!("{table}");
+    Ok(())
+}
+
 /// `--plugin-config`: a JSON object laid over the shipped plugin config.
 fn parse_plugin_config(text: &str) -> Result<serde_json::Value, String> {
     serde_json::from_str(text).map_err(|e| format!("--plugin-config: {e}"))
@@ -288,8 +316,19 @@ async fn run_compare(
     let workload = workload::Workload::from_file(&workload)?;
     let routers = routers::Router::parse_list(&routers, compare_wasm)?;
     if repeat > 1 {
-        let summary =
-            repeats::repeat(&fleet_spec, &workload, &routers, repeat, workers, &out).await?;
+        let fleet_name = fleet
+            .file_stem()
+            .map_or(String::new(), |s| s.to_string_lossy().into_owned());
+        let summary = repeats::repeat(
+            &fleet_name,
+            &fleet_spec,
+            &workload,
+            &routers,
+            repeat,
+            workers,
+            &out,
+        )
+        .await?;
         println!("{summary}");
         eprintln!("wrote {}/repeats.md, repeats.json", out.display());
         return Ok(());

@@ -72,9 +72,18 @@ impl Metric {
     }
 }
 
+/// What the repeats measured, written into repeats.md and repeats.json beside the build's stamp.
+pub struct Measuring<'a> {
+    /// The workload's `name`.
+    pub workload: &'a str,
+    /// The fleet spec's file name without `.json` (`pressure` for bench/fleets/pressure.json).
+    pub fleet: &'a str,
+}
+
 /// Runs `compare` `n` times (seeds `workload.seed`, +1, …), writing each run to `out/run-<r>`
 /// as a single run writes `out`; returns the summary, also written to `out/repeats.{md,json}`.
 pub async fn repeat(
+    fleet_name: &str,
     fleet_spec: &Value,
     workload: &Workload,
     routers: &[Router],
@@ -101,7 +110,11 @@ pub async fn repeat(
         runs.push(results);
     }
     let names: Vec<String> = routers.iter().map(Router::name).collect();
-    let (md, json) = summarize(&names, &seeds, &runs);
+    let what = Measuring {
+        workload: &workload.name,
+        fleet: fleet_name,
+    };
+    let (md, json) = summarize(&what, &names, &seeds, &runs);
     let text = serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?;
     std::fs::create_dir_all(out).map_err(|e| format!("{}: {e}", out.display()))?;
     for (name, body) in [("repeats.md", md.clone()), ("repeats.json", text + "\n")] {
@@ -138,16 +151,26 @@ fn paired_values(
 }
 
 /// The summary of `runs` for `routers` (in the order given: the first is the one the others are
-/// paired with): markdown, and the same as JSON.
-pub fn summarize(routers: &[String], seeds: &[u64], runs: &[Results]) -> (String, Value) {
+/// paired with): markdown, and the same as JSON; both say what was measured, and on which build
+/// (the first run's stamp).
+pub fn summarize(
+    what: &Measuring,
+    routers: &[String],
+    seeds: &[u64],
+    runs: &[Results],
+) -> (String, Value) {
+    let stamp = runs.first().and_then(|r| r.stamp.as_ref());
     let mut md = format!(
-        "## {} repeats (seeds {})\n\n",
+        "## {} repeats (seeds {})\n\nworkload {}, fleet {}, build {}\n\n",
         runs.len(),
         seeds
             .iter()
             .map(u64::to_string)
             .collect::<Vec<_>>()
-            .join(", ")
+            .join(", "),
+        what.workload,
+        what.fleet,
+        stamp.map_or("unstamped".into(), |s| format!("{}, {}", s.commit, s.date)),
     );
     md += "mean (min–max) over the repeats\n\n";
     md += &metrics_header("router");
@@ -210,6 +233,9 @@ pub fn summarize(routers: &[String], seeds: &[u64], runs: &[Results]) -> (String
         md += &ratios(first, others, seeds, runs);
     }
     let json = json!({
+        "workload": what.workload,
+        "fleet": what.fleet,
+        "stamp": stamp,
         "repeats": runs.len(),
         "seeds": seeds,
         "routers": per_router,
@@ -333,8 +359,31 @@ mod tests {
                 measured("kvroute", 0.72, 37.0, 120.0, 1.2),
             ]),
         ];
+        let mut runs = runs;
+        runs[0].stamp = Some(crate::stamp::Stamp {
+            commit: "abc1234".into(),
+            date: "2026-11-27T09:00Z".into(),
+        });
         let routers = vec!["kvroute".to_string(), "smg".to_string()];
-        let (md, json) = summarize(&routers, &[12, 13, 14], &runs);
+        let what = Measuring {
+            workload: "zipf-pressure",
+            fleet: "pressure",
+        };
+        let (md, json) = summarize(&what, &routers, &[12, 13, 14], &runs);
+        // What was measured, and the first run's build.
+        assert!(
+            md.starts_with(
+                "## 3 repeats (seeds 12, 13, 14)\n\nworkload zipf-pressure, fleet pressure, \
+                 build abc1234, 2026-11-27T09:00Z\n\n"
+            ),
+            "{md}"
+        );
+        assert_eq!(json["workload"], "zipf-pressure");
+        assert_eq!(json["fleet"], "pressure");
+        assert_eq!(
+            json["stamp"],
+            json!({"commit": "abc1234", "date": "2026-11-27T09:00Z"})
+        );
         let hit = &json["routers"]["kvroute"]["prefix_hit_rate"];
         assert_eq!(hit, &json!([0.70, 0.67, 0.72]));
         assert_eq!(
@@ -361,5 +410,20 @@ mod tests {
             md.contains("| smg | 0.97×, 1.03×, 1.00× | 1.03×, 0.92×, 1.04× | -, -, - |"),
             "{md}"
         );
+    }
+
+    #[test]
+    fn repeats_without_a_stamp_say_so() {
+        let runs = vec![run(vec![measured("kvroute", 0.7, 36.0, 130.0, 1.5)])];
+        let what = Measuring {
+            workload: "llm-d",
+            fleet: "default",
+        };
+        let (md, json) = summarize(&what, &["kvroute".into()], &[12], &runs);
+        assert!(
+            md.contains("\nworkload llm-d, fleet default, build unstamped\n"),
+            "{md}"
+        );
+        assert_eq!(json["stamp"], Value::Null);
     }
 }

@@ -437,12 +437,12 @@ pub fn summary(dir: &Path, workloads: &[String]) -> Result<String, String> {
     Ok(s)
 }
 
-/// `text` with the lines between its `<!-- results` line and its `<!-- /results -->` line
-/// replaced by `table`; `None` without both.
-pub fn replace_block(text: &str, table: &str) -> Option<String> {
-    let open = text.find("<!-- results")?;
+/// `text` with the lines between its `<!-- NAME` line and its `<!-- /NAME -->` line replaced by
+/// `table`; `None` without both.
+pub fn replace_block(text: &str, name: &str, table: &str) -> Option<String> {
+    let open = text.find(&format!("<!-- {name}"))?;
     let body = open + text[open..].find('\n')? + 1;
-    let close = body + text[body..].find("<!-- /results -->")?;
+    let close = body + text[body..].find(&format!("<!-- /{name} -->"))?;
     Some(format!("{}{table}{}", &text[..body], &text[close..]))
 }
 
@@ -670,10 +670,16 @@ mod tests {
         );
         let readme = "# r\n<!-- results: x -->\nold\n<!-- /results -->\nafter\n";
         assert_eq!(
-            replace_block(readme, "| t |\n").as_deref(),
+            replace_block(readme, "results", "| t |\n").as_deref(),
             Some("# r\n<!-- results: x -->\n| t |\n<!-- /results -->\nafter\n")
         );
-        assert_eq!(replace_block("no block", "| t |\n"), None);
+        assert_eq!(replace_block("no block", "results", "| t |\n"), None);
+        let two =
+            "<!-- results -->\n| r |\n<!-- /results -->\n<!-- precise: y -->\n<!-- /precise -->\n";
+        assert_eq!(
+            replace_block(two, "precise", "| p |\n").as_deref(),
+            Some("<!-- results -->\n| r |\n<!-- /results -->\n<!-- precise: y -->\n| p |\n<!-- /precise -->\n")
+        );
     }
 
     #[test]

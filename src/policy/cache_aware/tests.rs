@@ -541,7 +541,11 @@ fn with_every_endpoint_overloaded_a_holder_near_the_least_load_takes_the_request
         let mut c = c.clone();
         for (i, e) in c.iter_mut().enumerate() {
             e.queueing = true;
-            e.load = if i == holder { holder_load } else { 8 + i as u64 };
+            e.load = if i == holder {
+                holder_load
+            } else {
+                8 + i as u64
+            };
         }
         let pick = p.pick(&c, &input(&keys, &store)).unwrap();
         (pick.index, pick.decision)
