@@ -89,7 +89,7 @@ async fn a_salted_prompt_draws_its_tenants_next_request_only() {
     // nothing of theirs, and they are placed as without it.
     for other in [salted("tenant-2"), body("tenant shop")] {
         let (decision, _) = common::decided(&envoy, &other).await;
-        assert_ne!(decision, "engine", "{other}");
+        assert_ne!(decision, "engine", "cache_salt {}", other["cache_salt"]);
     }
     // The same tenant's next request goes where its salted prefix is.
     assert_eq!(
