@@ -3,7 +3,8 @@
 //! and publishing vLLM's KV events, kvroute-indexer subscribed to it, and Envoy with kvroute
 //! rendering prompts with the engines' chat template and polling the indexer. A prompt a replica
 //! cached draws the request there (decision `engine`), whichever replica its group would go
-//! to; once that replica's cache is reset, the request is placed by its group again.
+//! to; once that replica's cache is reset, the request is placed by its group again. A prompt
+//! cached under vLLM's `cache_salt` draws the same tenant's next request, and only its.
 
 mod common;
 
@@ -50,5 +51,49 @@ async fn the_replica_whose_engine_cached_the_prompt_draws_it_until_it_evicts_it(
     assert_ne!(
         decision, "engine",
         "the evicted prompt still drew the request"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_salted_prompt_draws_its_tenants_next_request_only() {
+    let fleet = BpeFleet::start(3, "precise-e2e-salt").await;
+    let sim = &fleet.sim;
+    let indexer = kvroute_indexer::start(fleet.indexer_config())
+        .await
+        .expect("indexer starts");
+    let index_url = format!("http://{}", indexer.addr);
+    fleet.until_heard(std::slice::from_ref(&index_url)).await;
+
+    let backends = sim.replicas.iter().map(|r| r.addr).collect();
+    let config = json!({"debug_header": true, "stats_interval_ms": 200,
+                        "index_cluster": "kvroute_indexer", "chat_template": CHATML});
+    let envoy = common::kvroute_with_indexer(backends, indexer.addr, config).await;
+    let salted = |salt: &str| {
+        let mut b = body("tenant shop");
+        b["cache_salt"] = json!(salt);
+        b
+    };
+
+    // Tenant 1's prompt cached by a replica chosen here, not by kvroute.
+    let r = &sim.replicas[1];
+    let cached = r.addr.to_string();
+    post(
+        &format!("{}/v1/chat/completions", r.url()),
+        &salted("tenant-1"),
+    )
+    .await;
+    let indexed = || async { keys_held(&index_url, &cached).await >= 2 };
+    eventually("the indexer holds the salted prompt", indexed).await;
+    common::index_applied(&envoy, 3).await;
+    // Another tenant's request and an unsalted one share none of its blocks: the index has
+    // nothing of theirs, and they are placed as without it.
+    for other in [salted("tenant-2"), body("tenant shop")] {
+        let (decision, _) = common::decided(&envoy, &other).await;
+        assert_ne!(decision, "engine", "cache_salt {}", other["cache_salt"]);
+    }
+    // The same tenant's next request goes where its salted prefix is.
+    assert_eq!(
+        common::decided(&envoy, &salted("tenant-1")).await,
+        ("engine".to_string(), cached)
     );
 }

@@ -6,7 +6,7 @@
 use kvroute::prefix::{PrefixKeys, Shape};
 use kvroute::request::{self, Api};
 use kvroute_sim::prefix_cache::block_hashes;
-use kvroute_sim::request::{prompt_tokens, Endpoint};
+use kvroute_sim::request::{cache_salt, prompt_tokens, Endpoint};
 use serde_json::{json, Value};
 
 const BLOCK: usize = 16;
@@ -84,7 +84,14 @@ fn picture_chat(picture: &str, question: &str) -> Value {
 
 /// Fraction of `a`'s cacheable blocks the engine would find cached after serving `b`.
 fn engine_shared(a: &Value, b: &Value) -> f64 {
-    let blocks = |v: &Value| block_hashes(&prompt_tokens(Endpoint::Chat, v).unwrap().0, BLOCK);
+    let blocks = |v: &Value| {
+        let salt = cache_salt(v).unwrap();
+        block_hashes(
+            &prompt_tokens(Endpoint::Chat, v).unwrap().0,
+            BLOCK,
+            salt.as_deref(),
+        )
+    };
     let (ha, hb) = (blocks(a), blocks(b));
     let shared = ha.iter().zip(&hb).take_while(|(x, y)| x == y).count();
     shared as f64 / ha.len().max(1) as f64

@@ -8,7 +8,7 @@
 use crate::workload::{Api, Workload};
 use kvroute_sim::bpe::Vocab;
 use kvroute_sim::prefix_cache::{block_hashes, usable_hit_blocks, BlockHash, PrefixCache};
-use kvroute_sim::request::{prompt_tokens_in, Endpoint};
+use kvroute_sim::request::{cache_salt, prompt_tokens_in, Endpoint};
 use kvroute_sim::spec::FleetSpec;
 use serde_json::{json, Value};
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -28,9 +28,12 @@ pub struct Bounds {
     pub fleet_lru: f64,
 }
 
+/// A prompt as the simulator's cache keys it: its token ids and its `cache_salt`.
+type Prompt = (Vec<u32>, Option<String>);
+
 /// The prompts of the first `sent` requests of `workload`, tokenized as the simulator does, the
 /// readiness probe each run sends first in front (it is in the caches too, though not counted).
-fn prompts(workload: &Workload, spec: &FleetSpec, sent: usize) -> Result<Vec<Vec<u32>>, String> {
+fn prompts(workload: &Workload, spec: &FleetSpec, sent: usize) -> Result<Vec<Prompt>, String> {
     let endpoint = match workload.api {
         Api::Chat => Endpoint::Chat,
         Api::Completions => Endpoint::Completion,
@@ -40,7 +43,10 @@ fn prompts(workload: &Workload, spec: &FleetSpec, sent: usize) -> Result<Vec<Vec
         Some(path) => Vocab::load(std::path::Path::new(path))?,
         None => Vocab::Hash,
     };
-    let tokens = |body: &Value| prompt_tokens_in(&vocab, endpoint, body).map(|(t, _)| t);
+    let tokens = |body: &Value| {
+        let (tokens, _) = prompt_tokens_in(&vocab, endpoint, body)?;
+        Ok((tokens, cache_salt(body)?))
+    };
     let ping = match workload.api {
         Api::Chat => {
             json!({"model": spec.model, "messages": [{"role": "user", "content": "ping"}]})
@@ -59,8 +65,11 @@ pub fn bounds(workload: &Workload, fleet_spec: &Value, sent: usize) -> Result<Bo
         serde_json::from_value(fleet_spec.clone()).map_err(|e| format!("fleet spec: {e}"))?;
     let bs = spec.block_size.max(1);
     let prompts = prompts(workload, &spec, sent)?;
-    let hashes: Vec<Vec<BlockHash>> = prompts.iter().map(|t| block_hashes(t, bs)).collect();
-    let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    let hashes: Vec<Vec<BlockHash>> = prompts
+        .iter()
+        .map(|(t, salt)| block_hashes(t, bs, salt.as_deref()))
+        .collect();
+    let lens: Vec<usize> = prompts.iter().map(|(t, _)| t.len()).collect();
     let fleet_blocks = spec.replicas.max(1) * (spec.kv_capacity_tokens / bs).max(1);
     Ok(Bounds {
         ceiling: ceiling(&hashes, &lens, bs),
@@ -132,12 +141,13 @@ fn capacity_bound(hashes: &[Vec<BlockHash>], lens: &[usize], bs: usize, blocks: 
 }
 
 /// One simulator cache of `tokens` tokens, each prompt admitted and released in turn.
-fn fleet_lru(prompts: &[Vec<u32>], lens: &[usize], bs: usize, tokens: usize) -> f64 {
+fn fleet_lru(prompts: &[Prompt], lens: &[usize], bs: usize, tokens: usize) -> f64 {
     let mut cache = PrefixCache::new(bs, tokens);
-    let hits = prompts.iter().map(|t| {
-        let hit = cache.cached_tokens(t) / bs;
+    let hits = prompts.iter().map(|(t, salt)| {
+        let salt = salt.as_deref();
+        let hit = cache.cached_tokens(t, salt) / bs;
         // A prompt larger than the whole fleet's cache is not cached at all.
-        if let Some(lease) = cache.admit(t) {
+        if let Some(lease) = cache.admit(t, salt) {
             cache.release(lease, t);
         }
         hit

@@ -23,9 +23,8 @@ use tokio::process::{Child, Command};
 ///   marker carries. This template loops over the content, so the filter hands it the parts in
 ///   order (vLLM's "openai" content format).
 ///
-/// The simulator mixes a request's `cache_salt` into its first token, which no template and no
-/// decode of the engine's blocks can reproduce: salted prompts (the tenants workload) never meet
-/// the index's keys and are placed as in approximate mode.
+/// A request's `cache_salt` is not in the text: the simulator, as vLLM, publishes it as the first
+/// block's extra key, and the index seeds that prompt's keys with it as the filter does.
 pub const SIM_CHAT_TEMPLATE: &str = concat!(
     "{% set sys = messages|length > 0 and messages[0].role in ['system', 'developer'] %}",
     "{% macro text_of(content) %}{% if content is string %}{{ content }}{% elif content %}",

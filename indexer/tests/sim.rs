@@ -1,7 +1,8 @@
 //! Against the simulator with its real (byte-level BPE) tokenizer, over real sockets: the keys
 //! an indexer serves for a replica are `kvroute::prefix`'s over the replica's rendered prompt
-//! bytes, for every whole chunk its stored blocks cover and nothing past them; evictions and
-//! cache resets take keys away; several indexers on one publisher agree.
+//! bytes, for every whole chunk its stored blocks cover and nothing past them (a salted prompt's
+//! seeded by its `cache_salt`, as the filter seeds them); evictions and cache resets take keys
+//! away; several indexers on one publisher agree.
 
 mod common;
 
@@ -136,12 +137,17 @@ async fn covered(fleet: &Fleet, replica: usize, body: &Value, block: usize) -> V
 
 /// kvroute's keys for every whole chunk of `bytes`.
 fn keys(bytes: &[u8]) -> BTreeSet<u64> {
+    salted_keys(None, bytes)
+}
+
+/// kvroute's keys for every whole chunk of `bytes` of a request with the cache salt `salt`.
+fn salted_keys(salt: Option<&str>, bytes: &[u8]) -> BTreeSet<u64> {
     let shape = Shape {
         chunk_size: CHUNK,
         max_chunks: usize::MAX,
         group_bytes: 4096,
     };
-    let all = PrefixKeys::new("m", bytes, 0, false, shape).keys;
+    let all = PrefixKeys::salted(salt, "m", bytes, 0, false, shape).keys;
     all[..bytes.len() / CHUNK].iter().copied().collect()
 }
 
@@ -210,6 +216,44 @@ async fn keys_match_the_rendered_prompt_in_the_older_array_format() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_match_the_rendered_prompt_with_128_token_blocks() {
     keys_match_the_rendered_prompt(128, "map").await;
+}
+
+/// `chat(tag)` under vLLM's `cache_salt` `salt`.
+fn salted_chat(tag: &str, salt: &str) -> Value {
+    let mut body = chat(tag);
+    body["cache_salt"] = json!(salt);
+    body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_salted_prompts_are_held_under_its_salts_keys() {
+    let fleet = fleet(2, 16, 1 << 20).await;
+    let idx = indexer(&engines(&fleet), CHUNK, 3600.0).await;
+    let base = format!("http://{}", idx.addr);
+    settle(&fleet, std::slice::from_ref(&base)).await;
+    let (a, b) = (
+        fleet.replicas[0].addr.to_string(),
+        fleet.replicas[1].addr.to_string(),
+    );
+    // Two requests of tenant 1 on replica 0: the second finds the first's blocks.
+    let first = covered(&fleet, 0, &salted_chat("a", "tenant-1"), 16).await;
+    let url = format!("{}/v1/chat/completions", fleet.replicas[0].url());
+    let again = post_json(&url, &salted_chat("a", "tenant-1")).await;
+    let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    assert!(cached > Some(1000), "the same tenant shares: {again}");
+    let want = salted_keys(Some("tenant-1"), &first);
+    assert!(want.is_disjoint(&keys(&first)), "the salt seeds every key");
+    let client = held_becomes(&base, &a, &want).await;
+    assert!(
+        client.held(&b).is_empty(),
+        "the other replica holds nothing"
+    );
+    // Another tenant's request for the same text on replica 1 is held under its own keys.
+    let other = covered(&fleet, 1, &salted_chat("a", "tenant-2"), 16).await;
+    let other_keys = salted_keys(Some("tenant-2"), &other);
+    assert!(other_keys.is_disjoint(&want));
+    held_becomes(&base, &b, &other_keys).await;
+    held_becomes(&base, &a, &want).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

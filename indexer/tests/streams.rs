@@ -124,6 +124,7 @@ fn stored(chain: &(Vec<u32>, Vec<u64>), from: usize, to: usize) -> CacheEvent {
         hashes: chain.1[from..to].to_vec(),
         parent: from.checked_sub(1).map(|p| chain.1[p]),
         token_ids: chain.0[from * BLOCK..to * BLOCK].to_vec(),
+        salt: None,
     }
 }
 

@@ -13,11 +13,13 @@ fn sim_events() -> Vec<CacheEvent> {
             hashes: vec![u64::MAX - 1, 7],
             parent: Some(3),
             token_ids: (0..32).collect(),
+            salt: None,
         },
         CacheEvent::Stored {
-            hashes: vec![1],
+            hashes: vec![1, 2],
             parent: None,
-            token_ids: (100..116).collect(),
+            token_ids: (100..132).collect(),
+            salt: Some("tenant-1".into()),
         },
         CacheEvent::Removed {
             hashes: vec![9, 10],
@@ -48,6 +50,13 @@ fn both_of_the_simulators_formats_decode_to_the_same_events() {
             panic!()
         };
         assert_eq!(root.parent, None);
+        // The salt is the first block's extra key; the older array format has no extra keys.
+        let salted = match format {
+            Format::Map => vec![vec![ExtraKey::Text("tenant-1".into())], vec![]],
+            Format::Array => vec![],
+        };
+        assert_eq!(root.extra_keys, salted, "{format:?}");
+        assert!(s.extra_keys.iter().all(Vec::is_empty));
         assert_eq!(
             batch.events[2],
             Event::Removed(Removed {

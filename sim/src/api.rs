@@ -220,7 +220,9 @@ async fn complete(
 ) -> Resp {
     let outcome = match api
         .replica
-        .generate(&gen.prompt_tokens, &ids, |_| true)
+        .generate(&gen.prompt_tokens, gen.cache_salt.as_deref(), &ids, |_| {
+            true
+        })
         .await
     {
         Ok(o) => o,
@@ -285,30 +287,35 @@ fn stream(
         let mut sent = 0;
         let result = api
             .replica
-            .generate(&gen.prompt_tokens, &ids, |emit| {
-                let upto = match emit {
-                    Emit::First { .. } => {
-                        if let Some(role) = writer.role() {
-                            if tx.try_send(Frame::data(role)).is_err() {
-                                return false;
+            .generate(
+                &gen.prompt_tokens,
+                gen.cache_salt.as_deref(),
+                &ids,
+                |emit| {
+                    let upto = match emit {
+                        Emit::First { .. } => {
+                            if let Some(role) = writer.role() {
+                                if tx.try_send(Frame::data(role)).is_err() {
+                                    return false;
+                                }
                             }
+                            1
                         }
-                        1
+                        Emit::Tokens { upto } => upto,
+                    };
+                    while sent < upto {
+                        let finish = (sent + 1 == total).then_some(finish_reason);
+                        if tx
+                            .try_send(Frame::data(writer.token(&pieces[sent], finish)))
+                            .is_err()
+                        {
+                            return false;
+                        }
+                        sent += 1;
                     }
-                    Emit::Tokens { upto } => upto,
-                };
-                while sent < upto {
-                    let finish = (sent + 1 == total).then_some(finish_reason);
-                    if tx
-                        .try_send(Frame::data(writer.token(&pieces[sent], finish)))
-                        .is_err()
-                    {
-                        return false;
-                    }
-                    sent += 1;
-                }
-                true
-            })
+                    true
+                },
+            )
             .await;
         match result {
             Ok(outcome) => {

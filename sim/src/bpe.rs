@@ -127,14 +127,6 @@ impl Vocab {
         }
     }
 
-    /// Ids stay below this.
-    pub fn size(&self) -> u32 {
-        match self {
-            Vocab::Hash => tokenizer::VOCAB_SIZE,
-            Vocab::File { tokenizer, .. } => tokenizer.get_vocab_size(true) as u32,
-        }
-    }
-
     /// `n` tokens of deterministic output seeded by `seed`: the text pieces and their ids (one
     /// id per piece; their text tokenizes back to the same ids).
     pub fn output(&self, seed: u64, n: usize) -> (Vec<String>, Vec<u32>) {

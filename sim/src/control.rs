@@ -78,15 +78,16 @@ fn match_prompt(fleet: &[Arc<Replica>], req: &Value) -> Resp {
     };
     let hash = Vocab::Hash;
     let frontend = fleet.first().map_or(Frontend::of(&hash), |r| r.frontend());
-    let tokens = match request::prompt_tokens_with(&frontend, endpoint, body, None) {
-        Ok((tokens, _)) => tokens,
-        Err(e) => return bad_request(e),
+    let tokens = request::prompt_tokens_with(&frontend, endpoint, body, None);
+    let (tokens, salt) = match (tokens, request::cache_salt(body)) {
+        (Ok((tokens, _)), Ok(salt)) => (tokens, salt),
+        (Err(e), _) | (_, Err(e)) => return bad_request(e),
     };
     let replicas: Vec<Value> = fleet
         .iter()
         .map(|r| {
             let s = r.snapshot();
-            json!({"id": r.id, "cached_tokens": r.cached_tokens(&tokens),
+            json!({"id": r.id, "cached_tokens": r.cached_tokens(&tokens, salt.as_deref()),
                    "running": s.running, "waiting": s.waiting})
         })
         .collect();

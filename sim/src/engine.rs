@@ -177,10 +177,12 @@ impl Replica {
 
     /// Runs one request: waits for a slot and KV space, "prefills", then "decodes" the
     /// `output` token ids (decided up front by the caller), reporting progress through `emit`. `emit` returning false
-    /// aborts the request (its blocks are released, as vLLM does on disconnect).
+    /// aborts the request (its blocks are released, as vLLM does on disconnect). `salt` is the
+    /// request's `cache_salt`, the first prompt block's extra key in the prefix cache.
     pub async fn generate(
         &self,
         prompt: &[u32],
+        salt: Option<&str>,
         output: &[u32],
         mut emit: impl FnMut(Emit) -> bool,
     ) -> Result<Outcome, GenError> {
@@ -207,7 +209,7 @@ impl Replica {
             let notified = self.kv_freed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if let Some(admitted) = self.try_admit(prompt, &mut waiting) {
+            if let Some(admitted) = self.try_admit(prompt, salt, &mut waiting) {
                 break admitted;
             }
             notified.await;
@@ -253,9 +255,14 @@ impl Replica {
     }
 
     /// Admits the request if the KV pool has room; books its prefill on the serial lane.
-    fn try_admit(&self, prompt: &[u32], waiting: &mut WaitingGuard) -> Option<(Lease, Instant)> {
+    fn try_admit(
+        &self,
+        prompt: &[u32],
+        salt: Option<&str>,
+        waiting: &mut WaitingGuard,
+    ) -> Option<(Lease, Instant)> {
         let mut st = self.lock();
-        let lease = st.cache.admit(prompt)?;
+        let lease = st.cache.admit(prompt, salt)?;
         waiting.disarm(&mut st);
         st.running += 1;
         st.prefix_queries_tokens += prompt.len() as u64;
@@ -306,9 +313,10 @@ impl Replica {
         ((st.rng >> 11) as f64 / (1u64 << 53) as f64) < st.faults.fail_rate
     }
 
-    /// Prompt tokens a new request would find cached on this replica right now.
-    pub fn cached_tokens(&self, prompt: &[u32]) -> usize {
-        self.lock().cache.cached_tokens(prompt)
+    /// Prompt tokens a new request (under the cache salt `salt`) would find cached on this
+    /// replica right now.
+    pub fn cached_tokens(&self, prompt: &[u32], salt: Option<&str>) -> usize {
+        self.lock().cache.cached_tokens(prompt, salt)
     }
 
     pub fn faults(&self) -> Faults {
@@ -442,10 +450,16 @@ mod tests {
         let replica = Replica::new(0, spec, None);
         let prompt: Vec<u32> = (0..6000).collect();
         let t0 = Instant::now();
-        let cold = replica.generate(&prompt, &[5], |_| true).await.unwrap();
+        let cold = replica
+            .generate(&prompt, None, &[5], |_| true)
+            .await
+            .unwrap();
         let cold_time = t0.elapsed();
         let t1 = Instant::now();
-        let warm = replica.generate(&prompt, &[5], |_| true).await.unwrap();
+        let warm = replica
+            .generate(&prompt, None, &[5], |_| true)
+            .await
+            .unwrap();
         let warm_time = t1.elapsed();
         assert_eq!(cold.cached_tokens, 0);
         assert_eq!(warm.cached_tokens, 5984);
@@ -463,7 +477,7 @@ mod tests {
         let replica = Replica::new(0, fast_spec(), None);
         let mut seen = Vec::new();
         replica
-            .generate(&[1, 2, 3], &[9; 40], |e| {
+            .generate(&[1, 2, 3], None, &[9; 40], |e| {
                 seen.push(e);
                 true
             })
@@ -492,7 +506,7 @@ mod tests {
         for i in 0..3u32 {
             let (r, o) = (replica.clone(), order.clone());
             tasks.push(tokio::spawn(async move {
-                r.generate(&[i; 64], &[1, 2], |_| true).await.unwrap();
+                r.generate(&[i; 64], None, &[1, 2], |_| true).await.unwrap();
                 o.lock().unwrap().push(i);
             }));
             tokio::time::sleep(Duration::from_millis(2)).await;
@@ -510,7 +524,7 @@ mod tests {
     async fn aborting_releases_the_slot_and_pins() {
         let replica = Replica::new(0, fast_spec(), None);
         let err = replica
-            .generate(&[7; 100], &[1; 10], |_| false)
+            .generate(&[7; 100], None, &[1; 10], |_| false)
             .await
             .unwrap_err();
         assert_eq!(err, GenError::Aborted);
@@ -527,7 +541,7 @@ mod tests {
         });
         let replica = Replica::new(0, spec, None);
         let err = replica
-            .generate(&[1; 100], &[1], |_| true)
+            .generate(&[1; 100], None, &[1], |_| true)
             .await
             .unwrap_err();
         assert!(matches!(err, GenError::TooLong(_)));
@@ -545,7 +559,10 @@ mod tests {
             ..Faults::default()
         });
         let t = Instant::now();
-        replica.generate(&[3; 1000], &[1], |_| true).await.unwrap();
+        replica
+            .generate(&[3; 1000], None, &[1], |_| true)
+            .await
+            .unwrap();
         // 750 ms simulated * 4 * 0.01 = 30 ms.
         assert!(
             t.elapsed() >= Duration::from_millis(29),

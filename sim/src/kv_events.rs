@@ -9,10 +9,12 @@
 //!   "parent_block_hash": h|nil, "token_ids": [..], "block_size": 16, "lora_id": nil,
 //!   "medium": "GPU", "lora_name": nil, "extra_keys": [nil, ..], "group_idx": 0,
 //!   "kv_cache_spec_kind": "full_attention"}`, `{"type": "BlockRemoved", "block_hashes": [..],
-//!   "medium": "GPU", "group_idx": 0}`, `{"type": "AllBlocksCleared"}`.
+//!   "medium": "GPU", "group_idx": 0}`, `{"type": "AllBlocksCleared"}`. `extra_keys` has one
+//!   entry per block, as vLLM's `to_event_extra_keys` publishes them untagged: `nil` for a block
+//!   without any, `[cache_salt]` for a salted prompt's first block (the only key simulated).
 //! - `"array"` format (older vLLM, tag first): `["BlockStored", hashes, parent, token_ids,
 //!   block_size, lora_id, medium, lora_name]`, `["BlockRemoved", hashes, medium]`,
-//!   `["AllBlocksCleared"]`.
+//!   `["AllBlocksCleared"]`. It has no `extra_keys`, so a salt is not published in it.
 //!
 //! Block hashes are unsigned 64-bit integers (vLLM's `ExternalBlockHash` may be int or bytes).
 
@@ -51,6 +53,15 @@ fn opt_hash(h: Option<u64>) -> Value {
     h.map_or(Value::Nil, Value::from)
 }
 
+/// `extra_keys` of a stored chain of `blocks` blocks: the salt, if any, is the first block's.
+fn extra_keys(blocks: usize, salt: Option<&str>) -> Value {
+    let mut keys = vec![Value::Nil; blocks];
+    if let (Some(first), Some(salt)) = (keys.first_mut(), salt) {
+        *first = Value::Array(vec![Value::from(salt)]);
+    }
+    Value::Array(keys)
+}
+
 fn tagged_map(tag: &str, fields: Vec<(&str, Value)>) -> Value {
     let mut entries = vec![(Value::from("type"), Value::from(tag))];
     entries.extend(fields.into_iter().map(|(k, v)| (Value::from(k), v)));
@@ -65,6 +76,7 @@ pub fn encode_event(event: &CacheEvent, block_size: usize, format: Format) -> Va
                 hashes,
                 parent,
                 token_ids,
+                salt,
             },
             Format::Map,
         ) => tagged_map(
@@ -77,7 +89,7 @@ pub fn encode_event(event: &CacheEvent, block_size: usize, format: Format) -> Va
                 ("lora_id", Value::Nil),
                 ("medium", Value::from(MEDIUM)),
                 ("lora_name", Value::Nil),
-                ("extra_keys", Value::Array(vec![Value::Nil; hashes.len()])),
+                ("extra_keys", extra_keys(hashes.len(), salt.as_deref())),
                 ("group_idx", Value::from(0u64)),
                 ("kv_cache_spec_kind", Value::from("full_attention")),
             ],
@@ -87,6 +99,7 @@ pub fn encode_event(event: &CacheEvent, block_size: usize, format: Format) -> Va
                 hashes,
                 parent,
                 token_ids,
+                ..
             },
             Format::Array,
         ) => Value::Array(vec![
@@ -184,6 +197,7 @@ mod tests {
             hashes: vec![u64::MAX - 1, 7],
             parent: Some(3),
             token_ids: (0..32).collect(),
+            salt: None,
         }
     }
 
@@ -228,6 +242,30 @@ mod tests {
             Some(9)
         );
         assert_eq!(events[2].as_map().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn a_salted_first_block_carries_the_salt_in_its_extra_keys() {
+        let salted = CacheEvent::Stored {
+            hashes: vec![1, 2, 3],
+            parent: None,
+            token_ids: (0..48).collect(),
+            salt: Some("tenant-1".into()),
+        };
+        let payload = encode_batch(1.0, &[salted, stored()], 16, Format::Map);
+        let batch = rmpv::decode::read_value(&mut &payload[..]).unwrap();
+        let events = batch.as_array().unwrap()[1].as_array().unwrap();
+        let keys = field(&events[0], "extra_keys").as_array().unwrap();
+        assert_eq!(
+            keys,
+            &vec![
+                Value::Array(vec![Value::from("tenant-1")]),
+                Value::Nil,
+                Value::Nil
+            ]
+        );
+        let unsalted = field(&events[1], "extra_keys").as_array().unwrap();
+        assert_eq!(unsalted, &vec![Value::Nil, Value::Nil]);
     }
 
     #[test]

@@ -1,10 +1,10 @@
-//! Parsing OpenAI requests into what the engine needs: prompt token ids and generation options.
+//! Parsing OpenAI requests into what the engine needs: prompt token ids, vLLM's `cache_salt` and
+//! generation options.
 //!
-//! vLLM's `cache_salt` (per-tenant cache isolation) is mixed into the hash of a prompt's first
-//! block, so requests with different salts share no cached block while requests with the same
-//! salt share as usual. The sim's prefix cache hashes tokens, so the salt is mixed into the first
-//! prompt token: only the first block holds it, and the chained block hashes carry it to every
-//! later block.
+//! The `cache_salt` (per-tenant cache isolation) leaves the token ids as rendered: it is the
+//! extra key of the prompt's first block in the prefix cache ([`crate::prefix_cache`]), as in
+//! vLLM, so requests with different salts share no cached block while requests with the same
+//! salt share as usual.
 
 use std::borrow::Cow;
 
@@ -12,7 +12,6 @@ use crate::bpe::Vocab;
 use crate::chat_template;
 use kvroute::template::Templates;
 use serde_json::Value;
-use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
@@ -36,14 +35,16 @@ pub struct GenRequest {
     pub endpoint: Endpoint,
     pub model: Option<String>,
     pub prompt_tokens: Vec<u32>,
+    /// vLLM's `cache_salt`: the first prompt block's extra key.
+    pub cache_salt: Option<String>,
     pub max_tokens: Option<usize>,
     pub stream: bool,
     pub include_usage: bool,
     pub ignore_eos: bool,
 }
 
-/// Prompt token ids of a request body (salted by its `cache_salt`), with the rendered text when
-/// there was text.
+/// Prompt token ids of a request body, with the rendered text when there was text. Its
+/// `cache_salt` is not in them: see [`cache_salt`].
 pub fn prompt_tokens(
     endpoint: Endpoint,
     body: &Value,
@@ -88,27 +89,26 @@ pub fn prompt_tokens_with(
     raw: Option<&[u8]>,
 ) -> Result<(Vec<u32>, Option<String>), String> {
     let vocab = frontend.vocab;
-    let salt = match body.get("cache_salt") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) if !s.is_empty() => Some(s.as_str()),
-        Some(_) => return Err("'cache_salt' must be a non-empty string".into()),
-    };
-    let (mut tokens, text) = match (frontend.template, endpoint) {
+    match (frontend.template, endpoint) {
         (Some(template), Endpoint::Chat) => {
             let raw = match raw {
                 Some(raw) => Cow::Borrowed(raw),
                 None => Cow::Owned(serde_json::to_vec(body).map_err(|e| e.to_string())?),
             };
             let text = rendered(template, &raw)?;
-            (vocab.tokenize(&text), Some(text))
+            Ok((vocab.tokenize(&text), Some(text)))
         }
-        _ => unsalted_tokens(vocab, endpoint, body)?,
-    };
-    if let (Some(salt), Some(first)) = (salt, tokens.first_mut()) {
-        *first = (xxh3_64_with_seed(salt.as_bytes(), u64::from(*first)) % u64::from(vocab.size()))
-            as u32;
+        _ => builtin_tokens(vocab, endpoint, body),
     }
-    Ok((tokens, text))
+}
+
+/// A request body's `cache_salt`, if it has one: a non-empty string, as vLLM requires.
+pub fn cache_salt(body: &Value) -> Result<Option<String>, String> {
+    match body.get("cache_salt") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if !s.is_empty() => Ok(Some(s.clone())),
+        Some(_) => Err("'cache_salt' must be a non-empty string".into()),
+    }
 }
 
 /// A chat request's prompt as its model's chat template renders it: the filter's own rendering
@@ -120,7 +120,7 @@ fn rendered(template: &Templates, raw: &[u8]) -> Result<String, String> {
     String::from_utf8(prompt.text).map_err(|_| "the rendered prompt is not UTF-8".to_string())
 }
 
-fn unsalted_tokens(
+fn builtin_tokens(
     vocab: &Vocab,
     endpoint: Endpoint,
     body: &Value,
@@ -191,6 +191,7 @@ pub fn parse_with(
     body: &Value,
     raw: Option<&[u8]>,
 ) -> Result<GenRequest, String> {
+    let cache_salt = cache_salt(body)?;
     let (prompt_tokens, _) = prompt_tokens_with(frontend, endpoint, body, raw)?;
     if prompt_tokens.is_empty() {
         return Err("the prompt is empty".into());
@@ -218,6 +219,7 @@ pub fn parse_with(
             .and_then(Value::as_str)
             .map(str::to_string),
         prompt_tokens,
+        cache_salt,
         max_tokens,
         stream: flag("stream"),
         include_usage,
@@ -303,7 +305,7 @@ mod tests {
     }
 
     #[test]
-    fn the_cache_salt_changes_the_first_token_only() {
+    fn the_cache_salt_keys_the_first_block_and_leaves_the_tokens_as_rendered() {
         use crate::prefix_cache::block_hashes;
         let doc = "a long shared document ".repeat(20);
         let body = |salt: Option<&str>| {
@@ -311,7 +313,7 @@ mod tests {
             if let Some(s) = salt {
                 b["cache_salt"] = json!(s);
             }
-            prompt_tokens(Endpoint::Chat, &b).unwrap().0
+            parse(Endpoint::Chat, &b).unwrap()
         };
         let (plain, a, a2, b) = (
             body(None),
@@ -319,17 +321,21 @@ mod tests {
             body(Some("a")),
             body(Some("b")),
         );
-        assert_eq!(a, a2);
-        assert_eq!(a.len(), plain.len());
-        assert_eq!(a[1..], plain[1..]);
-        assert_ne!(a[0], b[0]);
-        let (ha, hb) = (block_hashes(&a, 16), block_hashes(&b, 16));
-        assert!(
-            ha.iter().all(|h| !hb.contains(h)),
-            "no block shared across salts"
-        );
-        let bad = json!({"messages":[{"role":"user","content":"x"}],"cache_salt":""});
-        assert!(prompt_tokens(Endpoint::Chat, &bad).is_err());
+        assert_eq!(plain.cache_salt, None);
+        assert_eq!(a.cache_salt.as_deref(), Some("a"));
+        for salted in [&a, &b] {
+            assert_eq!(salted.prompt_tokens, plain.prompt_tokens);
+        }
+        let blocks = |r: &GenRequest| block_hashes(&r.prompt_tokens, 16, r.cache_salt.as_deref());
+        assert_eq!(blocks(&a), blocks(&a2), "the same salt shares every block");
+        for (x, y) in [(&a, &b), (&a, &plain), (&b, &plain)] {
+            let (hx, hy) = (blocks(x), blocks(y));
+            assert!(!hx.is_empty() && hx.iter().all(|h| !hy.contains(h)));
+        }
+        for bad in [json!(""), json!(7)] {
+            let body = json!({"messages":[{"role":"user","content":"x"}],"cache_salt":bad});
+            assert!(parse(Endpoint::Chat, &body).is_err());
+        }
     }
 
     #[test]

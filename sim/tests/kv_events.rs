@@ -1,4 +1,6 @@
-//! End-to-end: a request on a replica shows up as a BlockStored event on its ZMQ socket.
+//! End-to-end: a request on a replica shows up as a BlockStored event on its ZMQ socket, a
+//! salted one with its `cache_salt` in the first block's extra keys, as vLLM publishes it (checked
+//! against vLLM's own classes when the vLLM venv `make vllm` installs is there).
 
 mod common;
 
@@ -6,6 +8,7 @@ use common::{fast_fleet, post};
 use kvroute_sim::zmtp::SubSocket;
 use rmpv::Value;
 use serde_json::json;
+use std::path::PathBuf;
 use std::time::Duration;
 
 fn field<'a>(event: &'a Value, key: &str) -> &'a Value {
@@ -65,5 +68,118 @@ async fn request_publishes_block_stored_with_the_prompt_tokens() {
     assert_eq!(
         field(event, "block_hashes").as_array().unwrap().len(),
         full / 16
+    );
+}
+
+/// The payload of the next message on `sub`.
+async fn next_payload(sub: &mut SubSocket) -> Vec<u8> {
+    let frames = tokio::time::timeout(Duration::from_secs(10), sub.recv())
+        .await
+        .expect("a KV event message")
+        .expect("a well-formed message");
+    frames[2].to_vec()
+}
+
+fn first_event(payload: &[u8]) -> Value {
+    let batch = rmpv::decode::read_value(&mut &payload[..]).unwrap();
+    batch.as_array().unwrap()[1].as_array().unwrap()[0].clone()
+}
+
+/// The vLLM venv `make vllm` installs: `$KVROUTE_VLLM_VENV`, else `.work/vllm` in the workspace.
+fn vllm_venv() -> PathBuf {
+    std::env::var_os("KVROUTE_VLLM_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join(".work/vllm"))
+}
+
+fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the sim is in the workspace")
+        .to_path_buf()
+}
+
+#[tokio::test]
+async fn a_salted_prompt_publishes_its_salt_as_the_first_blocks_extra_key() {
+    let fleet = fast_fleet(1).await;
+    let endpoint = fleet.replicas[0].kv_events_endpoint();
+    let addr = endpoint.strip_prefix("tcp://").unwrap().parse().unwrap();
+    let mut sub = SubSocket::connect(addr, b"kv-events").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let base = fleet.replicas[0].url();
+    let prompt = "alpha beta gamma delta ".repeat(10);
+    let send = |body: serde_json::Value| {
+        let url = format!("{base}/v1/completions");
+        async move { post(&url, &body.to_string()).await }
+    };
+    let unsalted = send(json!({"prompt": prompt, "max_tokens": 1}))
+        .await
+        .json();
+    let plain = first_event(&next_payload(&mut sub).await);
+    let salted = send(json!({"prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-1"}))
+        .await
+        .json();
+    let payload = next_payload(&mut sub).await;
+    let event = first_event(&payload);
+
+    // The same token ids, in other blocks: the salt keys the first block, not a token.
+    assert_eq!(field(&event, "token_ids"), field(&plain, "token_ids"));
+    assert!(field(&event, "parent_block_hash").is_nil());
+    let hashes = |e: &Value| field(e, "block_hashes").as_array().unwrap().clone();
+    let (salted_hashes, plain_hashes) = (hashes(&event), hashes(&plain));
+    assert!(salted_hashes.len() >= 2, "{event}");
+    assert!(salted_hashes.iter().all(|h| !plain_hashes.contains(h)));
+    // Nothing cached for the salted prompt: the unsalted blocks are not its own.
+    assert_eq!(
+        unsalted["usage"]["prompt_tokens"],
+        salted["usage"]["prompt_tokens"]
+    );
+    assert_eq!(salted["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let mut want = vec![Value::Array(vec![Value::from("tenant-1")])];
+    want.resize(salted_hashes.len(), Value::Nil);
+    assert_eq!(field(&event, "extra_keys").as_array().unwrap(), &want);
+    let unsalted_keys = field(&plain, "extra_keys").as_array().unwrap().clone();
+    assert!(unsalted_keys.iter().all(Value::is_nil));
+
+    // The same salt again finds its blocks cached.
+    let again = send(json!({"prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-1"}))
+        .await
+        .json();
+    let full = salted_hashes.len() as u64 * 16;
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(full.min(again["usage"]["prompt_tokens"].as_u64().unwrap() - 1) / 16 * 16)
+    );
+
+    let python = vllm_venv().join("bin/python");
+    if !python.is_file() {
+        eprintln!(
+            "vLLM not installed at {} (make vllm): the message is not checked against vLLM's classes",
+            vllm_venv().display()
+        );
+        return;
+    }
+    let script = workspace().join("tools/real/check-kv-event.py");
+    let out = tokio::task::spawn_blocking(move || {
+        use std::io::Write;
+        let mut child = std::process::Command::new(python)
+            .arg(script)
+            .arg("tenant-1")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("the vLLM venv's python starts");
+        child.stdin.take().unwrap().write_all(&payload).unwrap();
+        child.wait_with_output().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "vLLM's classes disagree: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
     );
 }
