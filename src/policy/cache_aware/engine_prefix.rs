@@ -58,13 +58,13 @@ impl EngineHolders {
 }
 
 /// The endpoint precise mode sends the request to instead of `placed`, the one the stages picked
-/// without the engine index: the least loaded of the endpoints whose engines hold the request's
-/// prefix (`holders`; ties to the earliest in the group's `order`), if it is `placed` itself or its
-/// load (running and waiting) is within `placed`'s band, `rel` × that load + `abs`. A hit saves
-/// the request's prefill, which is worth a few requests' wait, not any wait: placement still owns
-/// where a group lives, so a group first placed where the balanced assignment would not put it
-/// moves home once its traffic weighs on that holder, and a conversation whose replica queues far
-/// beyond the others goes where the stages send it.
+/// without the engine index, when the engines hold the request's longest prefix (`holders`):
+/// `placed` itself if it is a holder; else the least loaded holder (ties to the earliest in the
+/// group's `order`) if its load (running and waiting) is within `placed`'s band, `rel` × that
+/// load + `abs`. A hit saves the request's prefill, which is worth a few requests' wait, not any
+/// wait, and placement still owns where a group lives: a group first placed where the balanced
+/// assignment would not put it moves home once its traffic weighs on that holder, and a
+/// conversation whose replica queues far beyond the others goes where the stages send it.
 pub fn instead_of(
     placed: usize,
     holders: &[u32],
@@ -72,12 +72,14 @@ pub fn instead_of(
     order: &[usize],
     band: &OverloadBound,
 ) -> Option<usize> {
+    if holders.contains(&candidates[placed].id) {
+        return Some(placed);
+    }
     let load = |i: usize| candidates[i].load;
     let holder = order
         .iter()
         .copied()
         .filter(|&i| holders.contains(&candidates[i].id))
         .min_by_key(|&i| load(i))?;
-    let within = load(holder) as f64 <= band.rel * load(placed) as f64 + band.abs as f64;
-    (holder == placed || within).then_some(holder)
+    (load(holder) as f64 <= band.rel * load(placed) as f64 + band.abs as f64).then_some(holder)
 }

@@ -556,3 +556,28 @@ fn with_every_endpoint_overloaded_a_holder_near_the_least_load_takes_the_request
     let least = (0..c.len()).find(|&i| i != holder).unwrap();
     assert_eq!(pick_at(15), (least, Decision::Balance));
 }
+
+#[test]
+fn where_the_home_holds_the_prefix_too_the_home_keeps_it_however_busy_the_others_are_not() {
+    let mut c = candidates(&[0, 0, 0, 0]);
+    let keys = follow_up("g", "an earlier turn and a new question");
+    let home = order(&c, &keys)[0];
+    let other = (home + 1) % c.len();
+    let store = MemoryStore::new();
+    let held = |e: usize| keys.keys.iter().map(move |&k| (e, 1, k));
+    let feed = crate::engine_index::Feed {
+        epoch: 1,
+        version: 1,
+        full: true,
+        endpoints: vec![c[home].addr.to_string(), c[other].addr.to_string()],
+        stale: Vec::new(),
+        changes: held(0).chain(held(1)).collect(),
+    };
+    crate::engine_index::EngineIndex::new(&store, 64)
+        .apply(&feed, 1)
+        .unwrap();
+    let p = policy().with_engine_index(EngineHolders::new(64, 1000, 0.3));
+    c[home].load = 2;
+    let pick = p.pick(&c, &input(&keys, &store)).unwrap();
+    assert_eq!((pick.index, pick.decision), (home, Decision::Engine));
+}
