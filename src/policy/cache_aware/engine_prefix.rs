@@ -37,7 +37,7 @@ impl EngineHolders {
     /// that prefix covers at least `cache_threshold` of the request and the index is fresh. A
     /// prefix no engine holds, or a shallow one (a short preamble many groups share), gives none:
     /// the request is placed as without the index.
-    pub fn lookup(&self, input: &Input) -> Option<Vec<u32>> {
+    pub fn lookup(&self, input: &Input) -> Option<Held> {
         let now = input.now_ms;
         let mut cached = self.status.borrow_mut();
         if cached
@@ -53,33 +53,48 @@ impl EngineHolders {
         let keys = &input.keys.keys;
         let (depth, holders) =
             EngineIndex::new(input.store, self.capacity).longest_match(keys, status)?;
-        ((depth as f64) >= self.cache_threshold * keys.len() as f64).then_some(holders)
+        ((depth as f64) >= self.cache_threshold * keys.len() as f64).then_some(Held {
+            holders,
+            history: depth > input.keys.head_chunks,
+        })
     }
 }
 
+/// Who holds a request's longest engine-held prefix.
+pub struct Held {
+    pub holders: Vec<u32>,
+    /// The prefix reaches past the request's head into its conversation's history.
+    pub history: bool,
+}
+
 /// The endpoint precise mode sends the request to instead of `placed`, the one the stages picked
-/// without the engine index, when the engines hold the request's longest prefix (`holders`):
-/// `placed` itself if it is a holder; else the least loaded holder (ties to the earliest in the
-/// group's `order`) if its load (running and waiting) is within `placed`'s band, `rel` × that
-/// load + `abs`. A hit saves the request's prefill, which is worth a few requests' wait, not any
-/// wait, and placement still owns where a group lives: a group first placed where the balanced
-/// assignment would not put it moves home once its traffic weighs on that holder, and a
-/// conversation whose replica queues far beyond the others goes where the stages send it.
+/// without the engine index, when the engines hold the request's longest prefix: `placed` itself
+/// if it is a holder; else the least loaded holder (ties to the earliest in the group's `order`)
+/// if its load (running and waiting) is within `placed`'s band. A hit saves the request's
+/// prefill, which is worth some wait, not any wait, and how much depends on what it saves:
+/// - a conversation's history is the request's alone, and nowhere else can it be had without
+///   computing it again: its holder keeps it within `rel` × `placed`'s load + `abs`;
+/// - a group's head is one prefill away on its home, where placement puts the group (or, where
+///   the group is split, this conversation): its holder keeps it only within `abs` of `placed`'s
+///   load, so a group first served where the balanced assignment would not put it moves home
+///   once its traffic weighs on that holder, and a split group's conversations reach their homes.
 pub fn instead_of(
     placed: usize,
-    holders: &[u32],
+    held: &Held,
     candidates: &[Candidate],
     order: &[usize],
     band: &OverloadBound,
 ) -> Option<usize> {
-    if holders.contains(&candidates[placed].id) {
+    let holds = |i: usize| held.holders.contains(&candidates[i].id);
+    if holds(placed) {
         return Some(placed);
     }
-    let load = |i: usize| candidates[i].load;
+    let load = |i: usize| candidates[i].load as f64;
     let holder = order
         .iter()
         .copied()
-        .filter(|&i| holders.contains(&candidates[i].id))
-        .min_by_key(|&i| load(i))?;
-    (load(holder) as f64 <= band.rel * load(placed) as f64 + band.abs as f64).then_some(holder)
+        .filter(|&i| holds(i))
+        .min_by_key(|&i| candidates[i].load)?;
+    let rel = if held.history { band.rel } else { 1.0 };
+    (load(holder) <= rel * load(placed) + band.abs as f64).then_some(holder)
 }

@@ -21,7 +21,8 @@
 //! - every endpoint overloaded: the least loaded (`balance`);
 //! - in precise mode, last: instead of that pick, the least-loaded endpoint whose engine reports
 //!   holding the request's longest prefix, if that prefix covers at least `cache_threshold` of the
-//!   request, the engine index is fresh, and its load is within `rel` × the pick's load + `abs`
+//!   request, the engine index is fresh, and its load is within the pick's band: `rel` × the
+//!   pick's load + `abs` for a conversation's history, the pick's load + `abs` for a group's head
 //!   ([`engine_prefix`]; `engine`).
 //!
 //! The prefix index records which endpoint served which prefix, settled by the engines' reports
@@ -118,8 +119,8 @@ impl Policy for CacheAware {
         };
         let placed = pipeline::pick(&scoring, &self.filters, &self.scorers)
             .unwrap_or_else(|| (least_loaded(candidates, group), Decision::Balance));
-        let holders = self.engine.as_ref().and_then(|e| e.lookup(input));
-        let engine = holders.and_then(|h| {
+        let held = self.engine.as_ref().and_then(|e| e.lookup(input));
+        let engine = held.and_then(|h| {
             engine_prefix::instead_of(placed.0, &h, candidates, &order, &self.overload)
         });
         let (index, decision) = engine.map_or(placed, |h| (h, Decision::Engine));

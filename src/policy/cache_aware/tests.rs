@@ -581,3 +581,23 @@ fn where_the_home_holds_the_prefix_too_the_home_keeps_it_however_busy_the_others
     let pick = p.pick(&c, &input(&keys, &store)).unwrap();
     assert_eq!((pick.index, pick.decision), (home, Decision::Engine));
 }
+
+#[test]
+fn a_groups_head_held_off_home_keeps_requests_only_within_abs_of_the_home() {
+    let c = candidates(&[0, 0, 0, 0]);
+    let keys = ask("g", "a new question");
+    let home = order(&c, &keys)[0];
+    let other = (home + 1) % c.len();
+    let store = MemoryStore::new();
+    let p = indexed(&store, &keys, c[other].addr, keys.head_chunks, 1);
+    let pick_at = |home_load: u64, other_load: u64| {
+        let mut c = c.clone();
+        c[home].load = home_load;
+        c[other].load = other_load;
+        let pick = p.pick(&c, &input(&keys, &store)).unwrap();
+        (pick.index, pick.decision)
+    };
+    assert_eq!(pick_at(4, 6), (other, Decision::Engine));
+    // 4 + 2 < 7 ≤ 1.5 × 4 + 2: a history's holder would keep it, the head's goes home.
+    assert_eq!(pick_at(4, 7), (home, Decision::Home));
+}
