@@ -225,9 +225,9 @@ impl Index {
         if restarted {
             entry.health.restarts += 1;
             log::warn!(
-                "{}: the replay socket no longer has message {:?}: engine restarted",
+                "{}: the replay socket no longer has message {} as it was: engine restarted",
                 entry.url,
-                entry.last.map(|(seq, _)| seq)
+                entry.last.map_or(0, |(seq, _)| seq)
             );
             entry.stream.clear(&mut self.holders);
             entry.expected = None;
@@ -261,11 +261,12 @@ impl Index {
         entry.replayed = news.first().map(|b| b.seq..until);
     }
 
-    /// A probe went unanswered: the engine is unreachable until it is heard again.
-    pub fn unanswered(&mut self, s: usize) {
+    /// A probe went unanswered: the engine is unreachable until it is heard again. Returns
+    /// whether it was reachable until now.
+    pub fn unanswered(&mut self, s: usize) -> bool {
         let h = &mut self.streams[s].health;
         h.unanswered += 1;
-        h.unreachable = true;
+        !std::mem::replace(&mut h.unreachable, true)
     }
 
     fn apply(&mut self, s: usize, batch: &Batch, tokens: &TokenBytes) {

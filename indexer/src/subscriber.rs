@@ -122,8 +122,9 @@ async fn probe(shared: &Shared, s: usize, url: &str) {
             shared.staleness.after_gap,
         ),
         Err(e) => {
-            log::warn!("{url}: no answer to a probe: {e}");
-            index.unanswered(s);
+            if index.unanswered(s) {
+                log::warn!("{url}: no answer to a probe ({e}): stale until heard again");
+            }
         }
     }
 }
