@@ -79,6 +79,14 @@ async fn precise_mode_sends_a_prefix_where_the_engines_hold_it() {
         .await
         .unwrap_or_else(|e| panic!("precise mode: {e}"));
 
+    if let Ok(health) = get_json(&format!("{index_url}/health")).await {
+        for s in health["streams"].as_array().into_iter().flatten() {
+            eprintln!(
+                "{}: probes answered {}, unreachable {}, stale {}",
+                s["endpoint"], s["probes"], s["unreachable"], s["stale"]
+            );
+        }
+    }
     eprintln!("{}", approx.table("approximate"));
     eprintln!("{}", precise.table("precise"));
     for (g, (a, p)) in approx.next.iter().zip(&precise.next).enumerate() {
@@ -118,25 +126,24 @@ fn model_file(name: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// kvroute-indexer in-process, subscribed to every engine's Unix socket. Engines publish only
-/// when their cache changes (vLLM sends no heartbeat), so silence does not make them stale here:
-/// the sequence leaves replicas idle for minutes on a loaded machine.
+/// kvroute-indexer in-process, subscribed to every engine's Unix sockets, events and replay.
+/// Engines publish only when their cache changes (vLLM sends no heartbeat) and the sequence
+/// leaves replicas idle for minutes on a loaded machine: with the indexer's default
+/// `--stale-after`, an idle engine is probed through its replay socket and stays fresh.
 async fn start_indexer(fleet: &VllmFleet) -> kvroute_indexer::Running {
     let engines = fleet.engines.iter().map(|e| EngineSpec {
         endpoint: endpoint(&e.url),
         events: e.kv_events.clone(),
-        replay: None,
+        replay: Some(e.replay.clone()),
         model: None,
     });
     let tokenizer = vllm_model().join("tokenizer.json");
-    kvroute_indexer::start(common::precise::following(
-        tokenizer,
-        SERVED_MODEL,
-        engines.collect(),
-        1 << 18,
-    ))
-    .await
-    .expect("indexer starts")
+    let mut config =
+        common::precise::following(tokenizer, SERVED_MODEL, engines.collect(), 1 << 18);
+    config.stale_after = 30.0;
+    kvroute_indexer::start(config)
+        .await
+        .expect("indexer starts")
 }
 
 /// `ip:port` of an engine's URL: the name Envoy and the indexer know it by.
