@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 /// How long a replay may take before the gap counts as unfilled, or the engine as unreachable.
-pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(3);
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(3);
 /// Pause between attempts to reach an engine that is down.
 const RETRY: Duration = Duration::from_millis(500);
 
