@@ -128,8 +128,8 @@ fn model_file(name: &str) -> String {
 
 /// kvroute-indexer in-process, subscribed to every engine's Unix sockets, events and replay.
 /// Engines publish only when their cache changes (vLLM sends no heartbeat) and the sequence
-/// leaves replicas idle for minutes on a loaded machine: with the indexer's default
-/// `--stale-after`, an idle engine is probed through its replay socket and stays fresh.
+/// leaves replicas idle for seconds to minutes: with a `--stale-after` of 2 s, an engine idle
+/// that long is probed through its replay socket, again and again, and stays fresh.
 async fn start_indexer(fleet: &VllmFleet) -> kvroute_indexer::Running {
     let engines = fleet.engines.iter().map(|e| EngineSpec {
         endpoint: endpoint(&e.url),
@@ -140,7 +140,7 @@ async fn start_indexer(fleet: &VllmFleet) -> kvroute_indexer::Running {
     let tokenizer = vllm_model().join("tokenizer.json");
     let mut config =
         common::precise::following(tokenizer, SERVED_MODEL, engines.collect(), 1 << 18);
-    config.stale_after = 30.0;
+    config.stale_after = 2.0;
     kvroute_indexer::start(config)
         .await
         .expect("indexer starts")
