@@ -10,7 +10,7 @@
 //! to evict it by such traffic; then the group's next request through the gateway. Approximate
 //! mode's history names the first replica, which holds nothing of it any more; precise mode knows
 //! where the prefix is. One group's prefix is held nowhere: precise mode places it as approximate
-//! mode does.
+//! mode does. Idle engines, probed through their replay sockets, stay fresh.
 
 use super::{chat, counters, post, system, usage_of, BLOCKS, BLOCK_SIZE};
 use crate::common;
@@ -79,14 +79,9 @@ async fn precise_mode_sends_a_prefix_where_the_engines_hold_it() {
         .await
         .unwrap_or_else(|e| panic!("precise mode: {e}"));
 
-    if let Ok(health) = get_json(&format!("{index_url}/health")).await {
-        for s in health["streams"].as_array().into_iter().flatten() {
-            eprintln!(
-                "{}: probes answered {}, unreachable {}, stale {}",
-                s["endpoint"], s["probes"], s["unreachable"], s["stale"]
-            );
-        }
-    }
+    idle_engines_stay_fresh(&index_url)
+        .await
+        .unwrap_or_else(|e| panic!("idle engines: {e}"));
     eprintln!("{}", approx.table("approximate"));
     eprintln!("{}", precise.table("precise"));
     for (g, (a, p)) in approx.next.iter().zip(&precise.next).enumerate() {
@@ -144,6 +139,36 @@ async fn start_indexer(fleet: &VllmFleet) -> kvroute_indexer::Running {
     kvroute_indexer::start(config)
         .await
         .expect("indexer starts")
+}
+
+/// The engines, idle now, say nothing: each is probed after the silence (its probes answered
+/// rise) and stays fresh, where without a replay socket it would turn stale.
+async fn idle_engines_stay_fresh(index_url: &str) -> Result<(), String> {
+    let url = format!("{index_url}/health");
+    let probes = |h: &Value| -> Vec<u64> {
+        let streams = h["streams"].as_array().into_iter().flatten();
+        streams.map(|s| s["probes"].as_u64().unwrap_or(0)).collect()
+    };
+    let before = probes(&get_json(&url).await?);
+    let start = Instant::now();
+    loop {
+        let health = get_json(&url).await?;
+        let probed = probes(&health).iter().zip(&before).all(|(n, b)| n > b);
+        let streams = health["streams"].as_array().cloned().unwrap_or_default();
+        if probed && streams.iter().all(|s| s["stale"] == false) {
+            for s in &streams {
+                eprintln!(
+                    "{}: idle, {} probes answered, fresh",
+                    s["endpoint"], s["probes"]
+                );
+            }
+            return Ok(());
+        }
+        if start.elapsed() > INDEX_WAIT {
+            return Err(format!("not probed and fresh: {streams:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// `ip:port` of an engine's URL: the name Envoy and the indexer know it by.
