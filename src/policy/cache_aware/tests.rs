@@ -601,3 +601,41 @@ fn a_groups_head_held_off_home_keeps_requests_only_within_abs_of_the_home() {
     // 4 + 2 < 7 ≤ 1.5 × 4 + 2: a history's holder would keep it, the head's goes home.
     assert_eq!(pick_at(4, 7), (home, Decision::Home));
 }
+
+#[test]
+fn a_history_sent_too_lately_for_its_engine_to_report_counts_as_held_where_it_was_sent() {
+    let mut c = candidates(&[0, 0, 0, 0]);
+    let turn1 = follow_up("g", "a first question and the answer it got");
+    let home = order(&c, &turn1)[0];
+    let sent_to = (home + 1) % c.len();
+    let store = MemoryStore::new();
+    // The engines report the group's head at its home, not yet the first turn.
+    let p = indexed(&store, &turn1, c[home].addr, turn1.head_chunks, 1);
+    p.routed(
+        &c,
+        &input(&turn1, &store),
+        &Pick::new(sent_to, Decision::Spread),
+    );
+    let turn2 = follow_up(
+        "g",
+        "a first question and the answer it got, then a second question",
+    );
+    c[sent_to].queueing = true;
+    c[sent_to].load = 2;
+    let at = |now_ms| {
+        let pick = p
+            .pick(
+                &c,
+                &Input {
+                    now_ms,
+                    ..input(&turn2, &store)
+                },
+            )
+            .unwrap();
+        (pick.index, pick.decision)
+    };
+    assert_eq!(at(1), (sent_to, Decision::Engine));
+    // Past the index's lag the engine would have reported it: what it reports counts.
+    let _ = indexed(&store, &turn1, c[home].addr, turn1.head_chunks, 1500);
+    assert_eq!(at(1600), (home, Decision::Engine));
+}
