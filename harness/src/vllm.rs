@@ -59,6 +59,8 @@ pub struct VllmEngine {
     /// endpoints (a `tcp://127.0.0.1:PORT` one it *connects* to, as a client), so a Unix socket
     /// is how it listens without a network interface.
     pub kv_events: String,
+    /// Its replay socket (a ROUTER resending buffered batches), `ipc:///tmp/...` too.
+    pub replay: String,
     child: Option<Child>,
     log: PathBuf,
 }
@@ -258,11 +260,16 @@ fn spawn(i: usize, opts: &VllmOptions) -> Result<VllmEngine, HarnessError> {
     let stem = format!("kvroute-vllm-{}-{i}-{port}", std::process::id());
     let log = std::env::temp_dir().join(format!("{stem}.log"));
     let file = std::fs::File::create(&log)?;
-    let kv_events = format!("ipc://{}", std::env::temp_dir().join(stem).display());
+    let socket = |suffix: &str| {
+        let path = std::env::temp_dir().join(format!("{stem}{suffix}"));
+        format!("ipc://{}", path.display())
+    };
+    let (kv_events, replay) = (socket(""), socket("-replay"));
     let events_config = serde_json::json!({
         "enable_kv_cache_events": true,
         "publisher": "zmq",
         "endpoint": kv_events,
+        "replay_endpoint": replay,
         "topic": "kv-events",
     });
     let mut cmd = Command::new(vllm_venv().join("bin/vllm"));
@@ -302,6 +309,7 @@ fn spawn(i: usize, opts: &VllmOptions) -> Result<VllmEngine, HarnessError> {
     Ok(VllmEngine {
         url: format!("http://127.0.0.1:{port}"),
         kv_events,
+        replay,
         child: Some(child),
         log,
     })

@@ -97,7 +97,10 @@ pub struct Config {
     /// The replay port on every discovered engine host, if they have one.
     #[arg(long)]
     pub replay_port: Option<u16>,
-    /// Seconds without a message after which an engine is stale.
+    /// Seconds without a message after which an engine is probed: its replay socket is asked
+    /// for what followed the last message (an answer keeps it fresh and fills what was missed;
+    /// none within 3 s makes it stale until heard again). An engine without a replay socket is
+    /// stale after this silence instead (vLLM sends no heartbeat, so an idle one too).
     #[arg(long, default_value_t = 30.0)]
     pub stale_after: f64,
     /// Seconds an engine stays stale after a gap it could not fill.

@@ -1,23 +1,31 @@
 //! The whole index: every stream's blocks, the endpoints' keys, and each stream's sequence and
-//! health (gaps, restarts, silence).
+//! health (gaps, restarts, reachability).
 //!
 //! A stream's messages are numbered from 0. The next expected number applies; a smaller one
 //! means the engine restarted (its cache is empty: the stream starts over); a larger one is a
 //! gap, which the subscriber tries to fill from the engine's replay socket. A gap that cannot
 //! be filled drops the stream's blocks (what it holds now is partly unknown) and keeps the
 //! stream stale for a while, so the filter falls back to its own guesses for that endpoint.
+//!
+//! An idle engine sends nothing (vLLM has no heartbeat), and its cache does not change while
+//! it is idle, so silence alone is no evidence. An engine with a replay socket is asked, after
+//! a silence, for what followed the last message applied (a probe): an answer proves it is up,
+//! fills what the stream missed, and shows a restart (the engine no longer has that message);
+//! no answer makes the stream stale. An engine without one is stale after the silence.
 
 use crate::chains::{Shape, Stream};
 use crate::holders::Holders;
 use crate::token_bytes::TokenBytes;
 use crate::wire::Batch;
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 /// When streams count as stale.
 #[derive(Debug, Clone, Copy)]
 pub struct Staleness {
-    /// A stream that has sent nothing for this long is stale (vLLM sends no heartbeat, so an
-    /// idle engine goes stale too, and fresh again with its next contiguous message).
+    /// A stream that has sent nothing for this long is probed through its replay socket; one
+    /// without a replay socket is stale (so an idle engine goes stale too, and fresh again
+    /// with its next message).
     pub silence: Duration,
     /// How long a stream stays stale after a gap it could not fill.
     pub after_gap: Duration,
@@ -33,6 +41,12 @@ pub struct Health {
     pub drops: u64,
     pub restarts: u64,
     pub undecodable: u64,
+    /// Probes the replay socket answered.
+    pub probes: u64,
+    /// Probes it did not answer in time.
+    pub unanswered: u64,
+    /// The last probe went unanswered, and nothing has been heard since.
+    pub unreachable: bool,
     pub connected: bool,
     pub last_heard: Option<Instant>,
     pub stale_until: Option<Instant>,
@@ -46,6 +60,10 @@ pub struct StreamEntry {
     pub stream: Stream,
     pub health: Health,
     expected: Option<u64>,
+    /// The number and digest of the last message applied.
+    last: Option<(u64, u64)>,
+    /// Numbers a probe applied: the same messages may still arrive on the stream.
+    replayed: Option<Range<u64>>,
 }
 
 impl StreamEntry {
@@ -53,12 +71,19 @@ impl StreamEntry {
     pub fn next_seq(&self) -> Option<u64> {
         self.expected
     }
+
+    /// The number and digest of the last message applied (none before the first).
+    pub fn last_applied(&self) -> Option<(u64, u64)> {
+        self.last
+    }
 }
 
 /// What to do with a received batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Received {
     Applied,
+    /// A message a probe already applied: ignored.
+    Duplicate,
     /// Messages `from..batch.seq` are missing: fill them, then call [`Index::repair`].
     Gap {
         from: u64,
@@ -100,6 +125,8 @@ impl Index {
             stream: Stream::new(e, shape),
             health: Health::default(),
             expected: None,
+            last: None,
+            replayed: None,
         });
         self.streams.len() - 1
     }
@@ -114,6 +141,13 @@ impl Index {
     ) -> Received {
         let entry = &mut self.streams[s];
         entry.health.last_heard = Some(now);
+        entry.health.unreachable = false;
+        if let Some(replayed) = entry.replayed.take() {
+            if replayed.contains(&batch.seq) {
+                entry.replayed = Some(replayed);
+                return Received::Duplicate;
+            }
+        }
         match entry.expected {
             Some(e) if batch.seq > e => {
                 entry.health.gaps += 1;
@@ -172,12 +206,76 @@ impl Index {
         self.apply(s, batch, tokens);
     }
 
+    /// Takes a probe's answer: the engine is up. `restarted`: it no longer had the last
+    /// message applied, so the stream starts over; `replayed` are its buffered messages from
+    /// the one after the last applied (from its first after a restart or before any message).
+    /// When they do not follow on, the stream's blocks are dropped and it is stale for `hold`.
+    pub fn answered(
+        &mut self,
+        s: usize,
+        restarted: bool,
+        replayed: &[Batch],
+        tokens: &TokenBytes,
+        now: Instant,
+        hold: Duration,
+    ) {
+        let entry = &mut self.streams[s];
+        entry.health.probes += 1;
+        entry.health.unreachable = false;
+        if restarted {
+            entry.health.restarts += 1;
+            log::warn!(
+                "{}: the replay socket no longer has message {} as it was: engine restarted",
+                entry.url,
+                entry.last.map_or(0, |(seq, _)| seq)
+            );
+            entry.stream.clear(&mut self.holders);
+            entry.expected = None;
+            entry.last = None;
+        }
+        let from = entry
+            .expected
+            .or_else(|| replayed.first().map(|b| b.seq))
+            .unwrap_or(0);
+        let news: Vec<&Batch> = replayed.iter().filter(|b| b.seq >= from).collect();
+        let complete = news.iter().zip(from..).all(|(b, seq)| b.seq == seq);
+        if entry.expected.is_some() && !news.is_empty() {
+            entry.health.gaps += 1;
+            entry.health.resyncs += u64::from(complete);
+        }
+        if !complete {
+            entry.health.drops += 1;
+            entry.health.stale_until = Some(now + hold);
+            log::warn!(
+                "{}: messages from {from} on lost and not replayed: dropping its blocks",
+                entry.url
+            );
+            entry.stream.clear(&mut self.holders);
+        }
+        for b in &news {
+            self.apply(s, b, tokens);
+        }
+        let entry = &mut self.streams[s];
+        let until = entry.expected.unwrap_or(from);
+        entry.expected = Some(until);
+        entry.replayed = news.first().map(|b| b.seq..until);
+    }
+
+    /// A probe went unanswered: the engine is unreachable until it is heard again. Returns
+    /// whether it was reachable until now.
+    pub fn unanswered(&mut self, s: usize) -> bool {
+        let h = &mut self.streams[s].health;
+        h.unanswered += 1;
+        !std::mem::replace(&mut h.unreachable, true)
+    }
+
     fn apply(&mut self, s: usize, batch: &Batch, tokens: &TokenBytes) {
         let entry = &mut self.streams[s];
         for event in &batch.events {
             entry.stream.apply(event, tokens, &mut self.holders);
         }
         entry.expected = Some(batch.seq + 1);
+        entry.last = Some((batch.seq, batch.digest));
     }
 
     /// Forgets stream `s`'s blocks and sequence (its connection was replaced).
@@ -185,15 +283,24 @@ impl Index {
         let entry = &mut self.streams[s];
         entry.stream.clear(&mut self.holders);
         entry.expected = None;
+        entry.last = None;
+        entry.replayed = None;
     }
 
+    /// Whether what stream `s` says can be trusted: it is connected, outside the hold of an
+    /// unfilled gap, and known to be up: heard from or its probe answered, and its last probe
+    /// not unanswered (with a replay socket), or heard from within the silence (without).
     pub fn stream_stale(&self, s: usize, now: Instant, staleness: Staleness) -> bool {
-        let h = &self.streams[s].health;
-        let silent = h
-            .last_heard
-            .is_none_or(|t| now.saturating_duration_since(t) > staleness.silence);
+        let entry = &self.streams[s];
+        let h = &entry.health;
+        let unknown = match entry.replay {
+            Some(_) => h.unreachable || (h.last_heard.is_none() && h.probes == 0),
+            None => h
+                .last_heard
+                .is_none_or(|t| now.saturating_duration_since(t) > staleness.silence),
+        };
         let held = h.stale_until.is_some_and(|t| now < t);
-        !h.connected || silent || held
+        !h.connected || unknown || held
     }
 
     /// Endpoint indexes with a stale stream.

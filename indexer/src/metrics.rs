@@ -13,7 +13,7 @@ pub fn render(shared: &Shared) -> String {
     let mut out = String::new();
     let endpoints = index.holders.endpoints();
     type Get = fn(&crate::index::StreamEntry) -> u64;
-    let per_stream: [(&str, &str, &str, Get); 15] = [
+    let per_stream: [(&str, &str, &str, Get); 17] = [
         ("events_total", "counter", "Events received", |e| {
             e.stream.counts.events
         }),
@@ -90,6 +90,18 @@ pub fn render(shared: &Shared) -> String {
             "Engine restarts (sequence started over)",
             |e| e.health.restarts,
         ),
+        (
+            "probes_total",
+            "counter",
+            "Probes of a silent engine its replay socket answered",
+            |e| e.health.probes,
+        ),
+        (
+            "unanswered_probes_total",
+            "counter",
+            "Probes of a silent engine left unanswered: it is stale until heard again",
+            |e| e.health.unanswered,
+        ),
     ];
     for (name, kind, help, get) in per_stream {
         let _ = writeln!(
@@ -115,7 +127,7 @@ pub fn render(shared: &Shared) -> String {
             index.holders.held(e as u32)
         );
     }
-    let _ = writeln!(out, "# HELP kvroute_indexer_stale 1 while the endpoint's events cannot be trusted (gap, silence, disconnected).\n# TYPE kvroute_indexer_stale gauge");
+    let _ = writeln!(out, "# HELP kvroute_indexer_stale 1 while the endpoint's events cannot be trusted (an unfilled gap, an unanswered probe, disconnected, or silent without a replay socket).\n# TYPE kvroute_indexer_stale gauge");
     for (e, name) in endpoints.iter().enumerate() {
         let s = u8::from(stale.contains(&(e as u32)));
         let _ = writeln!(out, "kvroute_indexer_stale{{endpoint=\"{name}\"}} {s}");
@@ -145,6 +157,8 @@ pub fn health(shared: &Shared) -> String {
                 "stale": index.stream_stale(s, now, shared.staleness),
                 "events": entry.stream.counts.events,
                 "next_seq": entry.next_seq(),
+                "probes": entry.health.probes,
+                "unreachable": entry.health.unreachable,
                 "blocks": entry.stream.blocks(),
                 "keys": index.holders.held(e),
             })

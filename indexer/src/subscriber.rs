@@ -1,9 +1,9 @@
 //! Subscribing to one engine's KV events over ZeroMQ, and asking its replay socket for what a
-//! gap lost.
+//! gap lost, or, after a silence, whether the engine is up (a probe).
 //!
 //! vLLM's replay socket is a ROUTER: a DEALER sends `["", start_seq as 8 bytes big-endian]` and
-//! gets back `["", seq, payload]` for every buffered message from `start_seq` on, then
-//! `["", -1 as 8 bytes, ""]`.
+//! gets back `["", topic, seq, payload]` for every buffered message from `start_seq` on, then
+//! `["", "", -1 as 8 bytes, ""]` (vLLM 0.32; older versions send no topic frame).
 
 use crate::state::Shared;
 use crate::wire::{self, Batch};
@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
-/// How long a replay may take before the gap counts as unfilled.
+/// How long a replay may take before the gap counts as unfilled, or the engine as unreachable.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(3);
 /// Pause between attempts to reach an engine that is down.
 const RETRY: Duration = Duration::from_millis(500);
@@ -39,12 +39,19 @@ pub async fn run(shared: Arc<Shared>, s: usize, topic: String) {
         log::info!("{url}: subscribed");
         shared.lock().streams[s].health.connected = true;
         loop {
-            match socket.recv().await {
-                Ok(message) => receive(&shared, s, replay.as_deref(), message).await,
-                Err(e) => {
+            // With a replay socket, a silence is a question for the engine, not an answer.
+            let next = match &replay {
+                Some(_) => tokio::time::timeout(shared.staleness.silence, socket.recv()).await,
+                None => Ok(socket.recv().await),
+            };
+            match (next, &replay) {
+                (Ok(Ok(message)), _) => receive(&shared, s, replay.as_deref(), message).await,
+                (Ok(Err(e)), _) => {
                     log::warn!("{url}: {e}");
                     break;
                 }
+                (Err(_), Some(replay)) => probe(&shared, s, replay).await,
+                (Err(_), None) => {}
             }
         }
         shared.lock().streams[s].health.connected = false;
@@ -87,6 +94,41 @@ async fn receive(shared: &Shared, s: usize, replay: Option<&str>, message: ZmqMe
     }
 }
 
+/// Asks a silent engine's replay socket for its messages from the last one applied: an answer
+/// proves the engine is up and fills what the stream missed; an answer without that message
+/// (or with another message of that number) means the engine restarted, and its new run is
+/// asked for from the start; no answer in time makes the stream stale.
+async fn probe(shared: &Shared, s: usize, url: &str) {
+    let last = shared.lock().streams[s].last_applied();
+    let mut answer = fetch_replay(url, last.map_or(0, |(seq, _)| seq), u64::MAX).await;
+    let restarted = match (&answer, last) {
+        (Ok(batches), Some((seq, digest))) => match batches.first() {
+            Some(first) => first.seq == seq && first.digest != digest,
+            None => true,
+        },
+        _ => false,
+    };
+    if restarted {
+        answer = fetch_replay(url, 0, u64::MAX).await;
+    }
+    let mut index = shared.lock();
+    match answer {
+        Ok(batches) => index.answered(
+            s,
+            restarted,
+            &batches,
+            &shared.tokens,
+            Instant::now(),
+            shared.staleness.after_gap,
+        ),
+        Err(e) => {
+            if index.unanswered(s) {
+                log::warn!("{url}: no answer to a probe ({e}): stale until heard again");
+            }
+        }
+    }
+}
+
 /// Asks the replay socket at `url` for messages `from..until`.
 pub async fn fetch_replay(url: &str, from: u64, until: u64) -> Result<Vec<Batch>, String> {
     tokio::time::timeout(REPLAY_TIMEOUT, async {
@@ -99,17 +141,9 @@ pub async fn fetch_replay(url: &str, from: u64, until: u64) -> Result<Vec<Batch>
         let mut batches = Vec::new();
         loop {
             let frames = socket.recv().await.map_err(|e| e.to_string())?.into_vec();
-            let frames = match frames.split_first() {
-                Some((empty, rest)) if empty.is_empty() => rest.to_vec(),
-                _ => frames,
-            };
-            let [seq, payload] = frames.as_slice() else {
-                return Err(format!("replay message of {} frames", frames.len()));
-            };
-            if seq.as_ref() == (-1i64).to_be_bytes() {
+            let Some(batch) = replayed(&frames)? else {
                 return Ok(batches);
-            }
-            let batch = wire::decode_message(&[seq, payload]).map_err(|e| e.to_string())?;
+            };
             if batch.seq >= until {
                 return Ok(batches);
             }
@@ -118,6 +152,25 @@ pub async fn fetch_replay(url: &str, from: u64, until: u64) -> Result<Vec<Batch>
     })
     .await
     .map_err(|_| "timed out".to_string())?
+}
+
+/// One message of a replay, as a DEALER receives it (`["", topic, seq, payload]`, or without
+/// the topic frame); `None` for the end marker.
+pub fn replayed(frames: &[Bytes]) -> Result<Option<Batch>, String> {
+    let frames = match frames.split_first() {
+        Some((empty, rest)) if empty.is_empty() => rest,
+        _ => frames,
+    };
+    let seq = match frames {
+        [_, seq, _] | [seq, _] => seq,
+        _ => return Err(format!("replay message of {} frames", frames.len())),
+    };
+    if seq.as_ref() == (-1i64).to_be_bytes() {
+        return Ok(None);
+    }
+    wire::decode_message(frames)
+        .map(Some)
+        .map_err(|e| e.to_string())
 }
 
 /// Adds a stream for `endpoint` from the publisher at `url` and starts subscribing.
@@ -131,4 +184,32 @@ pub fn spawn(
 ) {
     let s = shared.lock().add_stream(endpoint, model, url, replay);
     tokio::spawn(run(shared.clone(), s, topic.to_owned()));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_sim::kv_events::{encode_batch, Format};
+
+    fn frames(parts: &[&[u8]]) -> Vec<Bytes> {
+        parts.iter().map(|p| Bytes::copy_from_slice(p)).collect()
+    }
+
+    #[test]
+    fn replay_messages_parse_with_and_without_the_topic_frame() {
+        let payload = encode_batch(0.0, &[], 16, Format::Map);
+        let seq = 7u64.to_be_bytes();
+        let end = (-1i64).to_be_bytes();
+        for message in [
+            frames(&[b"", b"kv-events", &seq, &payload]),
+            frames(&[b"", b"", &seq, &payload]),
+            frames(&[b"", &seq, &payload]),
+        ] {
+            let batch = replayed(&message).unwrap().unwrap();
+            assert_eq!(batch.seq, 7);
+        }
+        assert!(replayed(&frames(&[b"", b"", &end, b""])).unwrap().is_none());
+        assert!(replayed(&frames(&[b"", &end, b""])).unwrap().is_none());
+        assert!(replayed(&frames(&[b"", &seq])).is_err());
+    }
 }

@@ -26,6 +26,8 @@ pub struct Batch {
     pub events: Vec<Event>,
     /// The data-parallel rank the publisher stamped, if any.
     pub dp_rank: Option<i64>,
+    /// A hash of the payload: tells this message from another run's message of the same number.
+    pub digest: u64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -117,6 +119,7 @@ pub fn decode_payload(payload: &[u8]) -> Result<Batch, WireError> {
         seq: 0,
         events,
         dp_rank: rank.and_then(Value::as_i64),
+        digest: xxh3_64(payload),
     })
 }
 

@@ -1,7 +1,9 @@
 //! A stream's sequence, over real ZeroMQ sockets from a stand-in publisher: a gap without a
 //! replay socket drops the engine's keys and marks it stale; a gap the replay socket fills
 //! does not; an engine that starts its sequence over starts over in the index; silence makes
-//! an engine stale until it speaks again.
+//! an engine without a replay socket stale until it speaks again. An engine with one is probed
+//! after a silence: it stays fresh while the probes are answered, goes stale when they are not
+//! or when it is gone, gets what its stream lost, and shows a restart it did not publish.
 
 mod common;
 
@@ -12,6 +14,7 @@ use kvroute_sim::bpe::Vocab;
 use kvroute_sim::kv_events::{encode_batch, Format};
 use kvroute_sim::prefix_cache::CacheEvent;
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -28,6 +31,9 @@ struct Engine {
     events: String,
     replay: Option<String>,
     sent: Sent,
+    /// While set, the replay socket takes requests and answers none (a wedged engine).
+    mute: Arc<AtomicBool>,
+    router: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Engine {
@@ -39,20 +45,37 @@ impl Engine {
             .unwrap()
             .to_string();
         let sent: Sent = Arc::default();
-        let replay = if with_replay {
+        let mute: Arc<AtomicBool> = Arc::default();
+        let (replay, router) = if with_replay {
             let mut router = RouterSocket::new();
             let url = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
-            tokio::spawn(serve_replay(router, sent.clone()));
-            Some(url)
+            let task = tokio::spawn(serve_replay(router, sent.clone(), mute.clone()));
+            (Some(url), Some(task))
         } else {
-            None
+            (None, None)
         };
         Engine {
             publisher,
             events,
             replay,
             sent,
+            mute,
+            router,
         }
+    }
+
+    /// A restart: the replay buffer starts over, empty (the sockets stay, as a subscriber that
+    /// reconnected to the new process would see them).
+    fn restart(&mut self) {
+        self.sent.lock().unwrap().clear();
+    }
+
+    /// The engine is gone: its sockets close.
+    fn stop(self) {
+        if let Some(router) = &self.router {
+            router.abort();
+        }
+        drop(self.publisher);
     }
 
     /// Publishes message `seq` (and keeps it for replay).
@@ -79,9 +102,13 @@ impl Engine {
     }
 }
 
-/// vLLM's replay protocol: `[id, "", start]` in, `[id, "", seq, payload]`... then `-1` out.
-async fn serve_replay(mut router: RouterSocket, sent: Sent) {
+/// vLLM 0.32's replay protocol: `[id, "", start]` in, `[id, "", topic, seq, payload]`... then
+/// `[id, "", "", -1, ""]` out.
+async fn serve_replay(mut router: RouterSocket, sent: Sent, mute: Arc<AtomicBool>) {
     while let Ok(request) = router.recv().await {
+        if mute.load(Ordering::SeqCst) {
+            continue;
+        }
         let frames = request.into_vec();
         let id = frames[0].clone();
         let start = u64::from_be_bytes(frames.last().unwrap()[..8].try_into().unwrap());
@@ -94,9 +121,11 @@ async fn serve_replay(mut router: RouterSocket, sent: Sent) {
             .collect();
         let end = (u64::MAX, Vec::new());
         for (seq, payload) in replies.into_iter().chain([end]) {
+            let topic = if seq == u64::MAX { "" } else { "kv" };
             let message = ZmqMessage::try_from(vec![
                 id.clone(),
                 Bytes::new(),
+                Bytes::from_static(topic.as_bytes()),
                 Bytes::copy_from_slice(&seq.to_be_bytes()),
                 Bytes::from(payload),
             ])
@@ -312,4 +341,118 @@ async fn a_silent_engine_is_stale_until_it_speaks() {
             .tick(|| format!("fresh again: stale {:?}", client.stale))
             .await;
     }
+}
+
+/// Waits until `/metrics` shows `name` at `at_least` or more.
+async fn until_metric(base: &str, name: &str, at_least: u64) {
+    let deadline = Deadline::start();
+    loop {
+        let m = metrics(base).await;
+        if metric(&m, name) >= at_least {
+            return;
+        }
+        deadline
+            .tick(|| format!("{name} at {at_least}: {}", metric(&m, name)))
+            .await;
+    }
+}
+
+/// An engine with a replay socket, connected, holding chain A: the indexer's base URL, the
+/// next sequence number, the keys, and the indexer.
+async fn holding_a(
+    stale_after: f64,
+) -> (Engine, String, u64, BTreeSet<u64>, kvroute_indexer::Running) {
+    let mut engine = Engine::start(true).await;
+    let (base, seq, idx) = connect(&mut engine, stale_after).await;
+    let a = chain(TEXT_A, 1);
+    engine.publish(seq, &[stored(&a, 0, a.1.len())]).await;
+    let want = keys(&a, a.1.len());
+    until(&base, "chain A held, fresh", |c| {
+        c.held(ENDPOINT) == want && c.stale.is_empty()
+    })
+    .await;
+    (engine, base, seq + 1, want, idx)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_engine_stays_fresh_while_its_replay_socket_answers() {
+    let (_engine, base, _, want, _idx) = holding_a(1.0).await;
+    let events = metric(&metrics(&base).await, "events_total");
+    // Three answered probes: three seconds and more of silence, three times `--stale-after`.
+    until_metric(&base, "probes_total", 3).await;
+    until(&base, "chain A held, fresh after the silence", |c| {
+        c.held(ENDPOINT) == want && c.stale.is_empty()
+    })
+    .await;
+    let m = metrics(&base).await;
+    assert_eq!(
+        metric(&m, "events_total"),
+        events,
+        "the engine said nothing"
+    );
+    assert_eq!(
+        (metric(&m, "gaps_total"), metric(&m, "restarts_total")),
+        (0, 0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_stops_answering_is_stale_until_it_answers_again() {
+    let (engine, base, _, want, _idx) = holding_a(1.0).await;
+    engine.mute.store(true, Ordering::SeqCst);
+    until(&base, "stale, chain A still held", |c| {
+        c.stale == [ENDPOINT] && c.held(ENDPOINT) == want
+    })
+    .await;
+    assert!(metric(&metrics(&base).await, "unanswered_probes_total") >= 1);
+    engine.mute.store(false, Ordering::SeqCst);
+    until(&base, "fresh again, chain A held", |c| {
+        c.stale.is_empty() && c.held(ENDPOINT) == want
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_whose_publisher_is_gone_goes_stale() {
+    let (engine, base, _, _, _idx) = holding_a(1.0).await;
+    engine.stop();
+    until(&base, "stale", |c| c.stale == [ENDPOINT]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_gets_what_the_stream_lost() {
+    let (mut engine, base, seq, want, _idx) = holding_a(1.0).await;
+    let b = chain(TEXT_B, 2);
+    // The engine's last message is lost on the way, and it goes idle.
+    engine.remember(seq, &[stored(&b, 0, b.1.len())]);
+    let mut both = want.clone();
+    both.extend(keys(&b, b.1.len()));
+    until(&base, "chains A and B held, fresh", |c| {
+        c.held(ENDPOINT) == both && c.stale.is_empty()
+    })
+    .await;
+    let m = metrics(&base).await;
+    assert_eq!(
+        (metric(&m, "resyncs_total"), metric(&m, "drops_total")),
+        (1, 0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restarted_while_idle_starts_over_in_the_index() {
+    let (mut engine, base, seq, _, _idx) = holding_a(1.0).await;
+    // Restarted, it publishes as many messages as before, the last with chain B, all lost on
+    // the way: the one numbered as the last applied is another message.
+    engine.restart();
+    let b = chain(TEXT_B, 2);
+    for n in 0..seq - 1 {
+        engine.remember(n, &[]);
+    }
+    engine.remember(seq - 1, &[stored(&b, 0, b.1.len())]);
+    let want_b = keys(&b, b.1.len());
+    until(&base, "only chain B, fresh", |c| {
+        c.held(ENDPOINT) == want_b && c.stale.is_empty()
+    })
+    .await;
+    assert_eq!(metric(&metrics(&base).await, "restarts_total"), 1);
 }

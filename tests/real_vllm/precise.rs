@@ -10,7 +10,7 @@
 //! to evict it by such traffic; then the group's next request through the gateway. Approximate
 //! mode's history names the first replica, which holds nothing of it any more; precise mode knows
 //! where the prefix is. One group's prefix is held nowhere: precise mode places it as approximate
-//! mode does.
+//! mode does. Idle engines, probed through their replay sockets, stay fresh.
 
 use super::{chat, counters, post, system, usage_of, BLOCKS, BLOCK_SIZE};
 use crate::common;
@@ -79,6 +79,9 @@ async fn precise_mode_sends_a_prefix_where_the_engines_hold_it() {
         .await
         .unwrap_or_else(|e| panic!("precise mode: {e}"));
 
+    idle_engines_stay_fresh(&index_url)
+        .await
+        .unwrap_or_else(|e| panic!("idle engines: {e}"));
     eprintln!("{}", approx.table("approximate"));
     eprintln!("{}", precise.table("precise"));
     for (g, (a, p)) in approx.next.iter().zip(&precise.next).enumerate() {
@@ -118,25 +121,54 @@ fn model_file(name: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// kvroute-indexer in-process, subscribed to every engine's Unix socket. Engines publish only
-/// when their cache changes (vLLM sends no heartbeat), so silence does not make them stale here:
-/// the sequence leaves replicas idle for minutes on a loaded machine.
+/// kvroute-indexer in-process, subscribed to every engine's Unix sockets, events and replay.
+/// Engines publish only when their cache changes (vLLM sends no heartbeat) and the sequence
+/// leaves replicas idle for seconds to minutes: with a `--stale-after` of 2 s, an engine idle
+/// that long is probed through its replay socket, again and again, and stays fresh.
 async fn start_indexer(fleet: &VllmFleet) -> kvroute_indexer::Running {
     let engines = fleet.engines.iter().map(|e| EngineSpec {
         endpoint: endpoint(&e.url),
         events: e.kv_events.clone(),
-        replay: None,
+        replay: Some(e.replay.clone()),
         model: None,
     });
     let tokenizer = vllm_model().join("tokenizer.json");
-    kvroute_indexer::start(common::precise::following(
-        tokenizer,
-        SERVED_MODEL,
-        engines.collect(),
-        1 << 18,
-    ))
-    .await
-    .expect("indexer starts")
+    let mut config =
+        common::precise::following(tokenizer, SERVED_MODEL, engines.collect(), 1 << 18);
+    config.stale_after = 2.0;
+    kvroute_indexer::start(config)
+        .await
+        .expect("indexer starts")
+}
+
+/// The engines, idle now, say nothing: each is probed after the silence (its probes answered
+/// rise) and stays fresh, where without a replay socket it would turn stale.
+async fn idle_engines_stay_fresh(index_url: &str) -> Result<(), String> {
+    let url = format!("{index_url}/health");
+    let probes = |h: &Value| -> Vec<u64> {
+        let streams = h["streams"].as_array().into_iter().flatten();
+        streams.map(|s| s["probes"].as_u64().unwrap_or(0)).collect()
+    };
+    let before = probes(&get_json(&url).await?);
+    let start = Instant::now();
+    loop {
+        let health = get_json(&url).await?;
+        let probed = probes(&health).iter().zip(&before).all(|(n, b)| n > b);
+        let streams = health["streams"].as_array().cloned().unwrap_or_default();
+        if probed && streams.iter().all(|s| s["stale"] == false) {
+            for s in &streams {
+                eprintln!(
+                    "{}: idle, {} probes answered, fresh",
+                    s["endpoint"], s["probes"]
+                );
+            }
+            return Ok(());
+        }
+        if start.elapsed() > INDEX_WAIT {
+            return Err(format!("not probed and fresh: {streams:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// `ip:port` of an engine's URL: the name Envoy and the indexer know it by.
