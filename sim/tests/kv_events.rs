@@ -97,7 +97,9 @@ async fn a_message_dropped_from_the_stream_is_resent_by_the_replay_socket() {
     assert_eq!(frames[1], 1u64.to_be_bytes(), "message 0 was dropped");
     let second = first_event(&frames[2]);
 
-    let replay = replica.kv_events_replay_endpoint().expect("a replay socket");
+    let replay = replica
+        .kv_events_replay_endpoint()
+        .expect("a replay socket");
     let replay = replay.strip_prefix("tcp://").unwrap().parse().unwrap();
     let mut dealer = DealerSocket::connect(replay).await.unwrap();
     dealer.send(&[b"", &0u64.to_be_bytes()]).await.unwrap();
