@@ -235,3 +235,49 @@ async fn a_salted_prompt_publishes_its_salt_as_the_first_blocks_extra_key() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[tokio::test]
+async fn the_replay_socket_answers_a_libzmq_dealer_as_vllms_does() {
+    let python = vllm_venv().join("bin/python");
+    if !python.is_file() {
+        eprintln!(
+            "vLLM not installed at {} (make vllm): the replay socket is not checked against vLLM's",
+            vllm_venv().display()
+        );
+        return;
+    }
+    let fleet = fast_fleet(1).await;
+    let replica = &fleet.replicas[0];
+    let addr = replica.kv_events_endpoint();
+    let addr = addr.strip_prefix("tcp://").unwrap().parse().unwrap();
+    let mut sub = SubSocket::connect(addr, b"kv-events").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let body = json!({"prompt": "replayed prompt ".repeat(20), "max_tokens": 1});
+    post(
+        &format!("{}/v1/completions", replica.url()),
+        &body.to_string(),
+    )
+    .await;
+    next_payload(&mut sub).await;
+
+    let replay = replica
+        .kv_events_replay_endpoint()
+        .expect("a replay socket");
+    let script = workspace().join("tools/real/check-replay.py");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .arg(script)
+            .arg(&replay)
+            .arg("kv-events")
+            .output()
+            .expect("the vLLM venv's python starts")
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "the replay sockets differ: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
