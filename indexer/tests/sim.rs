@@ -4,7 +4,8 @@
 //! seeded by its `cache_salt`, as the filter seeds them); evictions and cache resets take keys
 //! away; several indexers on one publisher agree. The indexer runs with its default
 //! `--stale-after` and every replica's replay socket: a replica idle past the silence is probed
-//! and stays fresh, and a message its stream dropped is filled from the replay socket.
+//! and stays fresh (stale while stopped: its replay socket no longer answers), and a message its
+//! stream dropped is filled from the replay socket.
 
 mod common;
 
@@ -489,4 +490,27 @@ async fn a_message_the_stream_dropped_is_filled_from_the_replay_socket() {
     assert_eq!(metric_sum(&base, "gaps_total").await, 1);
     assert_eq!(metric_sum(&base, "resyncs_total").await, 1);
     assert_eq!(metric_sum(&base, "drops_total").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_replica_leaves_probes_unanswered_and_is_stale_until_started() {
+    let fleet = fleet(2, 16, 1 << 20).await;
+    let idx = indexer(&engines(&fleet), CHUNK, 1.0).await;
+    let base = format!("http://{}", idx.addr);
+    settle(&fleet, std::slice::from_ref(&base)).await;
+    let (stopped, running) = (
+        fleet.replicas[0].addr.to_string(),
+        fleet.replicas[1].addr.to_string(),
+    );
+    let faults = format!("http://{}/fleet/replica/0", fleet.control_addr);
+    post_json(&faults, &json!({"stopped": true})).await;
+    let mut client = FeedClient::default();
+    until(&base, &mut client, "the stopped replica stale", |c| {
+        c.stale == [stopped.clone()]
+    })
+    .await;
+    assert!(metric_sum(&base, "unanswered_probes_total").await >= 1);
+    assert!(!client.stale.contains(&running));
+    post_json(&faults, &json!({"stopped": false})).await;
+    until(&base, &mut client, "fresh again", |c| c.stale.is_empty()).await;
 }

@@ -12,6 +12,7 @@ use kvroute::template::Templates;
 use serde_json::json;
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -105,6 +106,7 @@ impl Fleet {
             let mut replica = Replica::with_vocab(id, spec.clone(), events, vocab.clone());
             replica.template = template.clone();
             let replica = Arc::new(replica);
+            tokio::spawn(mute_while_stopped(&replica, publisher.muted));
             tokio::spawn(run_listener(Api::new(replica.clone()), listener, addr));
             replicas.push(ReplicaHandle {
                 replica,
@@ -150,6 +152,23 @@ impl Fleet {
             replicas.join(","),
             json!(format!("http://{}", self.control_addr))
         )
+    }
+}
+
+/// Keeps `muted` (the replica's replay socket answering nothing) in step with its `stopped` knob:
+/// a stopped replica is an engine that is down.
+fn mute_while_stopped(
+    replica: &Replica,
+    muted: Arc<AtomicBool>,
+) -> impl std::future::Future<Output = ()> {
+    let mut stopped = replica.watch_stopped();
+    async move {
+        loop {
+            muted.store(*stopped.borrow_and_update(), Ordering::Relaxed);
+            if stopped.changed().await.is_err() {
+                return;
+            }
+        }
     }
 }
 

@@ -30,6 +30,7 @@ use rmpv::Value;
 use std::collections::VecDeque;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
@@ -199,6 +200,8 @@ pub struct Publisher {
     /// The replay ROUTER's address, if it has one.
     pub replay: Option<SocketAddr>,
     pub events: mpsc::UnboundedSender<Published>,
+    /// While set, the replay socket answers nothing, as an engine that is down.
+    pub muted: Arc<AtomicBool>,
 }
 
 /// The last messages sent, by number, for the replay socket.
@@ -214,10 +217,14 @@ pub async fn start_publisher(
     let (socket, local) = PubSocket::bind(addr).await?;
     let buffer: Buffer = Arc::new(Mutex::new(VecDeque::new()));
     let topic = Bytes::from(options.topic.clone().into_bytes());
+    let muted = Arc::new(AtomicBool::new(false));
     let replay = match replay {
         Some(at) => {
-            let (buffer, topic) = (buffer.clone(), topic.clone());
-            let answer = move |request| answer_replay(&buffer, &topic, request);
+            let (buffer, topic, muted) = (buffer.clone(), topic.clone(), muted.clone());
+            let answer = move |request| match muted.load(Ordering::Relaxed) {
+                true => Vec::new(),
+                false => answer_replay(&buffer, &topic, request),
+            };
             Some(zmtp::bind_router(at, Arc::new(answer)).await?)
         }
         None => None,
@@ -249,6 +256,7 @@ pub async fn start_publisher(
         addr: local,
         replay,
         events: tx,
+        muted,
     })
 }
 
