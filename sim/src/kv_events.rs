@@ -221,9 +221,11 @@ pub async fn start_publisher(
     let replay = match replay {
         Some(at) => {
             let (buffer, topic, muted) = (buffer.clone(), topic.clone(), muted.clone());
-            let answer = move |request| match muted.load(Ordering::Relaxed) {
-                true => Vec::new(),
-                false => answer_replay(&buffer, &topic, request),
+            let answer = move |request| {
+                if muted.load(Ordering::Relaxed) {
+                    return Vec::new();
+                }
+                answer_replay(&buffer, &topic, request)
             };
             Some(zmtp::bind_router(at, Arc::new(answer)).await?)
         }
