@@ -359,6 +359,18 @@ fn the_precise_overlay_runs_the_indexer_in_the_gateway_pod_and_points_kvroute_at
         Some(parsed.topic.as_str()),
         values["kv_events_topic"].as_str()
     );
+    // Every engine's replay socket: an idle engine is probed there after the default silence
+    // and stays fresh while it answers (without one it would be stale after 30 s).
+    let replay_port = parsed.replay_port.expect("a replay port");
+    assert_eq!(
+        Some(u64::from(replay_port)),
+        values["kv_events_replay_port"].as_u64()
+    );
+    assert_ne!(Some(replay_port), parsed.kv_events_port);
+    assert!(
+        args.iter().all(|a| !a.starts_with("--stale-after")),
+        "the default silence: {args:?}"
+    );
     assert_eq!(parsed.chunk_size, 512, "the filter's default chunk_size");
     let fetch = container(&docs, "initContainers", "tokenizer");
     assert_eq!(
@@ -416,6 +428,7 @@ fn values_yaml_sets_every_name_in_one_place() {
             }
             Some("kv_events_port") => "kv_events_port: 6001".to_string(),
             Some("kv_events_topic") => "kv_events_topic: llama-events".to_string(),
+            Some("kv_events_replay_port") => "kv_events_replay_port: 6002".to_string(),
             _ => l.to_string(),
         })
         .collect::<Vec<_>>()
@@ -424,7 +437,7 @@ fn values_yaml_sets_every_name_in_one_place() {
     let pool = "outbound|8081||qwen.serving.svc.cluster.local";
     for variant in ["body-routing", "header-routing", "precise"] {
         let text = istio::kustomize(&dir.join(variant));
-        let precise_names = ["Qwen", "huggingface.co", "5557", "value: kv-events"];
+        let precise_names = ["Qwen", "huggingface.co", "5557", "value: kv-events", "5558"];
         let old_names = ["vllm.llm.svc", "|8000|", "registry.example", "00000000"];
         let olds = old_names.iter().chain(if variant == "precise" {
             &precise_names[..]
@@ -451,6 +464,7 @@ fn values_yaml_sets_every_name_in_one_place() {
                 "https://models.example/llama/tokenizer.json",
                 "value: \"6001\"",
                 "value: llama-events",
+                "value: \"6002\"",
             ] {
                 assert_eq!(text.matches(new).count(), 1, "{variant}: {new}");
             }

@@ -95,7 +95,9 @@ pub struct Indexer {
 }
 
 impl Indexer {
-    /// Starts an indexer over `fleet`, decoding with the tokenizer `fleet_spec` names, and waits
+    /// Starts an indexer over `fleet` (every replica's KV events and replay socket, so an idle
+    /// replica is probed and stays fresh past `--stale-after`, left at its default), decoding
+    /// with the tokenizer `fleet_spec` names, and waits
     /// until it has heard every replica's stream (a ZMQ subscriber misses what was published
     /// before it joined: requests sent straight to each replica make them publish). The probes
     /// leave blocks in the caches; empty them once every indexer of the run is ready
@@ -121,7 +123,10 @@ impl Indexer {
                 .as_deref()
                 .ok_or_else(|| format!("replica {} publishes no KV events", r.url))?;
             let endpoint = r.url.trim_start_matches("http://").trim_end_matches('/');
-            cmd.arg("--engine").arg(format!("{endpoint}={events}"));
+            let replay = r.kv_events_replay.as_ref().map(|r| format!(",replay={r}"));
+            let replay = replay.unwrap_or_default();
+            cmd.arg("--engine")
+                .arg(format!("{endpoint}={events}{replay}"));
         }
         let mut child = cmd
             .stdin(Stdio::null())

@@ -91,6 +91,7 @@ impl RealFleet {
                 id,
                 url,
                 kv_events: Some(e.kv_events.clone()),
+                kv_events_replay: Some(e.replay.clone()),
             });
         }
         Ok(RealFleet {

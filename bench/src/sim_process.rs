@@ -20,6 +20,8 @@ pub struct Replica {
     pub id: usize,
     pub url: String,
     pub kv_events: Option<String>,
+    /// Its replay socket (vLLM's `replay_endpoint`), if it has one.
+    pub kv_events_replay: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -2,11 +2,16 @@
 //! an indexer serves for a replica are `kvroute::prefix`'s over the replica's rendered prompt
 //! bytes, for every whole chunk its stored blocks cover and nothing past them (a salted prompt's
 //! seeded by its `cache_salt`, as the filter seeds them); evictions and cache resets take keys
-//! away; several indexers on one publisher agree.
+//! away; several indexers on one publisher agree. The indexer runs with its default
+//! `--stale-after` and every replica's replay socket: a replica idle past the silence is probed
+//! and stays fresh (stale while stopped: its replay socket no longer answers), and a message its
+//! stream dropped is filled from the replay socket.
 
 mod common;
 
-use common::{get_json, indexer, post_json, tokenizer_file, Deadline, FeedClient};
+use common::{
+    default_stale_after, get_json, indexer, post_json, tokenizer_file, Deadline, FeedClient,
+};
 use kvroute::prefix::{PrefixKeys, Shape};
 use kvroute_indexer::token_bytes::TokenBytes;
 use kvroute_sim::bpe::Vocab;
@@ -41,11 +46,19 @@ async fn fleet_in(
     Fleet::start(spec, 0, 0).await.expect("fleet starts")
 }
 
+/// Every replica: its endpoint, KV-event and replay sockets.
 fn engines(fleet: &Fleet) -> Vec<(String, String, Option<String>)> {
     fleet
         .replicas
         .iter()
-        .map(|r| (r.addr.to_string(), r.kv_events_endpoint(), None))
+        .map(|r| {
+            let replay = r.kv_events_replay_endpoint();
+            assert!(
+                replay.is_some(),
+                "the sim gives each replica a replay socket"
+            );
+            (r.addr.to_string(), r.kv_events_endpoint(), replay)
+        })
         .collect()
 }
 
@@ -176,7 +189,7 @@ async fn held_becomes(base: &str, endpoint: &str, want: &BTreeSet<u64>) -> FeedC
 
 async fn keys_match_the_rendered_prompt(block: usize, format: &str) {
     let fleet = fleet_in(2, block, 1 << 20, format).await;
-    let idx = indexer(&engines(&fleet), CHUNK, 3600.0).await;
+    let idx = indexer(&engines(&fleet), CHUNK, default_stale_after()).await;
     let base = format!("http://{}", idx.addr);
     settle(&fleet, std::slice::from_ref(&base)).await;
     let bytes = covered(&fleet, 0, &chat("a"), block).await;
@@ -228,7 +241,7 @@ fn salted_chat(tag: &str, salt: &str) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_salted_prompts_are_held_under_its_salts_keys() {
     let fleet = fleet(2, 16, 1 << 20).await;
-    let idx = indexer(&engines(&fleet), CHUNK, 3600.0).await;
+    let idx = indexer(&engines(&fleet), CHUNK, default_stale_after()).await;
     let base = format!("http://{}", idx.addr);
     settle(&fleet, std::slice::from_ref(&base)).await;
     let (a, b) = (
@@ -260,7 +273,7 @@ async fn a_tenants_salted_prompts_are_held_under_its_salts_keys() {
 async fn eviction_and_reset_take_keys_away() {
     // Room for one and a half long chats: the second evicts part of the first.
     let fleet = fleet(1, 16, 7000).await;
-    let idx = indexer(&engines(&fleet), CHUNK, 3600.0).await;
+    let idx = indexer(&engines(&fleet), CHUNK, default_stale_after()).await;
     let base = format!("http://{}", idx.addr);
     settle(&fleet, std::slice::from_ref(&base)).await;
     let endpoint = fleet.replicas[0].addr.to_string();
@@ -306,7 +319,7 @@ async fn three_indexers_and_their_clients_agree() {
     let mut bases = Vec::new();
     let mut running = Vec::new();
     for _ in 0..3 {
-        let idx = indexer(&engines(&fleet), CHUNK, 3600.0).await;
+        let idx = indexer(&engines(&fleet), CHUNK, default_stale_after()).await;
         bases.push(format!("http://{}", idx.addr));
         running.push(idx);
     }
@@ -360,10 +373,11 @@ async fn engines_found_in_envoys_admin_are_indexed() {
     let fleet = fleet(1, 16, 1 << 20).await;
     let replica = &fleet.replicas[0];
     let admin = fake_envoy_admin("vllm", vec![replica.addr]).await;
-    let mut config = common::config(&[], CHUNK, 3600.0);
+    let mut config = common::config(&[], CHUNK, default_stale_after());
     config.envoy_admin = Some(admin);
     config.cluster = Some("vllm".into());
     config.kv_events_port = Some(replica.kv_events_addr.port());
+    config.replay_port = replica.kv_events_replay_addr.map(|a| a.port());
     let idx = kvroute_indexer::start(config).await.unwrap();
     let base = format!("http://{}", idx.addr);
     let deadline = Deadline::start();
@@ -383,4 +397,120 @@ async fn engines_found_in_envoys_admin_are_indexed() {
     settle(&fleet, std::slice::from_ref(&base)).await;
     let bytes = covered(&fleet, 0, &chat("d"), 16).await;
     held_becomes(&base, &replica.addr.to_string(), &keys(&bytes)).await;
+}
+
+/// The sum of metric `name` over every stream in `/metrics` of the indexer at `base`.
+async fn metric_sum(base: &str, name: &str) -> u64 {
+    let text = common::http(hyper::Method::GET, &format!("{base}/metrics"), "")
+        .await
+        .1;
+    let prefix = format!("kvroute_indexer_{name}{{");
+    let values: Vec<u64> = text
+        .lines()
+        .filter(|l| l.starts_with(&prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .collect();
+    assert!(!values.is_empty(), "no {name} in {text}");
+    values.iter().sum()
+}
+
+/// Polls `client` until `check` holds of it.
+async fn until(
+    base: &str,
+    client: &mut FeedClient,
+    what: &str,
+    check: impl Fn(&FeedClient) -> bool,
+) {
+    let deadline = Deadline::start();
+    loop {
+        client.poll(base).await;
+        if check(client) {
+            return;
+        }
+        deadline
+            .tick(|| format!("{what}: stale {:?}", client.stale))
+            .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_replicas_stay_fresh_while_their_replay_sockets_answer_probes() {
+    let fleet = fleet(2, 16, 1 << 20).await;
+    // A second of silence: each idle replica is probed about once a second.
+    let idx = indexer(&engines(&fleet), CHUNK, 1.0).await;
+    let base = format!("http://{}", idx.addr);
+    settle(&fleet, std::slice::from_ref(&base)).await;
+    let endpoint = fleet.replicas[0].addr.to_string();
+    let want = keys(&covered(&fleet, 0, &chat("idle"), 16).await);
+    held_becomes(&base, &endpoint, &want).await;
+    let events = metric_sum(&base, "events_total").await;
+    let probed = metric_sum(&base, "probes_total").await;
+    // Three answered probes of each replica: seconds of silence, several times the limit.
+    let deadline = Deadline::start();
+    while metric_sum(&base, "probes_total").await < probed + 6 {
+        deadline.tick(|| "six more answered probes".into()).await;
+    }
+    let mut client = FeedClient::default();
+    until(&base, &mut client, "fresh, holding the chat", |c| {
+        c.stale.is_empty() && c.held(&endpoint) == want
+    })
+    .await;
+    assert_eq!(metric_sum(&base, "events_total").await, events, "all idle");
+    assert_eq!(metric_sum(&base, "unanswered_probes_total").await, 0);
+    assert_eq!(metric_sum(&base, "gaps_total").await, 0);
+
+    // The same silence without replay sockets makes both replicas stale.
+    let mute: Vec<_> = engines(&fleet)
+        .into_iter()
+        .map(|(endpoint, events, _)| (endpoint, events, None))
+        .collect();
+    let without = indexer(&mute, CHUNK, 1.0).await;
+    let without = format!("http://{}", without.addr);
+    settle(&fleet, std::slice::from_ref(&without)).await;
+    let mut client = FeedClient::default();
+    until(&without, &mut client, "both stale", |c| c.stale.len() == 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_the_stream_dropped_is_filled_from_the_replay_socket() {
+    let fleet = fleet(2, 16, 1 << 20).await;
+    let idx = indexer(&engines(&fleet), CHUNK, default_stale_after()).await;
+    let base = format!("http://{}", idx.addr);
+    settle(&fleet, std::slice::from_ref(&base)).await;
+    let endpoint = fleet.replicas[0].addr.to_string();
+    let faults = format!("http://{}/fleet/replica/0", fleet.control_addr);
+    post_json(&faults, &json!({"drop_kv_events": 1})).await;
+    // The first chat's message never reaches the indexer on the stream; the second's shows the
+    // gap, and the replay socket fills it.
+    let first = keys(&covered(&fleet, 0, &chat("lost"), 16).await);
+    let second = keys(&covered(&fleet, 0, &chat("after"), 16).await);
+    let want: BTreeSet<u64> = first.union(&second).copied().collect();
+    let client = held_becomes(&base, &endpoint, &want).await;
+    assert!(client.stale.is_empty(), "stale: {:?}", client.stale);
+    assert_eq!(metric_sum(&base, "gaps_total").await, 1);
+    assert_eq!(metric_sum(&base, "resyncs_total").await, 1);
+    assert_eq!(metric_sum(&base, "drops_total").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_replica_leaves_probes_unanswered_and_is_stale_until_started() {
+    let fleet = fleet(2, 16, 1 << 20).await;
+    let idx = indexer(&engines(&fleet), CHUNK, 1.0).await;
+    let base = format!("http://{}", idx.addr);
+    settle(&fleet, std::slice::from_ref(&base)).await;
+    let (stopped, running) = (
+        fleet.replicas[0].addr.to_string(),
+        fleet.replicas[1].addr.to_string(),
+    );
+    let faults = format!("http://{}/fleet/replica/0", fleet.control_addr);
+    post_json(&faults, &json!({"stopped": true})).await;
+    let mut client = FeedClient::default();
+    until(&base, &mut client, "the stopped replica stale", |c| {
+        c.stale == [stopped.clone()]
+    })
+    .await;
+    assert!(metric_sum(&base, "unanswered_probes_total").await >= 1);
+    assert!(!client.stale.contains(&running));
+    post_json(&faults, &json!({"stopped": false})).await;
+    until(&base, &mut client, "fresh again", |c| c.stale.is_empty()).await;
 }

@@ -117,10 +117,17 @@ fn set_faults(replica: &Replica, patch: &Value) -> Resp {
             None => return bad_request("'stopped' must be a boolean"),
         }
     }
+    if let Some(v) = patch.get("drop_kv_events") {
+        match v.as_u64() {
+            Some(n) => faults.drop_kv_events = n,
+            None => return bad_request("'drop_kv_events' must be a non-negative integer"),
+        }
+    }
     replica.set_faults(faults);
     json_response(
         StatusCode::OK,
         &json!({"id": replica.id, "slow_factor": faults.slow_factor,
-                "fail_rate": faults.fail_rate, "stopped": faults.stopped}),
+                "fail_rate": faults.fail_rate, "stopped": faults.stopped,
+                "drop_kv_events": faults.drop_kv_events}),
     )
 }

@@ -13,8 +13,9 @@
 //! - The model never emits EOS early: a request generates exactly `max_tokens` tokens.
 
 use crate::bpe::Vocab;
+use crate::kv_events::Published;
 use crate::metrics::Histogram;
-use crate::prefix_cache::{CacheEvent, Lease, PrefixCache};
+use crate::prefix_cache::{Lease, PrefixCache};
 use crate::request::Frontend;
 use crate::spec::FleetSpec;
 use crate::time_model;
@@ -56,6 +57,9 @@ pub struct Faults {
     pub slow_factor: f64,
     pub fail_rate: f64,
     pub stopped: bool,
+    /// The next this many KV-event messages are left off the PUB socket (still numbered and
+    /// kept for replay): every subscriber misses them.
+    pub drop_kv_events: u64,
 }
 
 impl Default for Faults {
@@ -64,6 +68,7 @@ impl Default for Faults {
             slow_factor: 1.0,
             fail_rate: 0.0,
             stopped: false,
+            drop_kv_events: 0,
         }
     }
 }
@@ -113,7 +118,7 @@ pub struct Replica {
     state: Mutex<State>,
     slots: Semaphore,
     kv_freed: Notify,
-    events: Option<mpsc::UnboundedSender<Vec<CacheEvent>>>,
+    events: Option<mpsc::UnboundedSender<Published>>,
     stopped: watch::Sender<bool>,
 }
 
@@ -122,7 +127,7 @@ impl Replica {
     pub fn new(
         id: usize,
         spec: Arc<FleetSpec>,
-        events: Option<mpsc::UnboundedSender<Vec<CacheEvent>>>,
+        events: Option<mpsc::UnboundedSender<Published>>,
     ) -> Self {
         Self::with_vocab(id, spec, events, Vocab::Hash)
     }
@@ -131,7 +136,7 @@ impl Replica {
     pub fn with_vocab(
         id: usize,
         spec: Arc<FleetSpec>,
-        events: Option<mpsc::UnboundedSender<Vec<CacheEvent>>>,
+        events: Option<mpsc::UnboundedSender<Published>>,
         vocab: Vocab,
     ) -> Self {
         let cache = PrefixCache::new(spec.block_size, spec.kv_capacity_tokens);
@@ -290,8 +295,10 @@ impl Replica {
     fn publish(&self, st: &mut State) {
         let events = st.cache.take_events();
         if let (Some(tx), false) = (&self.events, events.is_empty()) {
+            let dropped = st.faults.drop_kv_events > 0;
+            st.faults.drop_kv_events = st.faults.drop_kv_events.saturating_sub(1);
             // The publisher only goes away at shutdown; losing events then is fine.
-            let _ = tx.send(events);
+            let _ = tx.send(Published { events, dropped });
         }
     }
 

@@ -1,5 +1,5 @@
-//! Starting a fleet: one HTTP listener and one KV-event publisher per replica, plus the
-//! control port, all on 127.0.0.1.
+//! Starting a fleet: one HTTP listener and one KV-event publisher (with its replay socket) per
+//! replica, plus the control port, all on 127.0.0.1.
 
 use crate::api::{self, Api};
 use crate::bpe::Vocab;
@@ -12,6 +12,7 @@ use kvroute::template::Templates;
 use serde_json::json;
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -20,6 +21,8 @@ pub struct ReplicaHandle {
     pub replica: Arc<Replica>,
     pub addr: SocketAddr,
     pub kv_events_addr: SocketAddr,
+    /// Its replay socket's address (none when the spec turns `kv_events_replay` off).
+    pub kv_events_replay_addr: Option<SocketAddr>,
 }
 
 impl ReplicaHandle {
@@ -29,6 +32,11 @@ impl ReplicaHandle {
 
     pub fn kv_events_endpoint(&self) -> String {
         format!("tcp://{}", self.kv_events_addr)
+    }
+
+    /// Its replay socket as a ZMQ address, as vLLM's `replay_endpoint`.
+    pub fn kv_events_replay_endpoint(&self) -> Option<String> {
+        self.kv_events_replay_addr.map(|a| format!("tcp://{a}"))
     }
 }
 
@@ -54,7 +62,8 @@ fn localhost(port: u16) -> SocketAddr {
 
 impl Fleet {
     /// Starts every replica and the control server. `base_port` 0 picks free ports;
-    /// otherwise replica i listens on `base_port + i`. KV-event ports are always free ports.
+    /// otherwise replica i listens on `base_port + i`. KV-event and replay ports are always free
+    /// ports.
     pub async fn start(spec: FleetSpec, base_port: u16, control_port: u16) -> io::Result<Fleet> {
         spec.validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
@@ -85,21 +94,25 @@ impl Fleet {
             };
             let listener = TcpListener::bind(localhost(port)).await?;
             let addr = listener.local_addr()?;
-            let (kv_events_addr, events) = kv_events::start_publisher(
-                localhost(0),
-                spec.kv_events_topic.clone(),
-                spec.block_size,
+            let options = kv_events::Options {
+                topic: spec.kv_events_topic.clone(),
+                block_size: spec.block_size,
                 format,
-            )
-            .await?;
-            let mut replica = Replica::with_vocab(id, spec.clone(), Some(events), vocab.clone());
+                buffer_steps: spec.kv_events_buffer_steps,
+            };
+            let replay = spec.kv_events_replay.then(|| localhost(0));
+            let publisher = kv_events::start_publisher(localhost(0), replay, options).await?;
+            let events = Some(publisher.events);
+            let mut replica = Replica::with_vocab(id, spec.clone(), events, vocab.clone());
             replica.template = template.clone();
             let replica = Arc::new(replica);
+            tokio::spawn(mute_while_stopped(&replica, publisher.muted));
             tokio::spawn(run_listener(Api::new(replica.clone()), listener, addr));
             replicas.push(ReplicaHandle {
                 replica,
                 addr,
-                kv_events_addr,
+                kv_events_addr: publisher.addr,
+                kv_events_replay_addr: publisher.replay,
             });
         }
         let control_listener = TcpListener::bind(localhost(control_port)).await?;
@@ -126,10 +139,11 @@ impl Fleet {
             .iter()
             .map(|r| {
                 format!(
-                    "{{\"id\":{},\"url\":{},\"kv_events\":{}}}",
+                    "{{\"id\":{},\"url\":{},\"kv_events\":{},\"kv_events_replay\":{}}}",
                     r.replica.id,
                     json!(r.url()),
-                    json!(r.kv_events_endpoint())
+                    json!(r.kv_events_endpoint()),
+                    json!(r.kv_events_replay_endpoint())
                 )
             })
             .collect();
@@ -138,6 +152,23 @@ impl Fleet {
             replicas.join(","),
             json!(format!("http://{}", self.control_addr))
         )
+    }
+}
+
+/// Keeps `muted` (the replica's replay socket answering nothing) in step with its `stopped` knob:
+/// a stopped replica is an engine that is down.
+fn mute_while_stopped(
+    replica: &Replica,
+    muted: Arc<AtomicBool>,
+) -> impl std::future::Future<Output = ()> {
+    let mut stopped = replica.watch_stopped();
+    async move {
+        loop {
+            muted.store(*stopped.borrow_and_update(), Ordering::Relaxed);
+            if stopped.changed().await.is_err() {
+                return;
+            }
+        }
     }
 }
 

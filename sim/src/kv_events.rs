@@ -17,13 +17,21 @@
 //!   `["AllBlocksCleared"]`. It has no `extra_keys`, so a salt is not published in it.
 //!
 //! Block hashes are unsigned 64-bit integers (vLLM's `ExternalBlockHash` may be int or bytes).
+//!
+//! The replay socket (vLLM's `replay_endpoint`) is a ROUTER answering a request
+//! `["", start_seq as 8 bytes big-endian]` with every buffered message from `start_seq` on, each
+//! as `["", topic, seq, payload]`, then the end marker `["", "", -1 as 8 bytes, ""]` (vLLM 0.32's
+//! `_service_replay`); the buffer holds the last `buffer_steps` messages (vLLM's default 10,000).
 
 use crate::prefix_cache::CacheEvent;
-use crate::zmtp::PubSocket;
+use crate::zmtp::{self, PubSocket};
 use bytes::Bytes;
 use rmpv::Value;
+use std::collections::VecDeque;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
 
@@ -151,11 +159,11 @@ pub fn encode_batch(ts: f64, events: &[CacheEvent], block_size: usize, format: F
 }
 
 /// The three ZMQ frames of message number `seq`.
-pub fn frames(topic: &str, seq: u64, payload: Vec<u8>) -> Vec<Bytes> {
+pub fn frames(topic: &str, seq: u64, payload: impl Into<Bytes>) -> Vec<Bytes> {
     vec![
         Bytes::copy_from_slice(topic.as_bytes()),
         Bytes::copy_from_slice(&seq.to_be_bytes()),
-        Bytes::from(payload),
+        payload.into(),
     ]
 }
 
@@ -166,30 +174,126 @@ fn unix_ts() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Binds a PUB socket on `addr` and publishes every batch sent to the returned channel.
+/// One batch of cache changes for the publisher.
+#[derive(Debug, Clone)]
+pub struct Published {
+    pub events: Vec<CacheEvent>,
+    /// Numbered and kept for replay but not sent on the PUB socket: every subscriber misses it,
+    /// as one does past its high-water mark (a fault knob).
+    pub dropped: bool,
+}
+
+/// How a replica publishes: the topic, the block size and format of its events, and how many
+/// messages its replay socket keeps.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub topic: String,
+    pub block_size: usize,
+    pub format: Format,
+    /// vLLM's `buffer_steps`.
+    pub buffer_steps: usize,
+}
+
+/// A running publisher: where its sockets listen, and where to send batches.
+pub struct Publisher {
+    pub addr: SocketAddr,
+    /// The replay ROUTER's address, if it has one.
+    pub replay: Option<SocketAddr>,
+    pub events: mpsc::UnboundedSender<Published>,
+    /// While set, the replay socket answers nothing, as an engine that is down.
+    pub muted: Arc<AtomicBool>,
+}
+
+/// The last messages sent, by number, for the replay socket.
+type Buffer = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
+
+/// Binds a PUB socket on `addr` (and a replay ROUTER on `replay`, if given) and publishes every
+/// batch sent to the returned channel.
 pub async fn start_publisher(
     addr: SocketAddr,
-    topic: String,
-    block_size: usize,
-    format: Format,
-) -> io::Result<(SocketAddr, mpsc::UnboundedSender<Vec<CacheEvent>>)> {
+    replay: Option<SocketAddr>,
+    options: Options,
+) -> io::Result<Publisher> {
     let (socket, local) = PubSocket::bind(addr).await?;
-    let (tx, mut rx) = mpsc::unbounded_channel::<Vec<CacheEvent>>();
+    let buffer: Buffer = Arc::new(Mutex::new(VecDeque::new()));
+    let topic = Bytes::from(options.topic.clone().into_bytes());
+    let muted = Arc::new(AtomicBool::new(false));
+    let replay = match replay {
+        Some(at) => {
+            let (buffer, topic, muted) = (buffer.clone(), topic.clone(), muted.clone());
+            let answer = move |request| {
+                if muted.load(Ordering::Relaxed) {
+                    return Vec::new();
+                }
+                answer_replay(&buffer, &topic, request)
+            };
+            Some(zmtp::bind_router(at, Arc::new(answer)).await?)
+        }
+        None => None,
+    };
+    let (tx, mut rx) = mpsc::unbounded_channel::<Published>();
     tokio::spawn(async move {
         let mut seq = 0u64;
-        while let Some(events) = rx.recv().await {
-            let payload = encode_batch(unix_ts(), &events, block_size, format);
-            socket.send(frames(&topic, seq, payload));
+        while let Some(batch) = rx.recv().await {
+            let payload = Bytes::from(encode_batch(
+                unix_ts(),
+                &batch.events,
+                options.block_size,
+                options.format,
+            ));
+            if replay.is_some() && options.buffer_steps > 0 {
+                let mut buffer = buffer.lock().unwrap_or_else(|e| e.into_inner());
+                if buffer.len() == options.buffer_steps {
+                    buffer.pop_front();
+                }
+                buffer.push_back((seq, payload.clone()));
+            }
+            if !batch.dropped {
+                socket.send(frames(&options.topic, seq, payload));
+            }
             seq += 1;
         }
     });
-    Ok((local, tx))
+    Ok(Publisher {
+        addr: local,
+        replay,
+        events: tx,
+        muted,
+    })
 }
+
+/// The replies to one replay request: the buffered messages from its start number on, then the
+/// end marker; nothing for a request that is not `["", start_seq]` (vLLM logs and drops it).
+fn answer_replay(buffer: &Buffer, topic: &Bytes, request: Vec<Vec<u8>>) -> Vec<Vec<Bytes>> {
+    let start = match request.as_slice() {
+        [_, start] if start.len() <= 8 => start.iter().fold(0u64, |n, &b| n << 8 | u64::from(b)),
+        _ => return Vec::new(),
+    };
+    let buffer = buffer.lock().unwrap_or_else(|e| e.into_inner());
+    let mut replies: Vec<Vec<Bytes>> = buffer
+        .iter()
+        .filter(|(seq, _)| *seq >= start)
+        .map(|(seq, payload)| {
+            let seq = Bytes::copy_from_slice(&seq.to_be_bytes());
+            vec![Bytes::new(), topic.clone(), seq, payload.clone()]
+        })
+        .collect();
+    replies.push(vec![
+        Bytes::new(),
+        Bytes::new(),
+        Bytes::copy_from_slice(&END_SEQ),
+        Bytes::new(),
+    ]);
+    replies
+}
+
+/// The number of the end marker, `-1` as 8 bytes (vLLM's `END_SEQ`).
+pub const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::zmtp::SubSocket;
+    use crate::zmtp::{DealerSocket, SubSocket};
     use std::time::Duration;
 
     fn stored() -> CacheEvent {
@@ -288,20 +392,29 @@ mod tests {
         assert_eq!((r[0].as_str(), r.len()), (Some("BlockRemoved"), 3));
     }
 
+    fn options(buffer_steps: usize) -> Options {
+        Options {
+            topic: "kv-events".into(),
+            block_size: 16,
+            format: Format::Map,
+            buffer_steps,
+        }
+    }
+
+    fn batch(events: Vec<CacheEvent>, dropped: bool) -> Published {
+        Published { events, dropped }
+    }
+
     #[tokio::test]
     async fn publisher_sends_topic_big_endian_seq_and_payload() {
-        let (addr, tx) = start_publisher(
-            "127.0.0.1:0".parse().unwrap(),
-            "kv-events".into(),
-            16,
-            Format::Map,
-        )
-        .await
-        .unwrap();
-        let mut sub = SubSocket::connect(addr, b"").await.unwrap();
+        let localhost = "127.0.0.1:0".parse().unwrap();
+        let publisher = start_publisher(localhost, None, options(10)).await.unwrap();
+        assert!(publisher.replay.is_none());
+        let mut sub = SubSocket::connect(publisher.addr, b"").await.unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
-        tx.send(vec![stored()]).unwrap();
-        tx.send(vec![CacheEvent::AllCleared]).unwrap();
+        let tx = publisher.events;
+        tx.send(batch(vec![stored()], false)).unwrap();
+        tx.send(batch(vec![CacheEvent::AllCleared], false)).unwrap();
         for expected_seq in 0..2u64 {
             let frames = tokio::time::timeout(Duration::from_secs(2), sub.recv())
                 .await
@@ -313,5 +426,62 @@ mod tests {
             let batch = rmpv::decode::read_value(&mut &frames[2][..]).unwrap();
             assert_eq!(batch.as_array().unwrap().len(), 3);
         }
+    }
+
+    /// The replay socket's answer to a request from `start`: (seq, payload) of each message,
+    /// checked to be vLLM's `["", topic, seq, payload]` and to end with its end marker.
+    async fn replay_from(addr: SocketAddr, start: u64) -> Vec<(u64, Vec<u8>)> {
+        let mut dealer = DealerSocket::connect(addr).await.unwrap();
+        dealer.send(&[b"", &start.to_be_bytes()]).await.unwrap();
+        let mut messages = Vec::new();
+        loop {
+            let next = tokio::time::timeout(Duration::from_secs(2), dealer.recv()).await;
+            let frames = next.unwrap().unwrap();
+            assert_eq!(frames.len(), 4, "{frames:?}");
+            assert!(frames[0].is_empty());
+            if frames[2] == END_SEQ {
+                assert!(frames[1].is_empty() && frames[3].is_empty());
+                return messages;
+            }
+            assert_eq!(frames[1], b"kv-events");
+            let seq = u64::from_be_bytes(frames[2].clone().try_into().unwrap());
+            messages.push((seq, frames[3].clone()));
+        }
+    }
+
+    #[tokio::test]
+    async fn the_replay_socket_resends_the_last_buffer_steps_messages_from_the_start_asked() {
+        let localhost: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let publisher = start_publisher(localhost, Some(localhost), options(3))
+            .await
+            .unwrap();
+        let replay = publisher.replay.unwrap();
+        assert!(replay_from(replay, 0).await.is_empty());
+        let mut sub = SubSocket::connect(publisher.addr, b"").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        for i in 0..5u64 {
+            let removed = CacheEvent::Removed { hashes: vec![i] };
+            publisher.events.send(batch(vec![removed], i == 3)).unwrap();
+        }
+        let mut heard = Vec::new();
+        while heard.last() != Some(&4) {
+            let frames = tokio::time::timeout(Duration::from_secs(2), sub.recv()).await;
+            let frames = frames.unwrap().unwrap();
+            heard.push(u64::from_be_bytes(frames[1].clone().try_into().unwrap()));
+        }
+        assert_eq!(heard, [0, 1, 2, 4], "message 3 is dropped from the stream");
+
+        let replayed = replay_from(replay, 0).await;
+        let seqs: Vec<u64> = replayed.iter().map(|(seq, _)| *seq).collect();
+        assert_eq!(seqs, [2, 3, 4], "the last three, the dropped one too");
+        let payload = rmpv::decode::read_value(&mut &replayed[1].1[..]).unwrap();
+        let removed = &payload.as_array().unwrap()[1].as_array().unwrap()[0];
+        assert_eq!(
+            field(removed, "block_hashes").as_array().unwrap()[0].as_u64(),
+            Some(3)
+        );
+        let seqs: Vec<u64> = replay_from(replay, 4).await.iter().map(|m| m.0).collect();
+        assert_eq!(seqs, [4]);
+        assert!(replay_from(replay, 5).await.is_empty());
     }
 }

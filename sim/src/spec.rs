@@ -38,6 +38,11 @@ pub struct FleetSpec {
     pub kv_events_topic: String,
     /// Inner event encoding: "map" (vLLM since array_like was dropped) or "array" (older vLLM).
     pub kv_events_format: String,
+    /// Whether each replica has a replay socket (vLLM's `kv_events_config.replay_endpoint`): a
+    /// ROUTER that resends its last messages from a number asked for.
+    pub kv_events_replay: bool,
+    /// Messages the replay socket keeps (vLLM's `kv_events_config.buffer_steps`).
+    pub kv_events_buffer_steps: usize,
     /// A `tokenizer.json` (byte-level BPE) to tokenize with; none: the hash tokenizer.
     pub tokenizer: Option<String>,
     /// A chat template to render chat prompts with, by kvroute's template module (the code the
@@ -65,6 +70,8 @@ impl Default for FleetSpec {
             time_scale: 1.0,
             kv_events_topic: "kv-events".into(),
             kv_events_format: "map".into(),
+            kv_events_replay: true,
+            kv_events_buffer_steps: 10_000,
             tokenizer: None,
             chat_template: None,
         }

@@ -1,7 +1,9 @@
-//! A minimal ZeroMQ PUB socket (ZMTP 3.0, NULL security) over tokio TCP.
+//! A minimal ZeroMQ PUB socket, and a ROUTER that answers each request (ZMTP 3.0, NULL
+//! security) over tokio TCP.
 //!
 //! Why not a ZeroMQ crate: a PUB socket only needs the greeting, the READY handshake,
-//! subscription messages and multipart frames, about two hundred lines; the pure-Rust
+//! subscription messages and multipart frames, about two hundred lines, and a ROUTER that only
+//! answers requests on the connection they came by needs no identities; the pure-Rust
 //! `zeromq` crate would add a dozen dependencies (regex, dashmap, futures...) to a build that
 //! must stay light. Interoperability with libzmq SUB sockets (pyzmq, the `zmq` crate used by
 //! vllm-router) was checked by hand; see sim/README.md.
@@ -9,7 +11,8 @@
 //! Semantics follow libzmq's PUB: a message goes to every connected subscriber whose
 //! subscription is a prefix of the first frame; subscribers that connect late miss earlier
 //! messages; a subscriber that falls `HWM` messages behind loses messages instead of
-//! slowing the publisher.
+//! slowing the publisher. The ROUTER's replies go back on the connection of the request; a
+//! peer sees them as libzmq's ROUTER would send them (the routing identity is the connection).
 
 use bytes::Bytes;
 use std::io;
@@ -205,14 +208,34 @@ async fn accept_subscriber(mut stream: TcpStream, peers: Arc<Mutex<Vec<Peer>>>) 
     read_subscriptions(reader, subscriptions).await
 }
 
+/// A multipart message on the wire: every frame but the last flagged MORE.
+pub fn encode_message<B: AsRef<[u8]>>(frames: &[B]) -> Vec<u8> {
+    let mut wire = Vec::new();
+    for (i, frame) in frames.iter().enumerate() {
+        let more = if i + 1 < frames.len() { FLAG_MORE } else { 0 };
+        wire.extend_from_slice(&encode_frame(frame.as_ref(), more));
+    }
+    wire
+}
+
+/// Reads one multipart message, skipping commands (a peer's PING, for one).
+pub async fn read_message<R: AsyncReadExt + Unpin>(r: &mut R) -> io::Result<Vec<Vec<u8>>> {
+    let mut frames = Vec::new();
+    loop {
+        let (flags, body) = read_frame(r).await?;
+        if flags & FLAG_COMMAND != 0 {
+            continue;
+        }
+        frames.push(body);
+        if flags & FLAG_MORE == 0 {
+            return Ok(frames);
+        }
+    }
+}
+
 async fn write_messages(mut writer: OwnedWriteHalf, mut rx: mpsc::Receiver<Message>) {
     while let Some(message) = rx.recv().await {
-        let mut wire = Vec::new();
-        for (i, frame) in message.iter().enumerate() {
-            let more = if i + 1 < message.len() { FLAG_MORE } else { 0 };
-            wire.extend_from_slice(&encode_frame(frame, more));
-        }
-        if writer.write_all(&wire).await.is_err() {
+        if writer.write_all(&encode_message(&message)).await.is_err() {
             return;
         }
     }
@@ -252,6 +275,72 @@ async fn read_subscriptions(
     }
 }
 
+/// How a ROUTER answers one request: the frames a peer sent (without a routing identity), and
+/// the messages to send back to it (none: the request is dropped).
+pub type Answer = dyn Fn(Vec<Vec<u8>>) -> Vec<Vec<Bytes>> + Send + Sync;
+
+/// Binds a ROUTER socket on `addr` and answers every request of its DEALER, REQ or ROUTER peers
+/// with `answer`'s messages, in the background.
+pub async fn bind_router(addr: SocketAddr, answer: Arc<Answer>) -> io::Result<SocketAddr> {
+    let listener = TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let answer = answer.clone();
+            tokio::spawn(async move {
+                // A failed handshake or a peer gone is the peer's problem; drop the connection.
+                let _ = serve_requests(stream, answer).await;
+            });
+        }
+    });
+    Ok(local)
+}
+
+async fn serve_requests(mut stream: TcpStream, answer: Arc<Answer>) -> io::Result<()> {
+    let _ = stream.set_nodelay(true);
+    let peer_type = handshake(&mut stream, "ROUTER").await?;
+    if !matches!(peer_type.as_str(), "DEALER" | "REQ" | "ROUTER") {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "ROUTER only accepts DEALER, REQ and ROUTER peers",
+        ));
+    }
+    loop {
+        let request = read_message(&mut stream).await?;
+        let mut wire = Vec::new();
+        for message in answer(request) {
+            wire.extend_from_slice(&encode_message(&message));
+        }
+        stream.write_all(&wire).await?;
+    }
+}
+
+/// A tiny DEALER client, for tests: sends requests to a ROUTER and reads its replies.
+pub struct DealerSocket {
+    stream: TcpStream,
+}
+
+impl DealerSocket {
+    pub async fn connect(addr: SocketAddr) -> io::Result<DealerSocket> {
+        let mut stream = TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        handshake(&mut stream, "DEALER").await?;
+        Ok(DealerSocket { stream })
+    }
+
+    pub async fn send(&mut self, frames: &[&[u8]]) -> io::Result<()> {
+        self.stream.write_all(&encode_message(frames)).await
+    }
+
+    /// Receives one multipart message.
+    pub async fn recv(&mut self) -> io::Result<Vec<Vec<u8>>> {
+        read_message(&mut self.stream).await
+    }
+}
+
 /// A tiny SUB client, enough for tests and the smoke check in sim/README.md.
 pub struct SubSocket {
     stream: TcpStream,
@@ -271,14 +360,7 @@ impl SubSocket {
 
     /// Receives one multipart message.
     pub async fn recv(&mut self) -> io::Result<Vec<Vec<u8>>> {
-        let mut frames = Vec::new();
-        loop {
-            let (flags, body) = read_frame(&mut self.stream).await?;
-            frames.push(body);
-            if flags & FLAG_MORE == 0 {
-                return Ok(frames);
-            }
-        }
+        read_message(&mut self.stream).await
     }
 }
 
@@ -321,6 +403,32 @@ mod tests {
             frames,
             vec![b"kv-events".to_vec(), b"12345678".to_vec(), big.to_vec()]
         );
+    }
+
+    async fn recv(s: &mut DealerSocket) -> Vec<Vec<u8>> {
+        let next = tokio::time::timeout(Duration::from_secs(2), s.recv()).await;
+        next.unwrap().unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_router_answers_each_request_on_its_own_connection() {
+        let echo: Arc<Answer> = Arc::new(|request: Vec<Vec<u8>>| {
+            let last = Bytes::from(request.last().cloned().unwrap_or_default());
+            vec![
+                vec![Bytes::new(), last.clone()],
+                vec![Bytes::new(), last, Bytes::from_static(b"end")],
+            ]
+        });
+        let addr = bind_router("127.0.0.1:0".parse().unwrap(), echo)
+            .await
+            .unwrap();
+        let mut a = DealerSocket::connect(addr).await.unwrap();
+        let mut b = DealerSocket::connect(addr).await.unwrap();
+        b.send(&[b"", b"to b"]).await.unwrap();
+        a.send(&[b"", b"to a"]).await.unwrap();
+        assert_eq!(recv(&mut a).await, vec![b"".to_vec(), b"to a".to_vec()]);
+        assert_eq!(recv(&mut a).await[2], b"end");
+        assert_eq!(recv(&mut b).await, vec![b"".to_vec(), b"to b".to_vec()]);
     }
 
     #[test]

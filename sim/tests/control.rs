@@ -72,6 +72,12 @@ async fn fail_rate_one_turns_every_generation_into_a_500() {
     );
     let bad = post(&control(&fleet, "/fleet/replica/0"), r#"{"fail_rate": 2}"#).await;
     assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    let bad = post(
+        &control(&fleet, "/fleet/replica/0"),
+        r#"{"drop_kv_events": -1}"#,
+    )
+    .await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
     assert_eq!(
         post(&control(&fleet, "/fleet/replica/9"), "{}")
             .await
@@ -171,6 +177,14 @@ fn binary_prints_one_json_line_and_exits_on_stdin_eof() {
         .as_str()
         .unwrap()
         .starts_with("tcp://127.0.0.1:"));
+    assert!(v["replicas"][2]["kv_events_replay"]
+        .as_str()
+        .unwrap()
+        .starts_with("tcp://127.0.0.1:"));
+    assert_ne!(
+        v["replicas"][2]["kv_events_replay"],
+        v["replicas"][2]["kv_events"]
+    );
     assert!(v["control"]
         .as_str()
         .unwrap()

@@ -1,11 +1,13 @@
 //! End-to-end: a request on a replica shows up as a BlockStored event on its ZMQ socket, a
 //! salted one with its `cache_salt` in the first block's extra keys, as vLLM publishes it (checked
-//! against vLLM's own classes when the vLLM venv `make vllm` installs is there).
+//! against vLLM's own classes when the vLLM venv `make vllm` installs is there); a message the
+//! stream dropped is resent by the replica's replay socket.
 
 mod common;
 
 use common::{fast_fleet, post};
-use kvroute_sim::zmtp::SubSocket;
+use kvroute_sim::kv_events::END_SEQ;
+use kvroute_sim::zmtp::{DealerSocket, SubSocket};
 use rmpv::Value;
 use serde_json::json;
 use std::path::PathBuf;
@@ -69,6 +71,56 @@ async fn request_publishes_block_stored_with_the_prompt_tokens() {
         field(event, "block_hashes").as_array().unwrap().len(),
         full / 16
     );
+}
+
+#[tokio::test]
+async fn a_message_dropped_from_the_stream_is_resent_by_the_replay_socket() {
+    let fleet = fast_fleet(1).await;
+    let replica = &fleet.replicas[0];
+    let addr = replica.kv_events_endpoint();
+    let addr = addr.strip_prefix("tcp://").unwrap().parse().unwrap();
+    let mut sub = SubSocket::connect(addr, b"kv-events").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let faults = format!("http://{}/fleet/replica/0", fleet.control_addr);
+    let set = post(&faults, r#"{"drop_kv_events": 1}"#).await.json();
+    assert_eq!(set["drop_kv_events"], 1);
+
+    let url = format!("{}/v1/completions", replica.url());
+    for text in ["first prompt ", "second prompt "] {
+        let body = json!({"prompt": text.repeat(20), "max_tokens": 1});
+        post(&url, &body.to_string()).await;
+    }
+    let frames = tokio::time::timeout(Duration::from_secs(10), sub.recv())
+        .await
+        .expect("the second message")
+        .unwrap();
+    assert_eq!(frames[1], 1u64.to_be_bytes(), "message 0 was dropped");
+    let second = first_event(&frames[2]);
+
+    let replay = replica
+        .kv_events_replay_endpoint()
+        .expect("a replay socket");
+    let replay = replay.strip_prefix("tcp://").unwrap().parse().unwrap();
+    let mut dealer = DealerSocket::connect(replay).await.unwrap();
+    dealer.send(&[b"", &0u64.to_be_bytes()]).await.unwrap();
+    let mut replayed = Vec::new();
+    loop {
+        let frames = tokio::time::timeout(Duration::from_secs(10), dealer.recv())
+            .await
+            .expect("a replay message")
+            .unwrap();
+        if frames[2] == END_SEQ {
+            assert_eq!(frames, [b"".to_vec(), vec![], END_SEQ.to_vec(), vec![]]);
+            break;
+        }
+        assert_eq!((&frames[0], &frames[1]), (&vec![], &b"kv-events".to_vec()));
+        replayed.push((frames[2].clone(), first_event(&frames[3])));
+    }
+    assert_eq!(replayed.len(), 2, "both messages: {replayed:?}");
+    assert_eq!(replayed[0].0, 0u64.to_be_bytes());
+    assert_eq!(field(&replayed[0].1, "type").as_str(), Some("BlockStored"));
+    assert_ne!(replayed[0].1, second);
+    assert_eq!(replayed[1], (1u64.to_be_bytes().to_vec(), second));
 }
 
 /// The payload of the next message on `sub`.
@@ -179,6 +231,52 @@ async fn a_salted_prompt_publishes_its_salt_as_the_first_blocks_extra_key() {
     assert!(
         out.status.success(),
         "vLLM's classes disagree: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test]
+async fn the_replay_socket_answers_a_libzmq_dealer_as_vllms_does() {
+    let python = vllm_venv().join("bin/python");
+    if !python.is_file() {
+        eprintln!(
+            "vLLM not installed at {} (make vllm): the replay socket is not checked against vLLM's",
+            vllm_venv().display()
+        );
+        return;
+    }
+    let fleet = fast_fleet(1).await;
+    let replica = &fleet.replicas[0];
+    let addr = replica.kv_events_endpoint();
+    let addr = addr.strip_prefix("tcp://").unwrap().parse().unwrap();
+    let mut sub = SubSocket::connect(addr, b"kv-events").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let body = json!({"prompt": "replayed prompt ".repeat(20), "max_tokens": 1});
+    post(
+        &format!("{}/v1/completions", replica.url()),
+        &body.to_string(),
+    )
+    .await;
+    next_payload(&mut sub).await;
+
+    let replay = replica
+        .kv_events_replay_endpoint()
+        .expect("a replay socket");
+    let script = workspace().join("tools/real/check-replay.py");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .arg(script)
+            .arg(&replay)
+            .arg("kv-events")
+            .output()
+            .expect("the vLLM venv's python starts")
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "the replay sockets differ: {}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );

@@ -1,6 +1,7 @@
 //! Precise mode's fixtures: a simulated fleet tokenizing with the repository's byte-level BPE and
-//! publishing vLLM's KV events, kvroute-indexers subscribed to it (in the test's process, or the
-//! built binary as a process of its own), and waits on what an indexer reports.
+//! publishing vLLM's KV events (with vLLM's replay socket), kvroute-indexers subscribed to it (in
+//! the test's process, or the built binary as a process of its own) with their default
+//! `--stale-after`, and waits on what an indexer reports.
 
 use kvroute_indexer::config::{Config as IndexerConfig, EngineSpec};
 use kvroute_sim::fleet::Fleet;
@@ -54,13 +55,13 @@ impl BpeFleet {
         BpeFleet { sim, tokenizer }
     }
 
-    /// An indexer's configuration following every replica (never stale on its own while the test
-    /// runs), listening on a free port of 127.0.0.1.
+    /// An indexer's configuration following every replica's KV events and replay socket (an
+    /// idle replica is probed there and stays fresh), listening on a free port of 127.0.0.1.
     pub fn indexer_config(&self) -> IndexerConfig {
         let engines = self.sim.replicas.iter().map(|r| EngineSpec {
             endpoint: r.addr.to_string(),
             events: r.kv_events_endpoint(),
-            replay: None,
+            replay: r.kv_events_replay_endpoint(),
             model: None,
         });
         following(self.tokenizer.clone(), MODEL, engines.collect(), 1 << 16)
@@ -172,18 +173,18 @@ pub struct IndexerProcess {
 }
 
 impl IndexerProcess {
-    /// Starts the binary on a free port with `config`'s tokenizer, model and engines, and waits
-    /// until it says where it listens.
+    /// Starts the binary on a free port with `config`'s tokenizer, model and engines (their
+    /// replay sockets too), and otherwise its defaults, and waits until it says where it listens.
     pub async fn start(config: &IndexerConfig) -> IndexerProcess {
         let mut args: Vec<String> = vec![
             format!("--tokenizer={}", config.tokenizer.display()),
             format!("--model={}", config.model),
             "--listen=127.0.0.1:0".into(),
-            "--stale-after=3600".into(),
-            "--gap-hold=3600".into(),
         ];
         for e in &config.engines {
-            args.push(format!("--engine={}={}", e.endpoint, e.events));
+            let replay = e.replay.as_ref().map(|r| format!(",replay={r}"));
+            let events = format!("{}={}{}", e.endpoint, e.events, replay.unwrap_or_default());
+            args.push(format!("--engine={events}"));
         }
         IndexerProcess::with_args(&args).await
     }
@@ -221,27 +222,21 @@ impl IndexerProcess {
 }
 
 /// An indexer's configuration following `engines`, keying for `model` in the filter's default
-/// chunk size, never calling an engine stale on its own while a test runs, listening on a free
-/// port of 127.0.0.1.
+/// chunk size, listening on a free port of 127.0.0.1, everything else the indexer's defaults
+/// (its `--stale-after` and `--gap-hold` too).
 pub fn following(
     tokenizer: PathBuf,
     model: &str,
     engines: Vec<EngineSpec>,
     feed_capacity: usize,
 ) -> IndexerConfig {
-    IndexerConfig {
-        listen: "127.0.0.1:0".parse().expect("address"),
-        tokenizer,
-        model: model.into(),
-        chunk_size: kvroute::config::Config::default().chunk_size,
-        engines,
-        topic: String::new(),
-        envoy_admin: None,
-        cluster: None,
-        kv_events_port: None,
-        replay_port: None,
-        stale_after: 3600.0,
-        gap_hold: 3600.0,
-        feed_capacity,
-    }
+    use clap::Parser;
+    let args = ["kvroute-indexer", "--listen=127.0.0.1:0", "--model", model];
+    let mut config = IndexerConfig::try_parse_from(args.into_iter().chain(["--tokenizer=t"]))
+        .expect("the indexer's command line");
+    config.tokenizer = tokenizer;
+    config.chunk_size = kvroute::config::Config::default().chunk_size;
+    config.engines = engines;
+    config.feed_capacity = feed_capacity;
+    config
 }

@@ -34,6 +34,13 @@ pub fn tokenizer_file() -> PathBuf {
     .clone()
 }
 
+/// The indexer's `--stale-after` when none is given.
+pub fn default_stale_after() -> f64 {
+    use clap::Parser;
+    let args = ["kvroute-indexer", "--tokenizer", "t.json", "--model", "m"];
+    Config::try_parse_from(args).unwrap().stale_after
+}
+
 /// An indexer on a free port for `engines` (`(endpoint, events url, replay url)`).
 pub async fn indexer(
     engines: &[(String, String, Option<String>)],
