@@ -3,7 +3,6 @@
 
 use std::cell::RefCell;
 
-use crate::affinity::Match;
 use crate::engine_index::{EngineIndex, Status};
 use crate::policy::OverloadBound;
 use crate::policy::{Candidate, Input};
@@ -34,13 +33,11 @@ impl EngineHolders {
         }
     }
 
-    /// Who holds the longest prefix of the request, while the index is fresh: the endpoints
-    /// whose engines hold the longest prefix any engine holds; or, where this gateway sent a
-    /// deeper prefix of the request's history (`sent`, from its prefix index) so lately that the
-    /// engine may not have reported it yet (within the index's `max_age_ms`), where it sent it.
-    /// A prefix covering less than `cache_threshold` of the request (a short preamble many
-    /// groups share) gives none: the request is placed as without the index.
-    pub fn lookup(&self, input: &Input, sent: Option<&Match>) -> Option<Held> {
+    /// The endpoints whose engines hold the longest prefix of the request any engine holds, if
+    /// that prefix covers at least `cache_threshold` of the request and the index is fresh. A
+    /// prefix no engine holds, or a shallow one (a short preamble many groups share), gives none:
+    /// the request is placed as without the index.
+    pub fn lookup(&self, input: &Input) -> Option<Held> {
         let now = input.now_ms;
         let mut cached = self.status.borrow_mut();
         if cached
@@ -53,36 +50,19 @@ impl EngineHolders {
             .0
             .as_ref()
             .filter(|s| s.fresh(now, self.max_age_ms))?;
-        let keys = input.keys;
-        let reported = EngineIndex::new(input.store, self.capacity)
-            .longest_match(&keys.keys, status)
-            .map(|(depth, holders)| Held {
-                holders,
-                depth,
-                history: depth > keys.head_chunks,
-            });
-        let pending = sent
-            .filter(|m| {
-                m.depth > keys.head_chunks
-                    && reported.as_ref().is_none_or(|r| m.depth > r.depth)
-                    && now.saturating_sub(m.record.stamp_ms) <= self.max_age_ms
-            })
-            .map(|m| Held {
-                holders: m.record.holders.clone(),
-                depth: m.depth,
-                history: true,
-            });
-        pending
-            .or(reported)
-            .filter(|h| (h.depth as f64) >= self.cache_threshold * keys.keys.len() as f64)
+        let keys = &input.keys.keys;
+        let (depth, holders) =
+            EngineIndex::new(input.store, self.capacity).longest_match(keys, status)?;
+        ((depth as f64) >= self.cache_threshold * keys.len() as f64).then_some(Held {
+            holders,
+            history: depth > input.keys.head_chunks,
+        })
     }
 }
 
-/// Who holds a request's longest prefix, in precise mode.
+/// Who holds a request's longest engine-held prefix.
 pub struct Held {
     pub holders: Vec<u32>,
-    /// How many of the request's chunk keys the prefix covers.
-    pub depth: usize,
     /// The prefix reaches past the request's head into its conversation's history.
     pub history: bool,
 }

@@ -20,8 +20,7 @@
 //!   drains;
 //! - every endpoint overloaded: the least loaded (`balance`);
 //! - in precise mode, last: instead of that pick, the least-loaded endpoint whose engine reports
-//!   holding the request's longest prefix (or that this gateway sent a deeper part of its history
-//!   to, too lately for the engine to have reported it), if that prefix covers at least `cache_threshold` of the
+//!   holding the request's longest prefix, if that prefix covers at least `cache_threshold` of the
 //!   request, the engine index is fresh, and its load is within the pick's band: `rel` × the
 //!   pick's load + `abs` for a conversation's history, the pick's load + `abs` for a group's head
 //!   ([`engine_prefix`]; `engine`).
@@ -120,10 +119,7 @@ impl Policy for CacheAware {
         };
         let placed = pipeline::pick(&scoring, &self.filters, &self.scorers)
             .unwrap_or_else(|| (least_loaded(candidates, group), Decision::Balance));
-        let held = self
-            .engine
-            .as_ref()
-            .and_then(|e| e.lookup(input, matched.as_ref()));
+        let held = self.engine.as_ref().and_then(|e| e.lookup(input));
         let engine = held.and_then(|h| {
             engine_prefix::instead_of(placed.0, &h, candidates, &order, &self.overload)
         });
