@@ -429,6 +429,14 @@ fn everything_overloaded_balances() {
     assert_eq!((p.index, p.decision), (1, Decision::Balance));
 }
 
+/// Four idle candidates, the home of `keys`'s group and the candidate after it.
+fn home_and_next(keys: &PrefixKeys) -> (Vec<Candidate<'static>>, usize, usize) {
+    let c = candidates(&[0, 0, 0, 0]);
+    let home = order(&c, keys)[0];
+    let next = (home + 1) % c.len();
+    (c, home, next)
+}
+
 /// A policy reading an engine index, and an index where `holder` (a candidate's address) holds
 /// the first `depth` keys of `keys`, as the indexer answered at `now`.
 fn indexed(
@@ -454,10 +462,8 @@ fn indexed(
 
 #[test]
 fn the_endpoint_whose_engine_holds_the_prefix_wins_over_the_home() {
-    let c = candidates(&[0, 0, 0, 0]);
     let keys = follow_up("g", "an earlier turn and a new question");
-    let home = order(&c, &keys)[0];
-    let other = (home + 1) % c.len();
+    let (c, home, other) = home_and_next(&keys);
     let store = MemoryStore::new();
     let p = indexed(&store, &keys, c[other].addr, keys.keys.len() - 1, 1);
     let pick = p.pick(&c, &input(&keys, &store)).unwrap();
@@ -471,13 +477,11 @@ fn the_endpoint_whose_engine_holds_the_prefix_wins_over_the_home() {
 
 #[test]
 fn a_stale_index_or_a_shallow_match_leaves_the_request_to_its_home() {
-    let c = candidates(&[0, 0, 0, 0]);
     let keys = ask(
         "g",
         "a question long enough to span several chunks of its own",
     );
-    let home = order(&c, &keys)[0];
-    let other = (home + 1) % c.len();
+    let (c, home, other) = home_and_next(&keys);
     let store = MemoryStore::new();
     // A shared preamble: one chunk of many.
     let shallow = indexed(&store, &keys, c[other].addr, 1, 1);
@@ -496,10 +500,8 @@ fn a_stale_index_or_a_shallow_match_leaves_the_request_to_its_home() {
 
 #[test]
 fn a_holder_off_home_wins_only_within_the_homes_load_band() {
-    let c = candidates(&[0, 0, 0, 0]);
     let keys = follow_up("g", "an earlier turn and a new question");
-    let home = order(&c, &keys)[0];
-    let other = (home + 1) % c.len();
+    let (c, home, other) = home_and_next(&keys);
     let store = MemoryStore::new();
     let p = indexed(&store, &keys, c[other].addr, keys.keys.len() - 1, 1);
     let pick_at = |loads: &[(usize, u64)], queueing: usize| {
@@ -531,10 +533,8 @@ fn a_holder_off_home_wins_only_within_the_homes_load_band() {
 
 #[test]
 fn with_every_endpoint_overloaded_a_holder_near_the_least_load_takes_the_request() {
-    let c = candidates(&[0, 0, 0, 0]);
     let keys = follow_up("g", "an earlier turn and a new question");
-    let home = order(&c, &keys)[0];
-    let holder = (home + 1) % c.len();
+    let (c, home, holder) = home_and_next(&keys);
     let store = MemoryStore::new();
     let p = indexed(&store, &keys, c[holder].addr, keys.keys.len() - 1, 1);
     let pick_at = |holder_load: u64| {
@@ -559,10 +559,8 @@ fn with_every_endpoint_overloaded_a_holder_near_the_least_load_takes_the_request
 
 #[test]
 fn where_the_home_holds_the_prefix_too_the_home_keeps_it_however_busy_the_others_are_not() {
-    let mut c = candidates(&[0, 0, 0, 0]);
     let keys = follow_up("g", "an earlier turn and a new question");
-    let home = order(&c, &keys)[0];
-    let other = (home + 1) % c.len();
+    let (mut c, home, other) = home_and_next(&keys);
     let store = MemoryStore::new();
     let held = |e: usize| keys.keys.iter().map(move |&k| (e, 1, k));
     let feed = crate::engine_index::Feed {
@@ -584,10 +582,8 @@ fn where_the_home_holds_the_prefix_too_the_home_keeps_it_however_busy_the_others
 
 #[test]
 fn a_groups_head_held_off_home_keeps_requests_only_within_abs_of_the_home() {
-    let c = candidates(&[0, 0, 0, 0]);
     let keys = ask("g", "a new question");
-    let home = order(&c, &keys)[0];
-    let other = (home + 1) % c.len();
+    let (c, home, other) = home_and_next(&keys);
     let store = MemoryStore::new();
     let p = indexed(&store, &keys, c[other].addr, keys.head_chunks, 1);
     let pick_at = |home_load: u64, other_load: u64| {
