@@ -534,7 +534,7 @@ fn a_holder_off_home_wins_only_within_the_homes_load_band() {
 #[test]
 fn with_every_endpoint_overloaded_a_holder_near_the_least_load_takes_the_request() {
     let keys = follow_up("g", "an earlier turn and a new question");
-    let (c, home, holder) = home_and_next(&keys);
+    let (c, _, holder) = home_and_next(&keys);
     let store = MemoryStore::new();
     let p = indexed(&store, &keys, c[holder].addr, keys.keys.len() - 1, 1);
     let pick_at = |holder_load: u64| {
