@@ -6,6 +6,7 @@
 mod common;
 
 use common::{fast_fleet, post};
+use kvroute_sim::fleet::ReplicaHandle;
 use kvroute_sim::kv_events::END_SEQ;
 use kvroute_sim::zmtp::{DealerSocket, SubSocket};
 use rmpv::Value;
@@ -21,13 +22,19 @@ fn field<'a>(event: &'a Value, key: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no {key} in {event}"))
 }
 
+/// A subscriber to `replica`'s KV events, given a moment to join before anything is published.
+async fn subscribed(replica: &ReplicaHandle) -> SubSocket {
+    let sub = SubSocket::connect(replica.kv_events_addr, b"kv-events")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    sub
+}
+
 #[tokio::test]
 async fn request_publishes_block_stored_with_the_prompt_tokens() {
     let fleet = fast_fleet(1).await;
-    let endpoint = fleet.replicas[0].kv_events_endpoint();
-    let addr = endpoint.strip_prefix("tcp://").unwrap().parse().unwrap();
-    let mut sub = SubSocket::connect(addr, b"kv-events").await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut sub = subscribed(&fleet.replicas[0]).await;
 
     let base = fleet.replicas[0].url();
     let prompt = "alpha beta gamma delta ".repeat(10);
@@ -77,10 +84,7 @@ async fn request_publishes_block_stored_with_the_prompt_tokens() {
 async fn a_message_dropped_from_the_stream_is_resent_by_the_replay_socket() {
     let fleet = fast_fleet(1).await;
     let replica = &fleet.replicas[0];
-    let addr = replica.kv_events_endpoint();
-    let addr = addr.strip_prefix("tcp://").unwrap().parse().unwrap();
-    let mut sub = SubSocket::connect(addr, b"kv-events").await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut sub = subscribed(replica).await;
     let faults = format!("http://{}/fleet/replica/0", fleet.control_addr);
     let set = post(&faults, r#"{"drop_kv_events": 1}"#).await.json();
     assert_eq!(set["drop_kv_events"], 1);
@@ -97,10 +101,7 @@ async fn a_message_dropped_from_the_stream_is_resent_by_the_replay_socket() {
     assert_eq!(frames[1], 1u64.to_be_bytes(), "message 0 was dropped");
     let second = first_event(&frames[2]);
 
-    let replay = replica
-        .kv_events_replay_endpoint()
-        .expect("a replay socket");
-    let replay = replay.strip_prefix("tcp://").unwrap().parse().unwrap();
+    let replay = replica.kv_events_replay_addr.expect("a replay socket");
     let mut dealer = DealerSocket::connect(replay).await.unwrap();
     dealer.send(&[b"", &0u64.to_be_bytes()]).await.unwrap();
     let mut replayed = Vec::new();
@@ -154,10 +155,7 @@ fn workspace() -> PathBuf {
 #[tokio::test]
 async fn a_salted_prompt_publishes_its_salt_as_the_first_blocks_extra_key() {
     let fleet = fast_fleet(1).await;
-    let endpoint = fleet.replicas[0].kv_events_endpoint();
-    let addr = endpoint.strip_prefix("tcp://").unwrap().parse().unwrap();
-    let mut sub = SubSocket::connect(addr, b"kv-events").await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut sub = subscribed(&fleet.replicas[0]).await;
 
     let base = fleet.replicas[0].url();
     let prompt = "alpha beta gamma delta ".repeat(10);
@@ -248,10 +246,7 @@ async fn the_replay_socket_answers_a_libzmq_dealer_as_vllms_does() {
     }
     let fleet = fast_fleet(1).await;
     let replica = &fleet.replicas[0];
-    let addr = replica.kv_events_endpoint();
-    let addr = addr.strip_prefix("tcp://").unwrap().parse().unwrap();
-    let mut sub = SubSocket::connect(addr, b"kv-events").await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut sub = subscribed(replica).await;
     let body = json!({"prompt": "replayed prompt ".repeat(20), "max_tokens": 1});
     post(
         &format!("{}/v1/completions", replica.url()),
