@@ -9,22 +9,30 @@
 mod common;
 
 use common::precise::{body, eventually, keys_held, post, BpeFleet, CHATML};
+use kvroute_harness::Envoy;
 use serde_json::json;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_replica_whose_engine_cached_the_prompt_draws_it_until_it_evicts_it() {
-    let fleet = BpeFleet::start(3, "precise-e2e").await;
-    let sim = &fleet.sim;
+/// Three replicas, an indexer following them (once it has heard each) and Envoy with kvroute
+/// polling it, rendering with the engines' template: the fleet, the indexer (running while held),
+/// its URL and Envoy.
+async fn following(name: &str) -> (BpeFleet, kvroute_indexer::Running, String, Envoy) {
+    let fleet = BpeFleet::start(3, name).await;
     let indexer = kvroute_indexer::start(fleet.indexer_config())
         .await
         .expect("indexer starts");
     let index_url = format!("http://{}", indexer.addr);
     fleet.until_heard(std::slice::from_ref(&index_url)).await;
-
-    let backends = sim.replicas.iter().map(|r| r.addr).collect();
+    let backends = fleet.sim.replicas.iter().map(|r| r.addr).collect();
     let config = json!({"debug_header": true, "stats_interval_ms": 200,
                         "index_cluster": "kvroute_indexer", "chat_template": CHATML});
     let envoy = common::kvroute_with_indexer(backends, indexer.addr, config).await;
+    (fleet, indexer, index_url, envoy)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replica_whose_engine_cached_the_prompt_draws_it_until_it_evicts_it() {
+    let (fleet, _indexer, index_url, envoy) = following("precise-e2e").await;
+    let sim = &fleet.sim;
 
     // Each of three prompts cached by a replica chosen here, not by kvroute: each goes there.
     for (n, r) in sim.replicas.iter().enumerate() {
@@ -56,18 +64,8 @@ async fn the_replica_whose_engine_cached_the_prompt_draws_it_until_it_evicts_it(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_salted_prompt_draws_its_tenants_next_request_only() {
-    let fleet = BpeFleet::start(3, "precise-e2e-salt").await;
+    let (fleet, _indexer, index_url, envoy) = following("precise-e2e-salt").await;
     let sim = &fleet.sim;
-    let indexer = kvroute_indexer::start(fleet.indexer_config())
-        .await
-        .expect("indexer starts");
-    let index_url = format!("http://{}", indexer.addr);
-    fleet.until_heard(std::slice::from_ref(&index_url)).await;
-
-    let backends = sim.replicas.iter().map(|r| r.addr).collect();
-    let config = json!({"debug_header": true, "stats_interval_ms": 200,
-                        "index_cluster": "kvroute_indexer", "chat_template": CHATML});
-    let envoy = common::kvroute_with_indexer(backends, indexer.addr, config).await;
     let salted = |salt: &str| {
         let mut b = body("tenant shop");
         b["cache_salt"] = json!(salt);
