@@ -134,22 +134,8 @@ async fn envoy_starts_again_when_its_port_was_taken() {
                 listener_port
             };
             listeners.push(listener_port);
-            bootstrap::render(
-                &shipped,
-                &bootstrap::Patch {
-                    admin_port,
-                    listener_port,
-                    backends: &addrs,
-                    lb: &Lb::RoundRobin,
-                    wasm: None,
-                    health_check_interval: None,
-                    active_health_checks: false,
-                    wasm_plugin_like: false,
-                    admin_target: None,
-                    indexer: None,
-                    name_upstream: false,
-                },
-            )
+            let patch = bootstrap::Patch::new(admin_port, listener_port, &addrs, &Lb::RoundRobin);
+            bootstrap::render(&shipped, &patch)
         },
         EnvoyOptions::default(),
     )

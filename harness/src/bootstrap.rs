@@ -41,6 +41,32 @@ pub struct Patch<'a> {
     pub name_upstream: bool,
 }
 
+impl<'a> Patch<'a> {
+    /// The ports, the backends and the LB policy, nothing else changed: no filter, the shipped
+    /// health-check interval, no active health checks, the filter loaded as shipped, the admin
+    /// and indexer clusters as shipped, no upstream named.
+    pub fn new(
+        admin_port: u16,
+        listener_port: u16,
+        backends: &'a [SocketAddr],
+        lb: &'a Lb,
+    ) -> Self {
+        Patch {
+            admin_port,
+            listener_port,
+            backends,
+            lb,
+            wasm: None,
+            health_check_interval: None,
+            active_health_checks: false,
+            wasm_plugin_like: false,
+            admin_target: None,
+            indexer: None,
+            name_upstream: false,
+        }
+    }
+}
+
 /// Response header naming the upstream address that answered, where [`Patch::name_upstream`].
 pub const UPSTREAM_HEADER: &str = "x-bench-upstream";
 
@@ -276,17 +302,10 @@ mod tests {
             "127.0.0.1:7002".parse().unwrap(),
         ];
         let patch = Patch {
-            admin_port: 5001,
-            listener_port: 5002,
-            backends: &backends,
-            lb,
             wasm: Some(Path::new("/x/kvroute.wasm")),
             health_check_interval: Some(Duration::from_millis(200)),
             active_health_checks,
-            wasm_plugin_like: false,
-            admin_target: None,
-            indexer: None,
-            name_upstream: false,
+            ..Patch::new(5001, 5002, &backends, lb)
         };
         serde_yaml::from_str(&render(&shipped(), &patch).unwrap()).unwrap()
     }
@@ -296,17 +315,8 @@ mod tests {
         let backends = ["127.0.0.1:7001".parse().unwrap()];
         let render_as = |name_upstream| {
             let patch = Patch {
-                admin_port: 5001,
-                listener_port: 5002,
-                backends: &backends,
-                lb: &Lb::RoundRobin,
-                wasm: None,
-                health_check_interval: None,
-                active_health_checks: false,
-                wasm_plugin_like: false,
-                admin_target: None,
-                indexer: None,
                 name_upstream,
+                ..Patch::new(5001, 5002, &backends, &Lb::RoundRobin)
             };
             render(&shipped(), &patch).unwrap()
         };
@@ -324,17 +334,10 @@ mod tests {
         };
         let render_as = |wasm_plugin_like| {
             let patch = Patch {
-                admin_port: 5001,
-                listener_port: 5002,
-                backends: &backends,
-                lb: &lb,
                 wasm: Some(Path::new("/x/kvroute.wasm")),
-                health_check_interval: None,
                 active_health_checks: true,
                 wasm_plugin_like,
-                admin_target: None,
-                indexer: None,
-                name_upstream: false,
+                ..Patch::new(5001, 5002, &backends, &lb)
             };
             render(&shipped(), &patch).unwrap()
         };
