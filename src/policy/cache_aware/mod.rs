@@ -19,8 +19,9 @@
 //!   so a hot group grows onto a few replicas, always the same ones, and comes back home when it
 //!   drains;
 //! - every endpoint overloaded: the least loaded (`balance`);
-//! - in precise mode, last: instead of that pick, the least-loaded endpoint whose engine reports
-//!   holding the request's longest prefix, if that prefix covers at least `cache_threshold` of the
+//! - in precise mode, last: where the engines report holding the request's longest prefix and
+//!   the pick's engine is not a holder, instead of that pick the least-loaded holder, if the prefix
+//!   covers at least `cache_threshold` of the
 //!   request, the engine index is fresh, and its load is within the pick's band: `rel` × the
 //!   pick's load + `abs` for a conversation's history, the pick's load + `abs` for a group's head
 //!   ([`engine_prefix`]; `engine`).
