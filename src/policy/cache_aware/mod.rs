@@ -21,10 +21,9 @@
 //! - every endpoint overloaded: the least loaded (`balance`);
 //! - in precise mode, last: where the engines report holding the request's longest prefix and
 //!   the pick's engine is not a holder, instead of that pick the least-loaded holder, if the prefix
-//!   covers at least `cache_threshold` of the
-//!   request, the engine index is fresh, and its load is within the pick's band: `rel` × the
-//!   pick's load + `abs` for a conversation's history, the pick's load + `abs` for a group's head
-//!   ([`engine_prefix`]; `engine`).
+//!   covers at least `cache_threshold` of the request, the engine index is fresh, and its load
+//!   is within the pick's band: `rel` × the pick's load + `abs` for a conversation's history, the
+//!   pick's load + `abs` for a group's head ([`engine_prefix`]; `engine`).
 //!
 //! The prefix index records which endpoint served which prefix, settled by the engines' reports
 //! once each response is in ([`PrefixIndex::answered`]).
