@@ -162,30 +162,6 @@ impl<'s, S: SharedStore + ?Sized> EngineIndex<'s, S> {
         slots::longest(keys.len(), 0, |i| self.holders(keys[i], status))
     }
 
-    /// How many leading `keys` each of `ids` holds (0: none): the longest match and its holders,
-    /// then the longest match among the others, and so on, `levels` times at most (a request's
-    /// prefixes are held at few depths: its conversation's history, its group's head).
-    pub fn depths(&self, keys: &[u64], status: &Status, ids: &[u32], levels: usize) -> Vec<usize> {
-        let mut depths = vec![0; ids.len()];
-        let mut below = keys.len();
-        for _ in 0..levels {
-            let unmatched = |h: &u32| ids.iter().zip(&depths).any(|(id, &d)| id == h && d == 0);
-            let found = slots::longest(below, 0, |i| {
-                let holders = self.holders(keys[i], status)?;
-                let holders: Vec<u32> = holders.into_iter().filter(|h| unmatched(h)).collect();
-                (!holders.is_empty()).then_some(holders)
-            });
-            let Some((depth, holders)) = found else { break };
-            for (id, d) in ids.iter().zip(depths.iter_mut()) {
-                if holders.contains(id) {
-                    *d = depth;
-                }
-            }
-            below = depth - 1;
-        }
-        depths
-    }
-
     /// Applies one answer of the feed, at `now_ms`, and records the new status. Changes are
     /// grouped by slot, so a slot costs one read-modify-write however many of its keys changed.
     pub fn apply(&self, feed: &Feed, now_ms: u64) -> Result<Applied, FeedError> {
@@ -349,24 +325,6 @@ mod tests {
         assert_eq!(index.longest_match(&[1, 2, 8], &s), Some((2, vec![a, b])));
         assert_eq!(index.longest_match(&[6, 7], &s), None);
         assert_eq!(index.longest_match(&[], &s), None);
-    }
-
-    #[test]
-    fn each_endpoint_is_found_with_the_depth_it_holds() {
-        let store = MemoryStore::new();
-        let index = EngineIndex::new(&store, 1024);
-        let changes: Vec<_> = (1..=5)
-            .map(|k| (0, 1, k))
-            .chain((1..=2).map(|k| (1, 1, k)))
-            .collect();
-        index.apply(&feed(7, 1, true, &changes), 100).unwrap();
-        let s = status(&store);
-        let (a, b, c) = (endpoint_id(A), endpoint_id(B), 3);
-        let keys = [1, 2, 3, 4, 9];
-        assert_eq!(index.depths(&keys, &s, &[c, b, a], 3), vec![0, 2, 4]);
-        assert_eq!(index.depths(&keys, &s, &[c, b, a], 1), vec![0, 0, 4]);
-        assert_eq!(index.depths(&[1, 2], &s, &[a, b], 3), vec![2, 2]);
-        assert_eq!(index.depths(&[6, 7], &s, &[a, b], 3), vec![0, 0]);
     }
 
     #[test]

@@ -1,9 +1,8 @@
-//! Precise mode's signal: how much of a request each endpoint's engine holds, from the engine
-//! index ([`engine_index`](crate::engine_index)), and where that sends the request.
+//! Precise mode's signal: which endpoints' engines hold the longest prefix of a request, from the
+//! engine index ([`engine_index`](crate::engine_index)), and where that sends a request.
 
 use std::cell::RefCell;
 
-use crate::affinity::Match;
 use crate::engine_index::{EngineIndex, Status};
 use crate::policy::OverloadBound;
 use crate::policy::{Candidate, Input};
@@ -34,16 +33,11 @@ impl EngineHolders {
         }
     }
 
-    /// How many of the request's leading chunk keys each candidate holds, while the index is
-    /// fresh: what its engine reports, or, where this gateway sent a deeper prefix there so lately
-    /// (within the index's `max_age_ms`) that the engine may not have reported it yet (`sent`,
-    /// from the prefix index), that prefix.
-    pub fn depths(
-        &self,
-        input: &Input,
-        candidates: &[Candidate],
-        sent: Option<&Match>,
-    ) -> Option<Depths> {
+    /// The endpoints whose engines hold the longest prefix of the request any engine holds, if
+    /// that prefix covers at least `cache_threshold` of the request and the index is fresh. A
+    /// prefix no engine holds, or a shallow one (a short preamble many groups share), gives none:
+    /// the request is placed as without the index.
+    pub fn lookup(&self, input: &Input) -> Option<Held> {
         let now = input.now_ms;
         let mut cached = self.status.borrow_mut();
         if cached
@@ -57,62 +51,50 @@ impl EngineHolders {
             .as_ref()
             .filter(|s| s.fresh(now, self.max_age_ms))?;
         let keys = &input.keys.keys;
-        let ids: Vec<u32> = candidates.iter().map(|c| c.id).collect();
-        let mut held =
-            EngineIndex::new(input.store, self.capacity).depths(keys, status, &ids, LEVELS);
-        let lately = sent.filter(|m| now.saturating_sub(m.record.stamp_ms) <= self.max_age_ms);
-        if let Some(m) = lately {
-            for (d, id) in held.iter_mut().zip(&ids) {
-                if m.record.holders.contains(id) {
-                    *d = (*d).max(m.depth);
-                }
-            }
-        }
-        let least = (self.cache_threshold * keys.len() as f64).ceil().max(1.0) as usize;
-        Some(Depths { held, least })
+        let (depth, holders) =
+            EngineIndex::new(input.store, self.capacity).longest_match(keys, status)?;
+        ((depth as f64) >= self.cache_threshold * keys.len() as f64).then_some(Held {
+            holders,
+            history: depth > input.keys.head_chunks,
+        })
     }
 }
 
-/// Depths of the longest match [`EngineIndex::depths`] looks for: a request's prefixes are
-/// held at few depths (its conversation's history, its group's head, a preamble many share).
-const LEVELS: usize = 3;
-
-/// What each candidate holds of a request.
-pub struct Depths {
-    /// Leading chunk keys held, by candidate.
-    pub held: Vec<usize>,
-    /// The fewest that count as a hit (`cache_threshold` of the request's keys): less, a short
-    /// preamble many groups share, is left to placement.
-    pub least: usize,
+/// Who holds a request's longest engine-held prefix.
+pub struct Held {
+    pub holders: Vec<u32>,
+    /// The prefix reaches past the request's head into its conversation's history.
+    pub history: bool,
 }
 
-/// Where precise mode sends the request instead of `placed`, the endpoint the stages picked
-/// without the engine index: a hit saves the prefill of what the endpoint holds, and is worth
-/// at most `band.abs` requests of queue over the least loaded endpoint. Among the endpoints
-/// within that load, those holding the most of the request; of them the least loaded (ties to
-/// `placed`, then to the earliest in the group's `order`), so the conversations of a group whose
-/// head several engines hold spread over them by load. `None` (the stages' pick stands) where
-/// none within that load holds at least `depths.least` keys: a new group is placed.
+/// The endpoint precise mode sends the request to instead of `placed`, the one the stages picked
+/// without the engine index, when the engines hold the request's longest prefix: `placed` itself
+/// if it is a holder; else the least loaded holder (ties to the earliest in the group's `order`)
+/// if its load (running and waiting) is within `placed`'s band. A hit saves the request's
+/// prefill, which is worth some wait, not any wait, and how much depends on what it saves:
+/// - a conversation's history is the request's alone, and nowhere else can it be had without
+///   computing it again: its holder keeps it within `rel` × `placed`'s load + `abs`;
+/// - a group's head is one prefill away on its home, where placement puts the group (or, where
+///   the group is split, this conversation): its holder keeps it only within `abs` of `placed`'s
+///   load, so a group first served where the balanced assignment would not put it moves home
+///   once its traffic weighs on that holder, and a split group's conversations reach their homes.
 pub fn instead_of(
     placed: usize,
-    depths: &Depths,
+    held: &Held,
     candidates: &[Candidate],
     order: &[usize],
     band: &OverloadBound,
 ) -> Option<usize> {
-    let least_load = candidates.iter().map(|c| c.load).min()?;
-    let within = |i: &usize| candidates[*i].load <= least_load + band.abs;
-    let best = order
-        .iter()
-        .filter(|i| within(i))
-        .map(|&i| depths.held[i])
-        .max()?;
-    if best < depths.least {
-        return None;
+    let holds = |i: usize| held.holders.contains(&candidates[i].id);
+    if holds(placed) {
+        return Some(placed);
     }
-    let best_of = |i: &usize| within(i) && depths.held[*i] == best;
-    std::iter::once(placed)
-        .chain(order.iter().copied())
-        .filter(best_of)
-        .min_by_key(|&i| candidates[i].load)
+    let load = |i: usize| candidates[i].load as f64;
+    let holder = order
+        .iter()
+        .copied()
+        .filter(|&i| holds(i))
+        .min_by_key(|&i| candidates[i].load)?;
+    let rel = if held.history { band.rel } else { 1.0 };
+    (load(holder) <= rel * load(placed) + band.abs as f64).then_some(holder)
 }

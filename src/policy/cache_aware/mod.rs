@@ -19,10 +19,11 @@
 //!   so a hot group grows onto a few replicas, always the same ones, and comes back home when it
 //!   drains;
 //! - every endpoint overloaded: the least loaded (`balance`);
-//! - in precise mode, last, over that pick: where the engines (or this gateway's sends too recent
-//!   for the engines to have reported) hold at least `cache_threshold` of the request and the
-//!   engine index is fresh, among the endpoints within `abs` of the least load, the least loaded
-//!   of those holding the most of the request, the pick on a tie ([`engine_prefix`]; `engine`).
+//! - in precise mode, last: where the engines report holding the request's longest prefix and
+//!   the pick's engine is not a holder, instead of that pick the least-loaded holder, if the prefix
+//!   covers at least `cache_threshold` of the request, the engine index is fresh, and its load
+//!   is within the pick's band: `rel` × the pick's load + `abs` for a conversation's history, the
+//!   pick's load + `abs` for a group's head ([`engine_prefix`]; `engine`).
 //!
 //! The prefix index records which endpoint served which prefix, settled by the engines' reports
 //! once each response is in ([`PrefixIndex::answered`]).
@@ -84,8 +85,8 @@ impl CacheAware {
         }
     }
 
-    /// Precise mode: sends a request where the engines hold the most of it, within `abs` of the
-    /// least load ([`engine_prefix::instead_of`]).
+    /// Precise mode: sends a request where the engines hold its longest prefix, if that endpoint
+    /// is within the band of the one the stages pick ([`engine_prefix::instead_of`]).
     pub fn with_engine_index(mut self, engine: EngineHolders) -> Self {
         self.engine = Some(engine);
         self
@@ -118,10 +119,9 @@ impl Policy for CacheAware {
         };
         let placed = pipeline::pick(&scoring, &self.filters, &self.scorers)
             .unwrap_or_else(|| (least_loaded(candidates, group), Decision::Balance));
-        let depths =
-            (self.engine.as_ref()).and_then(|e| e.depths(input, candidates, matched.as_ref()));
-        let engine = depths.and_then(|d| {
-            engine_prefix::instead_of(placed.0, &d, candidates, &order, &self.overload)
+        let held = self.engine.as_ref().and_then(|e| e.lookup(input));
+        let engine = held.and_then(|h| {
+            engine_prefix::instead_of(placed.0, &h, candidates, &order, &self.overload)
         });
         let (index, decision) = engine.map_or(placed, |h| (h, Decision::Engine));
         Some(Pick {
