@@ -14,6 +14,7 @@ use common::{
 };
 use kvroute::prefix::{PrefixKeys, Shape};
 use kvroute_indexer::token_bytes::TokenBytes;
+use kvroute_indexer::Running;
 use kvroute_sim::bpe::Vocab;
 use kvroute_sim::fleet::Fleet;
 use kvroute_sim::spec::FleetSpec;
@@ -104,6 +105,15 @@ async fn settle(fleet: &Fleet, bases: &[String]) {
     }
 }
 
+/// An indexer (`--stale-after` `stale_after`) following every replica of `fleet`, settled
+/// ([`settle`]): it, and its base URL.
+async fn following(fleet: &Fleet, stale_after: f64) -> (Running, String) {
+    let idx = indexer(&engines(fleet), CHUNK, stale_after).await;
+    let base = format!("http://{}", idx.addr);
+    settle(fleet, std::slice::from_ref(&base)).await;
+    (idx, base)
+}
+
 /// A long chat whose text has multi-byte characters everywhere.
 fn chat(tag: &str) -> Value {
     let system: String = (0..120)
@@ -189,9 +199,7 @@ async fn held_becomes(base: &str, endpoint: &str, want: &BTreeSet<u64>) -> FeedC
 
 async fn keys_match_the_rendered_prompt(block: usize, format: &str) {
     let fleet = fleet_in(2, block, 1 << 20, format).await;
-    let idx = indexer(&engines(&fleet), CHUNK, default_stale_after()).await;
-    let base = format!("http://{}", idx.addr);
-    settle(&fleet, std::slice::from_ref(&base)).await;
+    let (_idx, base) = following(&fleet, default_stale_after()).await;
     let bytes = covered(&fleet, 0, &chat("a"), block).await;
     let want = keys(&bytes);
     let (a, b) = (
@@ -241,9 +249,7 @@ fn salted_chat(tag: &str, salt: &str) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_salted_prompts_are_held_under_its_salts_keys() {
     let fleet = fleet(2, 16, 1 << 20).await;
-    let idx = indexer(&engines(&fleet), CHUNK, default_stale_after()).await;
-    let base = format!("http://{}", idx.addr);
-    settle(&fleet, std::slice::from_ref(&base)).await;
+    let (_idx, base) = following(&fleet, default_stale_after()).await;
     let (a, b) = (
         fleet.replicas[0].addr.to_string(),
         fleet.replicas[1].addr.to_string(),
@@ -273,9 +279,7 @@ async fn a_tenants_salted_prompts_are_held_under_its_salts_keys() {
 async fn eviction_and_reset_take_keys_away() {
     // Room for one and a half long chats: the second evicts part of the first.
     let fleet = fleet(1, 16, 7000).await;
-    let idx = indexer(&engines(&fleet), CHUNK, default_stale_after()).await;
-    let base = format!("http://{}", idx.addr);
-    settle(&fleet, std::slice::from_ref(&base)).await;
+    let (_idx, base) = following(&fleet, default_stale_after()).await;
     let endpoint = fleet.replicas[0].addr.to_string();
     let first = keys(&covered(&fleet, 0, &chat("a"), 16).await);
     held_becomes(&base, &endpoint, &first).await;
@@ -437,9 +441,7 @@ async fn until(
 async fn idle_replicas_stay_fresh_while_their_replay_sockets_answer_probes() {
     let fleet = fleet(2, 16, 1 << 20).await;
     // A second of silence: each idle replica is probed about once a second.
-    let idx = indexer(&engines(&fleet), CHUNK, 1.0).await;
-    let base = format!("http://{}", idx.addr);
-    settle(&fleet, std::slice::from_ref(&base)).await;
+    let (_idx, base) = following(&fleet, 1.0).await;
     let endpoint = fleet.replicas[0].addr.to_string();
     let want = keys(&covered(&fleet, 0, &chat("idle"), 16).await);
     held_becomes(&base, &endpoint, &want).await;
@@ -474,9 +476,7 @@ async fn idle_replicas_stay_fresh_while_their_replay_sockets_answer_probes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_the_stream_dropped_is_filled_from_the_replay_socket() {
     let fleet = fleet(2, 16, 1 << 20).await;
-    let idx = indexer(&engines(&fleet), CHUNK, default_stale_after()).await;
-    let base = format!("http://{}", idx.addr);
-    settle(&fleet, std::slice::from_ref(&base)).await;
+    let (_idx, base) = following(&fleet, default_stale_after()).await;
     let endpoint = fleet.replicas[0].addr.to_string();
     let faults = format!("http://{}/fleet/replica/0", fleet.control_addr);
     post_json(&faults, &json!({"drop_kv_events": 1})).await;
@@ -495,9 +495,7 @@ async fn a_message_the_stream_dropped_is_filled_from_the_replay_socket() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_replica_leaves_probes_unanswered_and_is_stale_until_started() {
     let fleet = fleet(2, 16, 1 << 20).await;
-    let idx = indexer(&engines(&fleet), CHUNK, 1.0).await;
-    let base = format!("http://{}", idx.addr);
-    settle(&fleet, std::slice::from_ref(&base)).await;
+    let (_idx, base) = following(&fleet, 1.0).await;
     let (stopped, running) = (
         fleet.replicas[0].addr.to_string(),
         fleet.replicas[1].addr.to_string(),

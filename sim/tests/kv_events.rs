@@ -152,6 +152,53 @@ fn workspace() -> PathBuf {
         .to_path_buf()
 }
 
+/// The vLLM venv's python, or `None` where `make vllm` has not run (saying what goes `unchecked`).
+fn vllm_python(unchecked: &str) -> Option<PathBuf> {
+    let python = vllm_venv().join("bin/python");
+    if python.is_file() {
+        return Some(python);
+    }
+    eprintln!(
+        "vLLM not installed at {} (make vllm): {unchecked}",
+        vllm_venv().display()
+    );
+    None
+}
+
+/// Runs `tools/real/<script>` with `python` (the vLLM venv's), `args` and `stdin`, and fails the
+/// test with the script's output, after `disagreement`, unless it succeeds.
+async fn vllm_agrees(
+    python: PathBuf,
+    script: &str,
+    args: &[&str],
+    stdin: Vec<u8>,
+    disagreement: &str,
+) {
+    let script = workspace().join("tools/real").join(script);
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    let out = tokio::task::spawn_blocking(move || {
+        use std::io::Write;
+        let mut child = std::process::Command::new(python)
+            .arg(script)
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("the vLLM venv's python starts");
+        child.stdin.take().unwrap().write_all(&stdin).unwrap();
+        child.wait_with_output().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{disagreement}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[tokio::test]
 async fn a_salted_prompt_publishes_its_salt_as_the_first_blocks_extra_key() {
     let fleet = fast_fleet(1).await;
@@ -202,48 +249,25 @@ async fn a_salted_prompt_publishes_its_salt_as_the_first_blocks_extra_key() {
         Some(full.min(again["usage"]["prompt_tokens"].as_u64().unwrap() - 1) / 16 * 16)
     );
 
-    let python = vllm_venv().join("bin/python");
-    if !python.is_file() {
-        eprintln!(
-            "vLLM not installed at {} (make vllm): the message is not checked against vLLM's classes",
-            vllm_venv().display()
-        );
+    let Some(python) = vllm_python("the message is not checked against vLLM's classes") else {
         return;
-    }
-    let script = workspace().join("tools/real/check-kv-event.py");
-    let out = tokio::task::spawn_blocking(move || {
-        use std::io::Write;
-        let mut child = std::process::Command::new(python)
-            .arg(script)
-            .arg("tenant-1")
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("the vLLM venv's python starts");
-        child.stdin.take().unwrap().write_all(&payload).unwrap();
-        child.wait_with_output().unwrap()
-    })
-    .await
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "vLLM's classes disagree: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    };
+    let args = ["tenant-1"];
+    vllm_agrees(
+        python,
+        "check-kv-event.py",
+        &args,
+        payload,
+        "vLLM's classes disagree",
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn the_replay_socket_answers_a_libzmq_dealer_as_vllms_does() {
-    let python = vllm_venv().join("bin/python");
-    if !python.is_file() {
-        eprintln!(
-            "vLLM not installed at {} (make vllm): the replay socket is not checked against vLLM's",
-            vllm_venv().display()
-        );
+    let Some(python) = vllm_python("the replay socket is not checked against vLLM's") else {
         return;
-    }
+    };
     let fleet = fast_fleet(1).await;
     let replica = &fleet.replicas[0];
     let mut sub = subscribed(replica).await;
@@ -258,21 +282,13 @@ async fn the_replay_socket_answers_a_libzmq_dealer_as_vllms_does() {
     let replay = replica
         .kv_events_replay_endpoint()
         .expect("a replay socket");
-    let script = workspace().join("tools/real/check-replay.py");
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(python)
-            .arg(script)
-            .arg(&replay)
-            .arg("kv-events")
-            .output()
-            .expect("the vLLM venv's python starts")
-    })
-    .await
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "the replay sockets differ: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let args = [replay.as_str(), "kv-events"];
+    vllm_agrees(
+        python,
+        "check-replay.py",
+        &args,
+        Vec::new(),
+        "the replay sockets differ",
+    )
+    .await;
 }
