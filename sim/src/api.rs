@@ -302,6 +302,7 @@ fn stream(
                             1
                         }
                         Emit::Tokens { upto } => upto,
+                        Emit::Done { .. } => total,
                     };
                     while sent < upto {
                         let finish = (sent + 1 == total).then_some(finish_reason);
