@@ -473,3 +473,5 @@ impl EngineCore {
     }
 }
 
+#[cfg(test)]
+mod tests;
