@@ -136,7 +136,7 @@ async fn slow_factor_makes_a_replica_slower() {
             t.elapsed()
         }
     };
-    // The prefill is a sleep: ~0.75 ms at time_scale 0.001, ~150 ms at 200 times slower. A
+    // The prefill takes ~0.75 ms at time_scale 0.001, ~150 ms at 200 times slower. A
     // loaded machine can stretch the fast replica's answer (10 ms was seen) but never shorten the
     // slow one's, so the slow one is bounded from below and the fast one takes its best of three.
     let slow = time(fleet.replicas[1].url()).await;

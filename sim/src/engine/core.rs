@@ -154,6 +154,7 @@ pub struct EngineCore {
 }
 
 impl EngineCore {
+    /// An idle replica with an empty cache; `id` seeds its failure draws.
     pub fn new(id: usize, spec: Arc<FleetSpec>) -> EngineCore {
         EngineCore {
             cache: PrefixCache::new(spec.block_size, spec.kv_capacity_tokens),

@@ -107,6 +107,7 @@ async fn drive(shared: Arc<Shared>) {
     }
 }
 
+/// One replica: how it reads requests, and its engine core driven in tokio time.
 pub struct Replica {
     pub id: usize,
     pub spec: Arc<FleetSpec>,

@@ -9,24 +9,30 @@ fn spec_at(time_scale: f64) -> Arc<FleetSpec> {
     })
 }
 
+/// A replica running one request at a time.
+fn one_slot(time_scale: f64) -> Replica {
+    let spec = FleetSpec {
+        max_num_seqs: 1,
+        ..FleetSpec::clone(&spec_at(time_scale))
+    };
+    Replica::new(0, Arc::new(spec), None)
+}
+
+/// How long one request takes on `replica`, and how it ends.
+async fn timed(replica: &Replica, prompt: &[u32], output: &[u32]) -> (Duration, Outcome) {
+    let start = Instant::now();
+    let outcome = replica.generate(prompt, None, output, |_| true).await;
+    (start.elapsed(), outcome.unwrap())
+}
+
 // Paused time throughout: the clock moves only when every task waits, so a loaded machine
 // cannot change what happens when.
 #[tokio::test(start_paused = true)]
 async fn second_identical_prompt_hits_cache_and_prefills_faster() {
     let replica = Replica::new(0, spec_at(0.01), None);
     let prompt: Vec<u32> = (0..6000).collect();
-    let t0 = Instant::now();
-    let cold = replica
-        .generate(&prompt, None, &[5], |_| true)
-        .await
-        .unwrap();
-    let cold_time = t0.elapsed();
-    let t1 = Instant::now();
-    let warm = replica
-        .generate(&prompt, None, &[5], |_| true)
-        .await
-        .unwrap();
-    let warm_time = t1.elapsed();
+    let (cold_time, cold) = timed(&replica, &prompt, &[5]).await;
+    let (warm_time, warm) = timed(&replica, &prompt, &[5]).await;
     assert_eq!(cold.cached_tokens, 0);
     assert_eq!(warm.cached_tokens, 5984);
     // 42.5 ms vs 6 ms at time_scale 0.01 (tokio's timers round up to the millisecond).
@@ -61,12 +67,7 @@ async fn emits_every_output_token_in_order_and_releases_blocks() {
 #[tokio::test(start_paused = true)]
 async fn requests_beyond_max_num_seqs_wait_in_fifo_order() {
     // Each request takes 12.5 ms here: 9.5 ms prefill plus one 3 ms decode step.
-    let spec = Arc::new(FleetSpec {
-        max_num_seqs: 1,
-        time_scale: 0.1,
-        ..FleetSpec::default()
-    });
-    let replica = Arc::new(Replica::new(0, spec, None));
+    let replica = Arc::new(one_slot(0.1));
     let order = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     for i in 0..3u32 {
@@ -101,12 +102,7 @@ async fn aborting_releases_the_slot_and_pins() {
 
 #[tokio::test(start_paused = true)]
 async fn a_dropped_request_frees_its_slot_for_the_next() {
-    let spec = Arc::new(FleetSpec {
-        max_num_seqs: 1,
-        time_scale: 0.01,
-        ..FleetSpec::default()
-    });
-    let replica = Replica::new(0, spec, None);
+    let replica = one_slot(0.01);
     // The client goes away while its request prefills: the future is dropped.
     let gone = tokio::time::timeout(
         Duration::from_millis(1),
@@ -141,13 +137,9 @@ async fn slow_factor_stretches_prefill() {
         slow_factor: 4.0,
         ..Faults::default()
     });
-    let t = Instant::now();
-    replica
-        .generate(&[3; 1000], None, &[1], |_| true)
-        .await
-        .unwrap();
+    let (took, _) = timed(&replica, &[3; 1000], &[1]).await;
     // 750 ms simulated * 4 * 0.01 = 30 ms.
-    assert_eq!(t.elapsed(), Duration::from_millis(30));
+    assert_eq!(took, Duration::from_millis(30));
 }
 
 #[tokio::test(start_paused = true)]

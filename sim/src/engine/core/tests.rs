@@ -123,12 +123,20 @@ fn prompts_larger_than_the_pool_and_empty_outputs_are_rejected() {
     assert_eq!(core.next_event(), None);
 }
 
+/// One slot; request 0 (`prompt_len` tokens of 7, `output_len` tokens out) runs, request 1
+/// (`prompt_len` tokens of 8, one token out) waits for it.
+fn two_on_one_slot(prompt_len: usize, output_len: usize) -> EngineCore {
+    let mut core = core_with(|s| s.max_num_seqs = 1);
+    core.submit(ms(0), 0, vec![7; prompt_len], None, vec![1; output_len])
+        .unwrap();
+    core.submit(ms(0), 1, vec![8; prompt_len], None, vec![1])
+        .unwrap();
+    core
+}
+
 #[test]
 fn abort_releases_the_slot_and_blocks() {
-    let mut core = core_with(|s| s.max_num_seqs = 1);
-    core.submit(ms(0), 0, vec![7; 100], None, vec![1; 10])
-        .unwrap();
-    core.submit(ms(0), 1, vec![8; 100], None, vec![1]).unwrap();
+    let mut core = two_on_one_slot(100, 10);
     core.abort(ms(10), 0);
     let snap = core.snapshot();
     assert_eq!((snap.running, snap.waiting), (1, 0));
@@ -145,10 +153,7 @@ fn abort_releases_the_slot_and_blocks() {
 
 #[test]
 fn aborting_a_decoding_request_admits_the_next() {
-    let mut core = core_with(|s| s.max_num_seqs = 1);
-    core.submit(ms(0), 0, vec![7; 16], None, vec![1; 100])
-        .unwrap();
-    core.submit(ms(0), 1, vec![8; 16], None, vec![1]).unwrap();
+    let mut core = two_on_one_slot(16, 100);
     let mut out = Vec::new();
     core.advance(ms(1000), &mut out);
     assert!(!out.is_empty());
