@@ -1,7 +1,8 @@
 //! One replica's scheduling model with time passed in: it never reads a clock, spawns or sleeps.
 //!
 //! Time is a [`Duration`] since an epoch the caller chooses, already in the driver's time (scaled
-//! by `time_scale` and `slow_factor`, as [`time_model::real`] computes it). The model:
+//! by `time_scale` and `slow_factor`, as [`time_model::real`] computes it); a time earlier than
+//! one already passed in counts as that one. The model:
 //! - Requests queue FIFO for one of `max_num_seqs` slots and for KV space; the head of the queue
 //!   waits until both are free, and nothing behind it is admitted first.
 //! - Prefills run one at a time per replica, in admission order (the serial prefill lane). The
