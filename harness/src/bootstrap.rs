@@ -108,15 +108,40 @@ pub fn render(shipped: &str, patch: &Patch) -> Result<String, HarnessError> {
     serde_yaml::to_string(&root).map_err(|e| cfg(format!("serialize: {e}")))
 }
 
-/// Points the wasm filter at the built filter and its config, or removes it for the plain policies.
-fn patch_filters(listener: &mut Value, patch: &Patch) -> Result<(), HarnessError> {
+/// The kvroute plugin configuration (JSON text) that `shipped` (YAML text) gives its filter.
+pub fn shipped_plugin_config(shipped: &str) -> Result<String, HarnessError> {
+    let mut root: Value = serde_yaml::from_str(shipped).map_err(|e| cfg(format!("parse: {e}")))?;
+    let listeners = get_mut(&mut root, &["static_resources", "listeners"])?;
+    let listener = seq_mut(listeners)?
+        .first_mut()
+        .ok_or_else(|| cfg("no listener".into()))?;
+    let hcm = hcm_of(listener)?;
+    let filter = seq_mut(get_mut(hcm, &["http_filters"])?)?
+        .iter_mut()
+        .find(|f| f.get("name").and_then(Value::as_str) == Some(WASM_FILTER))
+        .ok_or_else(|| cfg(format!("no {WASM_FILTER} http filter")))?;
+    let path = ["typed_config", "config", "configuration", "value"];
+    let value = get_mut(filter, &path)?;
+    value
+        .as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| cfg("configuration.value is not a string".into()))
+}
+
+/// The HTTP connection manager's config in `listener`'s first filter chain.
+fn hcm_of(listener: &mut Value) -> Result<&mut Value, HarnessError> {
     let chain = seq_mut(get_mut(listener, &["filter_chains"])?)?
         .first_mut()
         .ok_or_else(|| cfg("no filter chain".into()))?;
     let hcm = seq_mut(get_mut(chain, &["filters"])?)?
         .first_mut()
         .ok_or_else(|| cfg("no network filter".into()))?;
-    let hcm = get_mut(hcm, &["typed_config"])?;
+    get_mut(hcm, &["typed_config"])
+}
+
+/// Points the wasm filter at the built filter and its config, or removes it for the plain policies.
+fn patch_filters(listener: &mut Value, patch: &Patch) -> Result<(), HarnessError> {
+    let hcm = hcm_of(listener)?;
     let yaml = |json: Json| serde_yaml::to_value(json).map_err(|e| cfg(e.to_string()));
     if let Lb::RingHash { header } = patch.lb {
         // ring_hash needs the route to say what to hash.
