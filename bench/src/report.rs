@@ -91,10 +91,6 @@ pub fn measure(
     before: &FleetState,
     after: &FleetState,
 ) -> Measured {
-    let ok: Vec<_> = run.samples.iter().filter(|s| s.error.is_none()).collect();
-    let ttft: Vec<f64> = ok.iter().filter_map(|s| s.ttft_ms).collect();
-    let e2e: Vec<f64> = ok.iter().map(|s| s.e2e_ms).collect();
-    let tokens: u64 = ok.iter().map(|s| s.output_tokens).sum();
     let hits: u64 = after
         .growth_since(before, |r| r.prefix_hits_tokens)
         .iter()
@@ -104,6 +100,22 @@ pub fn measure(
         .iter()
         .sum();
     let per_replica = after.growth_since(before, |r| r.requests);
+    measured(router, run, hits, queries, &per_replica)
+}
+
+/// Summarises one run from its samples and what the fleet counted in it: prompt tokens found
+/// cached (`hits`) of those looked up (`queries`), and requests per replica.
+pub fn measured(
+    router: &str,
+    run: &RunOutcome,
+    hits: u64,
+    queries: u64,
+    per_replica: &[u64],
+) -> Measured {
+    let ok: Vec<_> = run.samples.iter().filter(|s| s.error.is_none()).collect();
+    let ttft: Vec<f64> = ok.iter().filter_map(|s| s.ttft_ms).collect();
+    let e2e: Vec<f64> = ok.iter().map(|s| s.e2e_ms).collect();
+    let tokens: u64 = ok.iter().map(|s| s.output_tokens).sum();
     let wall = run.wall_s.max(1e-9);
     let round = |x: f64| (x * 100.0).round() / 100.0;
     let pct = |v: &[f64], q| percentile(v, q).map(round);
@@ -123,7 +135,7 @@ pub fn measure(
         output_tok_s: round(tokens as f64 / wall),
         req_s: round(ok.len() as f64 / wall),
         prefix_hit_rate: (ratio(hits, queries) * 1e4).round() / 1e4,
-        share_max_over_min: max_over_min(&per_replica).map(round),
+        share_max_over_min: max_over_min(per_replica).map(round),
         engine_reported_hit_rate: None,
         index: None,
     }
