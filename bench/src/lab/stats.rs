@@ -28,13 +28,25 @@ pub fn interval(samples: &[f64]) -> Option<Interval> {
     }
     let mean = samples.iter().sum::<f64>() / n as f64;
     if n == 1 {
-        return Some(Interval { n, mean, lo: mean, hi: mean });
+        return Some(Interval {
+            n,
+            mean,
+            lo: mean,
+            hi: mean,
+        });
     }
     let dof = (n - 1) as f64;
     let variance = samples.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / dof;
-    let t = StudentsT::new(0.0, 1.0, dof).ok()?.inverse_cdf(1.0 - (1.0 - LEVEL) / 2.0);
+    let t = StudentsT::new(0.0, 1.0, dof)
+        .ok()?
+        .inverse_cdf(1.0 - (1.0 - LEVEL) / 2.0);
     let half = t * (variance / n as f64).sqrt();
-    Some(Interval { n, mean, lo: mean - half, hi: mean + half })
+    Some(Interval {
+        n,
+        mean,
+        lo: mean - half,
+        hi: mean + half,
+    })
 }
 
 /// The interval of the paired differences `a[i] - b[i]` (sample `i` of both taken on the same
@@ -154,7 +166,10 @@ mod tests {
             .iter()
             .map(|v| serde_json::to_string(v).unwrap())
             .collect();
-        assert_eq!(names, ["\"better\"", "\"worse\"", "\"not_distinguishable\""]);
+        assert_eq!(
+            names,
+            ["\"better\"", "\"worse\"", "\"not_distinguishable\""]
+        );
         let i = serde_json::to_value(interval(&[1.0, 3.0]).unwrap()).unwrap();
         assert_eq!(i["n"], 2);
         assert_eq!(i["mean"], 2.0);
