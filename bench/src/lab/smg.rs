@@ -23,14 +23,24 @@
 //!   above `cache_threshold` the holders are the candidates; otherwise the request is a miss.
 //! - **Load**: the gateway's own in-flight count per worker, incremented when a request is
 //!   dispatched to it and decremented when its response (the whole stream) ends.
+//! - **Engine reports**: every 10 s smg reads each worker's `/metrics` (running and waiting
+//!   requests, KV usage; see [`Smg::report`]). Overload protection, on by default, leaves out
+//!   of routing a worker that reported 8 or more waiting requests or 0.8 KV usage; when every
+//!   worker is out the request goes to the fewest in flight, without the policy or its tree.
 //! - **Spill gate** (since 1.10 it replaces the older fleet-wide imbalance test): with `mean`
-//!   the in-flight mean over the workers, a worker is hot when its load exceeds both
+//!   the in-flight mean over the eligible workers, a worker is hot when its load exceeds both
 //!   `balance_rel_threshold × mean` and `mean + margin`, where `margin` is
-//!   `min(balance_abs_threshold, max(ceil(2·sqrt(mean)), 4))`. A hit goes to the least
-//!   loaded holder that is not hot; when every holder is hot it spills to the least loaded
-//!   worker that is not hot (any worker when all are). A miss goes to the least loaded worker.
-//!   smg breaks equal scores uniformly at random (reservoir draw over the candidates in
-//!   order); this model draws from a seeded generator, so a run is reproducible.
+//!   `min(balance_abs_threshold, max(ceil(2·sqrt(mean)), 4))`. A hit goes to the holder with
+//!   the least expected wait among those not hot; when every holder is hot it spills to the
+//!   least expected wait among the workers not hot (any eligible worker when all are). A miss
+//!   goes to the least expected wait among the eligible workers.
+//! - **Expected wait** (the `least_load` scorer, at its defaults): for a reporting worker
+//!   `1024 · max(in flight, running + waiting + requests sent since the report) / 2000` seconds
+//!   plus `0.15 · k / (1 − k)` for KV usage `k`; a worker without a report, beside reporting
+//!   ones, scores as the best of those plus `1024 · in flight / 2000`; with no report among the
+//!   candidates the score is the in-flight count. smg breaks scores within 1e-6 uniformly at
+//!   random (a reservoir draw over the candidates in worker order); this model draws from a
+//!   seeded generator, so a run is reproducible.
 //! - **Insertion**: the text is inserted for the chosen worker, hit, spill or miss alike: the
 //!   worker joins every node on the matched path (stamp 0 where it was absent) and gets a
 //!   fresh stamp on the node where the text ends, splitting an edge where the text leaves it.
@@ -40,14 +50,9 @@
 //!   becoming a leaf in turn, until the total is within the budget; a node left with no worker
 //!   and no child is dropped.
 //!
-//! Not modeled, so the model departs from the live gateway there: smg 1.13 scores the least
-//! loaded worker by expected wait from each worker's polled `/metrics` (queued and running
-//! tokens over throughput, a KV-usage penalty, every 10 s, plus credit for dispatches since
-//! the poll), and by default leaves out of routing a worker reporting 8 or more waiting
-//! requests or 0.8 KV usage. Without engine reports smg itself falls back to the in-flight
-//! count, which is what this model uses throughout. Also left out: the 1-in-8 sampled
-//! re-stamp of a matched node during lookup, and health and circuit breaking (every worker
-//! stays eligible).
+//! Left out: the 1-in-8 sampled re-stamp of a matched node during lookup, the order in which
+//! smg lists a node's holders (here by worker index), and health and circuit breaking (every
+//! worker is healthy).
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -69,11 +74,40 @@ const EVICTION_INTERVAL_MS: u64 = 60_000;
 const MAX_TREE_SIZE: usize = 1 << 26;
 /// Most holders a lookup returns.
 const MATCHED_TENANTS_CAP: usize = 8;
+/// Interval between smg's polls of each worker's `/metrics`.
+pub const POLL_INTERVAL_MS: u64 = 10_000;
+/// Waiting requests at or above which a worker is left out of routing.
+const OVERLOAD_WAITING: u32 = 8;
+/// KV usage at or above which a worker is left out of routing.
+const OVERLOAD_KV_USAGE: f64 = 0.8;
+/// Tokens the expected-wait score counts per request (smg's mean prefill guess over HTTP).
+const MEAN_PREFILL_TOKENS: f64 = 1024.0;
+/// Tokens per second the score drains them at (vLLM's gauges report no throughput).
+const DEFAULT_THROUGHPUT: f64 = 2000.0;
+/// Seconds of the KV-usage penalty `w · k / (1 − k)`.
+const KV_PRESSURE_WEIGHT: f64 = 0.15;
+/// Scores this close are equal.
+const TIE_EPSILON: f64 = 1e-6;
+
+/// A worker's load as smg reads it from that worker's `/metrics` at a poll.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Report {
+    /// `vllm:num_requests_running`.
+    pub running: u32,
+    /// `vllm:num_requests_waiting`.
+    pub waiting: u32,
+    /// `vllm:kv_cache_usage_perc`, a fraction.
+    pub kv_usage: f64,
+}
 
 /// One instance of the gateway in front of `workers` endpoints, numbered from 0.
 pub struct Smg {
     tree: Tree,
     in_flight: Vec<usize>,
+    /// Each worker's last report, if any.
+    reports: Vec<Option<Report>>,
+    /// Requests sent to each worker since its last report.
+    since_poll: Vec<usize>,
     rng: ChaCha8Rng,
     max_tree_size: usize,
     next_eviction_ms: u64,
@@ -90,6 +124,8 @@ impl Smg {
         Smg {
             tree: Tree::new(workers),
             in_flight: vec![0; workers],
+            reports: vec![None; workers],
+            since_poll: vec![0; workers],
             rng: ChaCha8Rng::seed_from_u64(seed),
             max_tree_size,
             next_eviction_ms: EVICTION_INTERVAL_MS,
@@ -103,28 +139,58 @@ impl Smg {
             self.tree.evict(self.max_tree_size);
             self.next_eviction_ms = (now_ms / EVICTION_INTERVAL_MS + 1) * EVICTION_INTERVAL_MS;
         }
-        let mean = self.in_flight.iter().sum::<usize>() as f64 / self.in_flight.len() as f64;
+        let everyone: Vec<usize> = (0..self.in_flight.len()).collect();
+        let eligible: Vec<usize> = everyone
+            .iter()
+            .copied()
+            .filter(|&w| !self.reports[w].as_ref().is_some_and(overloaded))
+            .collect();
+        if eligible.is_empty() {
+            // Every worker overloaded: the router steers to the fewest in flight, past the policy.
+            let in_flight: Vec<f64> = self.in_flight.iter().map(|&n| n as f64).collect();
+            let chosen = self.draw_least(&everyone, &in_flight);
+            self.in_flight[chosen] += 1;
+            return chosen;
+        }
+        let load: usize = eligible.iter().map(|&w| self.in_flight[w]).sum();
+        let mean = load as f64 / eligible.len() as f64;
         let found = self.tree.find(text);
         let rate = if found.input == 0 {
             0.0
         } else {
             found.matched as f32 / found.input as f32
         };
-        let everyone: Vec<usize> = (0..self.in_flight.len()).collect();
         let chosen = if rate > CACHE_THRESHOLD {
-            let safe = self.cool(&self.tree.holders(found.node()), mean);
-            if safe.is_empty() {
-                let cool = self.cool(&everyone, mean);
-                self.least_loaded(if cool.is_empty() { &everyone } else { &cool })
+            let holders: Vec<usize> = (self.tree.holders(found.node()).into_iter())
+                .filter(|w| eligible.contains(w))
+                .collect();
+            let safe = self.cool(&holders, mean);
+            if safe.is_empty() && !holders.is_empty() {
+                let cool = self.cool(&eligible, mean);
+                self.least_loaded(if cool.is_empty() { &eligible } else { &cool })
+            } else if safe.is_empty() {
+                self.least_loaded(&eligible)
             } else {
                 self.least_loaded(&safe)
             }
         } else {
-            self.least_loaded(&everyone)
+            self.least_loaded(&eligible)
         };
         self.tree.insert(text, &found, chosen);
         self.in_flight[chosen] += 1;
         chosen
+    }
+
+    /// smg polled `worker`'s `/metrics` and read `report`: it scores the worker's expected
+    /// wait from it, drops the credit for requests sent since the previous poll, and leaves the
+    /// worker out of routing while it is overloaded (8 waiting requests or 0.8 KV usage) and
+    /// another is not. Call it every [`POLL_INTERVAL_MS`] per worker; without reports smg (and
+    /// this model) compares in-flight counts.
+    pub fn report(&mut self, worker: usize, report: Report) {
+        if let Some(slot) = self.reports.get_mut(worker) {
+            *slot = Some(report);
+            self.since_poll[worker] = 0;
+        }
     }
 
     /// The request sent to `worker` finished: its in-flight count goes down.
@@ -148,23 +214,66 @@ impl Smg {
             .collect()
     }
 
-    /// The candidate with the fewest requests in flight, equal ones drawn uniformly.
+    /// The candidate with the least expected wait, equal ones drawn uniformly; it is credited
+    /// with the request until its next report. A reporting worker waits
+    /// `p · max(in flight, running + waiting + sent since the report) / throughput` plus the KV
+    /// penalty; one without a report, beside reporting ones, the best of those plus its in-flight
+    /// work; with no report among the candidates the wait is the in-flight count.
     fn least_loaded(&mut self, candidates: &[usize]) -> usize {
-        let mut best = candidates[0];
+        let wait = |w: usize, report: &Report| {
+            let reported = (report.running + report.waiting) as usize + self.since_poll[w];
+            let work = self.in_flight[w].max(reported) as f64 * MEAN_PREFILL_TOKENS;
+            let k = report.kv_usage.clamp(0.0, 0.999);
+            work / DEFAULT_THROUGHPUT + KV_PRESSURE_WEIGHT * k / (1.0 - k)
+        };
+        let known: Vec<Option<f64>> = candidates
+            .iter()
+            .map(|&w| self.reports[w].as_ref().map(|r| wait(w, r)))
+            .collect();
+        let best_known = known
+            .iter()
+            .flatten()
+            .copied()
+            .fold(f64::INFINITY, f64::min);
+        let scores: Vec<f64> = candidates
+            .iter()
+            .zip(&known)
+            .map(|(&w, score)| match score {
+                Some(score) => *score,
+                None if best_known.is_finite() => {
+                    best_known + self.in_flight[w] as f64 * MEAN_PREFILL_TOKENS / DEFAULT_THROUGHPUT
+                }
+                None => self.in_flight[w] as f64,
+            })
+            .collect();
+        let chosen = self.draw_least(candidates, &scores);
+        self.since_poll[chosen] += 1;
+        chosen
+    }
+
+    /// The candidate with the lowest of `scores` (one per candidate), equal ones drawn
+    /// uniformly as smg's reservoir draw does.
+    fn draw_least(&mut self, candidates: &[usize], scores: &[f64]) -> usize {
+        let (mut best, mut best_score) = (0, scores[0]);
         let mut tied = 1u32;
-        for &w in &candidates[1..] {
-            if self.in_flight[w] < self.in_flight[best] {
-                best = w;
-                tied = 1;
-            } else if self.in_flight[w] == self.in_flight[best] {
+        for (i, &score) in scores.iter().enumerate().skip(1) {
+            if score < best_score - TIE_EPSILON {
+                (best, best_score, tied) = (i, score, 1);
+            } else if (score - best_score).abs() <= TIE_EPSILON {
                 tied += 1;
+                best_score = best_score.min(score);
                 if self.rng.random_range(0..tied) == 0 {
-                    best = w;
+                    best = i;
                 }
             }
         }
-        best
+        candidates[best]
     }
+}
+
+/// Whether smg's overload protection leaves a worker with this report out of routing.
+fn overloaded(report: &Report) -> bool {
+    report.waiting >= OVERLOAD_WAITING || report.kv_usage >= OVERLOAD_KV_USAGE
 }
 
 /// The text smg routes a request by, from its OpenAI JSON body: a chat request's messages
@@ -545,6 +654,82 @@ mod tests {
         for _ in 0..11 {
             smg.done(home);
         }
+        assert_eq!(smg.pick(&prompt, 0), home);
+    }
+
+    fn idle() -> Report {
+        Report {
+            running: 0,
+            waiting: 0,
+            kv_usage: 0.0,
+        }
+    }
+
+    #[test]
+    fn reports_price_the_wait_and_credit_sends_until_the_next_poll() {
+        let mut smg = Smg::new(3, 4);
+        for w in 0..3 {
+            smg.report(w, idle());
+        }
+        // Worker 0 runs requests from elsewhere; worker 1 is fuller of KV.
+        smg.report(
+            0,
+            Report {
+                running: 2,
+                ..idle()
+            },
+        );
+        smg.report(
+            1,
+            Report {
+                kv_usage: 0.5,
+                ..idle()
+            },
+        );
+        assert_eq!(smg.pick(&text('a', 100), 0), 2);
+        smg.done(2);
+        // Worker 2's send is credited though it finished: 0.512 s against worker 1's 0.15 s.
+        assert_eq!(smg.pick(&text('b', 100), 0), 1);
+        smg.done(1);
+        // A poll clears the credit.
+        smg.report(
+            1,
+            Report {
+                kv_usage: 0.5,
+                ..idle()
+            },
+        );
+        smg.report(2, idle());
+        assert_eq!(smg.pick(&text('c', 100), 0), 2);
+    }
+
+    #[test]
+    fn overloaded_workers_are_left_out_until_all_are() {
+        let mut smg = Smg::new(2, 8);
+        let prompt = text('p', 300);
+        let home = smg.pick(&prompt, 0);
+        smg.done(home);
+        let other = 1 - home;
+        smg.report(
+            home,
+            Report {
+                waiting: 8,
+                ..idle()
+            },
+        );
+        smg.report(other, idle());
+        assert_eq!(smg.pick(&prompt, 0), other);
+        smg.report(
+            other,
+            Report {
+                kv_usage: 0.8,
+                ..idle()
+            },
+        );
+        // Both out: the fewest in flight, and the tree does not learn the request.
+        assert_eq!(smg.pick(&text('q', 300), 0), home);
+        assert_eq!(smg.tree.find(&text('q', 300)).matched, 0);
+        smg.report(home, idle());
         assert_eq!(smg.pick(&prompt, 0), home);
     }
 
