@@ -7,8 +7,9 @@
 //! `python -m smg launch --policy cache_aware --backend vllm` with default settings.
 //!
 //! - **Defaults**: `cache_threshold` 0.3, `balance_abs_threshold` 64, `balance_rel_threshold`
-//!   1.5, eviction every 60 s (the launcher's `eviction_interval_secs`; the first pass one
-//!   interval after start), `max_tree_size` 2^26 characters. The KV-usage triggers
+//!   1.5, eviction every 60 s (the launcher's `eviction_interval_secs`, where the bare Rust
+//!   binary says 120; the first pass one interval after start), `max_tree_size` 2^26
+//!   characters. The KV-usage triggers
 //!   (`balance_token_usage_threshold`, `overload_token_usage_threshold`) default to 1.0, off.
 //! - **Routing text**: for `/v1/chat/completions` the text of the messages in order, each
 //!   message's text parts joined by a space and the messages joined by a space, an assistant's
@@ -27,13 +28,13 @@
 //!   requests, KV usage; see [`Smg::report`]). Overload protection, on by default, leaves out
 //!   of routing a worker that reported 8 or more waiting requests or 0.8 KV usage; when every
 //!   worker is out the request goes to the fewest in flight, without the policy or its tree.
-//! - **Spill gate** (since 1.10 it replaces the older fleet-wide imbalance test): with `mean`
-//!   the in-flight mean over the eligible workers, a worker is hot when its load exceeds both
-//!   `balance_rel_threshold × mean` and `mean + margin`, where `margin` is
-//!   `min(balance_abs_threshold, max(ceil(2·sqrt(mean)), 4))`. A hit goes to the holder with
-//!   the least expected wait among those not hot; when every holder is hot it spills to the
-//!   least expected wait among the workers not hot (any eligible worker when all are). A miss
-//!   goes to the least expected wait among the eligible workers.
+//! - **Spill gate** (smg 1.10 on; before, the two thresholds switched the whole fleet to the
+//!   shortest queue): with `mean` the in-flight mean over the eligible workers, a worker is hot
+//!   when its load exceeds both `balance_rel_threshold × mean` and `mean + margin`, where
+//!   `margin` is `min(balance_abs_threshold, max(ceil(2·sqrt(mean)), 4))`. A hit goes to the
+//!   holder with the least expected wait among those not hot; when every holder is hot it
+//!   spills to the least expected wait among the workers not hot (any eligible worker when all
+//!   are). A miss goes to the least expected wait among the eligible workers.
 //! - **Expected wait** (the `least_load` scorer, at its defaults): for a reporting worker
 //!   `1024 · max(in flight, running + waiting + requests sent since the report) / 2000` seconds
 //!   plus `0.15 · k / (1 − k)` for KV usage `k`; a worker without a report, beside reporting
@@ -51,8 +52,9 @@
 //!   and no child is dropped.
 //!
 //! Left out: the 1-in-8 sampled re-stamp of a matched node during lookup, the order in which
-//! smg lists a node's holders (here by worker index), and health and circuit breaking (every
-//! worker is healthy).
+//! smg lists a node's holders (here by worker index), cache partitions (`cache_salt`,
+//! `extra_key`, LoRA), and health, circuit breaking and the liveness veto (every worker is
+//! healthy).
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
