@@ -9,7 +9,7 @@ use crate::state::Shared;
 use crate::wire::{self, Batch};
 use bytes::Bytes;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 /// How long a replay may take before the gap counts as unfilled, or the engine as unreachable.
@@ -72,7 +72,7 @@ async fn receive(shared: &Shared, s: usize, replay: Option<&str>, message: ZmqMe
     };
     let received = shared
         .lock()
-        .receive(s, &batch, &shared.tokens, Instant::now());
+        .receive(s, &batch, &shared.tokens, shared.now());
     if let crate::index::Received::Gap { from } = received {
         let replayed = match replay {
             Some(url) => fetch_replay(url, from, batch.seq)
@@ -88,7 +88,7 @@ async fn receive(shared: &Shared, s: usize, replay: Option<&str>, message: ZmqMe
             &replayed,
             &batch,
             &shared.tokens,
-            Instant::now(),
+            shared.now(),
             shared.staleness.after_gap,
         );
     }
@@ -118,7 +118,7 @@ async fn probe(shared: &Shared, s: usize, url: &str) {
             restarted,
             &batches,
             &shared.tokens,
-            Instant::now(),
+            shared.now(),
             shared.staleness.after_gap,
         ),
         Err(e) => {
