@@ -7,6 +7,7 @@ mod demo;
 mod driver;
 mod instructions;
 mod keys;
+mod lab;
 mod misses;
 mod oracle;
 mod overhead;
