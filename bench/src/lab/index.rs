@@ -266,6 +266,14 @@ mod tests {
         }
     }
 
+    /// A lab, and replica `r`'s cache after it served `chat("a")`, published at 1 s.
+    fn served_a(r: usize) -> (LabIndex, PrefixCache) {
+        let mut lab = lab();
+        let mut cache = PrefixCache::new(BLOCK, 1 << 20);
+        lab.publish(secs(1), r, &served(&mut cache, &tokens(&chat("a"))));
+        (lab, cache)
+    }
+
     fn dropped(mut batch: Published) -> Published {
         batch.dropped = true;
         batch
@@ -324,10 +332,8 @@ mod tests {
 
     #[test]
     fn a_served_prompt_is_held_under_the_filters_keys() {
-        let mut lab = lab();
-        let mut cache = PrefixCache::new(BLOCK, 1 << 20);
+        let (mut lab, _) = served_a(0);
         let body = chat("a");
-        lab.publish(secs(1), 0, &served(&mut cache, &tokens(&body)));
         let answer = get(&mut lab, secs(2), SNAPSHOT);
         assert_eq!(answer["epoch"], EPOCH);
         assert_eq!(answer["endpoints"], json!(endpoints()));
@@ -351,10 +357,8 @@ mod tests {
 
     #[test]
     fn a_lost_message_is_filled_from_the_replay_when_the_next_shows_the_gap() {
-        let mut lab = lab();
-        let mut cache = PrefixCache::new(BLOCK, 1 << 20);
+        let (mut lab, mut cache) = served_a(0);
         let (a, b, c) = (chat("a"), chat("b"), chat("c"));
-        lab.publish(secs(1), 0, &served(&mut cache, &tokens(&a)));
         lab.publish(secs(2), 0, &dropped(served(&mut cache, &tokens(&b))));
         let before = held(&get(&mut lab, secs(3), SNAPSHOT), "10.0.0.1:8000");
         assert_eq!(
@@ -376,10 +380,8 @@ mod tests {
 
     #[test]
     fn a_gap_past_what_the_replica_keeps_drops_its_keys_and_holds_it_stale() {
-        let mut lab = lab();
-        let mut cache = PrefixCache::new(BLOCK, 1 << 20);
-        let (a, c) = (chat("a"), chat("c"));
-        lab.publish(secs(1), 0, &served(&mut cache, &tokens(&a)));
+        let (mut lab, mut cache) = served_a(0);
+        let c = chat("c");
         let steps = FleetSpec::default().kv_events_buffer_steps;
         let lost = Published {
             events: Vec::new(),
@@ -393,6 +395,8 @@ mod tests {
         assert_eq!(held(&answer, "10.0.0.1:8000"), filter_keys(&c));
         assert_eq!(stale(&answer), ["10.0.0.1:8000"]);
         let hold = lab.staleness.after_gap;
+        let held_stale = get(&mut lab, secs(3) + hold - secs(1), SNAPSHOT);
+        assert_eq!(stale(&held_stale), ["10.0.0.1:8000"]);
         assert_eq!(
             stale(&get(&mut lab, secs(3) + hold, SNAPSHOT)),
             [] as [String; 0]
@@ -401,15 +405,14 @@ mod tests {
 
     #[test]
     fn a_silent_replicas_lost_last_message_comes_with_the_probe() {
-        let mut lab = lab();
-        let mut cache = PrefixCache::new(BLOCK, 1 << 20);
+        let (mut lab, mut cache) = served_a(1);
         let (a, b) = (chat("a"), chat("b"));
-        lab.publish(secs(1), 1, &served(&mut cache, &tokens(&a)));
         lab.publish(secs(2), 1, &dropped(served(&mut cache, &tokens(&b))));
-        let silence = lab.staleness.silence;
-        let before = get(&mut lab, secs(1) + silence - secs(1), SNAPSHOT);
+        // Silent since it was heard at 1 s: probed a silence later.
+        let probe = secs(1) + lab.staleness.silence;
+        let before = get(&mut lab, probe - secs(1), SNAPSHOT);
         assert_eq!(held(&before, "10.0.0.2:8000"), filter_keys(&a));
-        let after = get(&mut lab, secs(1) + silence, SNAPSHOT);
+        let after = get(&mut lab, probe, SNAPSHOT);
         let both: BTreeSet<u64> = [a, b].iter().flat_map(filter_keys).collect();
         assert_eq!(held(&after, "10.0.0.2:8000"), both);
         assert!(stale(&after).is_empty(), "probes keep idle replicas fresh");
