@@ -85,8 +85,10 @@ impl LabIndex {
         let mut index = Index::new(config.chunk_size, config.feed_capacity);
         for endpoint in endpoints {
             let events = format!("lab://{endpoint}/events");
-            let replay = format!("lab://{endpoint}/replay");
-            let s = index.add_stream(endpoint, model, &events, Some(&replay));
+            let replay = fleet
+                .kv_events_replay
+                .then(|| format!("lab://{endpoint}/replay"));
+            let s = index.add_stream(endpoint, model, &events, replay.as_deref());
             let health = &mut index.streams[s].health;
             health.connected = true;
             health.last_heard = Some(Duration::ZERO);
