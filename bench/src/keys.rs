@@ -5,6 +5,7 @@ use std::path::Path;
 
 use kvroute::config::Config;
 use kvroute::prefix::{PrefixKeys, Shape};
+use kvroute::request::Prompt;
 use kvroute::template::Templates;
 use serde_json::{json, Value};
 
@@ -47,6 +48,34 @@ fn spec(template: &Path, tokenizer_config: Option<&Path>) -> Result<Value, Strin
     Ok(spec)
 }
 
+/// The prompt a request body renders to under `templates`, and the prefix keys kvroute computes
+/// over it, in chunks of `chunk_size` bytes, seeded by `model` when given (else the request's).
+pub fn prompt_keys(
+    templates: &Templates,
+    body: &[u8],
+    chunk_size: usize,
+    model: Option<&str>,
+) -> Result<(Prompt, PrefixKeys), String> {
+    let prompt = templates
+        .render(body)
+        .map_err(|e| format!("not rendered: {e:?}"))?;
+    let defaults = Config::default();
+    let shape = Shape {
+        chunk_size,
+        max_chunks: defaults.max_chunks,
+        group_bytes: defaults.group_bytes,
+    };
+    let keys = PrefixKeys::salted(
+        prompt.salt.as_deref(),
+        model.unwrap_or(&prompt.model),
+        &prompt.text,
+        prompt.head,
+        prompt.history,
+        shape,
+    );
+    Ok((prompt, keys))
+}
+
 /// Renders the request and prints `{"rendered": ..., "keys": [...]}`.
 pub fn keys(args: &KeysArgs) -> Result<(), String> {
     let mut templates = Templates::default();
@@ -54,24 +83,8 @@ pub fn keys(args: &KeysArgs) -> Result<(), String> {
         .set_default(&spec(args.chat_template, args.tokenizer_config)?)
         .map_err(|e| format!("{}: {e}", args.chat_template.display()))?;
     let body = read(args.request)?;
-    let prompt = templates
-        .render(body.as_bytes())
-        .map_err(|e| format!("{}: not rendered: {e:?}", args.request.display()))?;
-    let defaults = Config::default();
-    let shape = Shape {
-        chunk_size: args.chunk_size,
-        max_chunks: defaults.max_chunks,
-        group_bytes: defaults.group_bytes,
-    };
-    let model = args.model.unwrap_or(&prompt.model);
-    let keys = PrefixKeys::salted(
-        prompt.salt.as_deref(),
-        model,
-        &prompt.text,
-        prompt.head,
-        prompt.history,
-        shape,
-    );
+    let (prompt, keys) = prompt_keys(&templates, body.as_bytes(), args.chunk_size, args.model)
+        .map_err(|e| format!("{}: {e}", args.request.display()))?;
     // Written by hand to keep the documented key order.
     let rendered = Value::from(String::from_utf8_lossy(&prompt.text));
     let keys: Vec<Value> = keys

@@ -8,8 +8,9 @@
 //! `full`. Each answer stands alone, so any number of clients can poll one indexer.
 
 use crate::holders::Delta;
+use crate::index::Index;
 use crate::metrics;
-use crate::state::Shared;
+use crate::state::{Serving, Shared};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -20,8 +21,9 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use std::convert::Infallible;
 use std::fmt::Write;
+use std::ops::Deref;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::Duration;
 use tokio::net::TcpListener;
 
 /// Changes per answer unless the client asks for fewer.
@@ -60,18 +62,46 @@ fn route(shared: &Shared, req: &Request<Incoming>) -> Resp {
     if req.method() != Method::GET {
         return respond(StatusCode::METHOD_NOT_ALLOWED, "text/plain", String::new());
     }
-    match req.uri().path() {
-        "/v1/changes" => match Query::parse(req.uri().query().unwrap_or("")) {
-            Ok(q) => respond(StatusCode::OK, "application/json", changes(shared, q)),
-            Err(e) => respond(StatusCode::BAD_REQUEST, "text/plain", e),
+    let uri = req.uri();
+    let (status, content_type, body) = get(
+        || shared.lock(),
+        shared.serving(),
+        uri.path(),
+        uri.query().unwrap_or(""),
+        shared.now(),
+    );
+    respond(status, content_type, body)
+}
+
+/// The answer to `GET path?query` at `now`: its status, content type and body. `index` gives
+/// the index for as long as the answer reads it (the server's lock: the change feed is written
+/// out after it is let go).
+pub fn get<G: Deref<Target = Index>>(
+    index: impl FnOnce() -> G,
+    serving: Serving,
+    path: &str,
+    query: &str,
+    now: Duration,
+) -> (StatusCode, &'static str, String) {
+    match path {
+        "/v1/changes" => match Query::parse(query) {
+            Ok(q) => {
+                let answer = changes(&index(), serving, &q, now);
+                (StatusCode::OK, "application/json", answer.encode())
+            }
+            Err(e) => (StatusCode::BAD_REQUEST, "text/plain", e),
         },
-        "/metrics" => respond(
+        "/metrics" => (
             StatusCode::OK,
             "text/plain; version=0.0.4",
-            metrics::render(shared),
+            metrics::render(&index(), serving, now),
         ),
-        "/health" => respond(StatusCode::OK, "application/json", metrics::health(shared)),
-        _ => respond(StatusCode::NOT_FOUND, "text/plain", String::new()),
+        "/health" => (
+            StatusCode::OK,
+            "application/json",
+            metrics::health(&index(), serving, now),
+        ),
+        _ => (StatusCode::NOT_FOUND, "text/plain", String::new()),
     }
 }
 
@@ -104,38 +134,54 @@ impl Query {
     }
 }
 
-/// The `/v1/changes` answer.
-pub fn changes(shared: &Shared, q: Query) -> String {
-    let index = shared.lock();
-    let since = q.since.filter(|_| q.epoch == Some(shared.epoch));
-    let delta = index.holders.since(since, q.limit.unwrap_or(DEFAULT_LIMIT));
-    let stale = index.stale_endpoints(Instant::now(), shared.staleness);
-    let endpoints = index.holders.endpoints().to_vec();
-    drop(index);
-    encode(shared.epoch, &delta, &endpoints, &stale)
+/// A `/v1/changes` answer, before it is written out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Changes {
+    pub epoch: u64,
+    pub delta: Delta,
+    /// Every endpoint's name, by index.
+    pub endpoints: Vec<String>,
+    /// Indexes of the endpoints stale now.
+    pub stale: Vec<u32>,
 }
 
-fn encode(epoch: u64, delta: &Delta, endpoints: &[String], stale: &[u32]) -> String {
-    let mut out = String::with_capacity(128 + delta.changes.len() * 26);
-    let names = |ids: &mut dyn Iterator<Item = &String>| {
-        ids.map(|e| serde_json::Value::from(e.as_str()).to_string())
-            .collect::<Vec<_>>()
-            .join(",")
-    };
-    let _ = write!(
-        out,
-        "{{\"epoch\":{epoch},\"version\":{},\"full\":{},\"endpoints\":[{}],\"stale\":[{}],\"changes\":[",
-        delta.version,
-        delta.full,
-        names(&mut endpoints.iter()),
-        names(&mut stale.iter().filter_map(|&e| endpoints.get(e as usize))),
-    );
-    for (i, c) in delta.changes.iter().enumerate() {
-        let sep = if i == 0 { "" } else { "," };
-        let _ = write!(out, "{sep}[{},{},{}]", c.endpoint, u8::from(c.held), c.key);
+/// The `/v1/changes` answer of the index for `q` at `now`.
+pub fn changes(index: &Index, serving: Serving, q: &Query, now: Duration) -> Changes {
+    let since = q.since.filter(|_| q.epoch == Some(serving.epoch));
+    Changes {
+        epoch: serving.epoch,
+        delta: index.holders.since(since, q.limit.unwrap_or(DEFAULT_LIMIT)),
+        endpoints: index.holders.endpoints().to_vec(),
+        stale: index.stale_endpoints(now, serving.staleness),
     }
-    out.push_str("]}");
-    out
+}
+
+impl Changes {
+    /// The answer as the API's JSON.
+    pub fn encode(&self) -> String {
+        let (delta, endpoints) = (&self.delta, &self.endpoints);
+        let mut out = String::with_capacity(128 + delta.changes.len() * 26);
+        let names = |ids: &mut dyn Iterator<Item = &String>| {
+            ids.map(|e| serde_json::Value::from(e.as_str()).to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let _ = write!(
+            out,
+            "{{\"epoch\":{},\"version\":{},\"full\":{},\"endpoints\":[{}],\"stale\":[{}],\"changes\":[",
+            self.epoch,
+            delta.version,
+            delta.full,
+            names(&mut endpoints.iter()),
+            names(&mut self.stale.iter().filter_map(|&e| endpoints.get(e as usize))),
+        );
+        for (i, c) in delta.changes.iter().enumerate() {
+            let sep = if i == 0 { "" } else { "," };
+            let _ = write!(out, "{sep}[{},{},{}]", c.endpoint, u8::from(c.held), c.key);
+        }
+        out.push_str("]}");
+        out
+    }
 }
 
 #[cfg(test)]
@@ -175,7 +221,13 @@ mod tests {
                 },
             ],
         };
-        let text = encode(7, &delta, &["a:1".into(), "b:2".into()], &[1]);
+        let answer = Changes {
+            epoch: 7,
+            delta,
+            endpoints: vec!["a:1".into(), "b:2".into()],
+            stale: vec![1],
+        };
+        let text = answer.encode();
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["epoch"], 7);
         assert_eq!(v["stale"], serde_json::json!(["b:2"]));

@@ -146,10 +146,15 @@ impl Stream {
     /// Forgets every block and releases every key (the engine cleared its cache, restarted, or
     /// the stream lost events).
     pub fn clear(&mut self, holders: &mut Holders) {
-        for block in self.blocks.values() {
-            for &key in block.keys.iter() {
-                holders.release(self.endpoint, key);
-            }
+        // In key order: the feed must not depend on how the table hashes.
+        let mut keys: Vec<u64> = self
+            .blocks
+            .values()
+            .flat_map(|b| b.keys.iter().copied())
+            .collect();
+        keys.sort_unstable();
+        for key in keys {
+            holders.release(self.endpoint, key);
         }
         self.blocks.clear();
         self.group = None;

@@ -1,8 +1,10 @@
 //! The indexer's command line: what to subscribe to, how to key, where to serve.
 
+use crate::index::Staleness;
 use clap::Parser;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// One engine stream: `ADDR=EVENTS[,replay=EVENTS][,model=NAME]`, EVENTS a ZMQ address
 /// `tcp://HOST:PORT` or `ipc://PATH` (a Unix socket: an engine on the same host).
@@ -109,6 +111,19 @@ pub struct Config {
     /// Changes the feed keeps for clients that poll behind.
     #[arg(long, default_value_t = 1 << 18)]
     pub feed_capacity: usize,
+}
+
+impl Config {
+    /// When streams count as stale: `--stale-after` and `--gap-hold`.
+    pub fn staleness(&self) -> Result<Staleness, String> {
+        let seconds = |s: f64, name: &str| {
+            Duration::try_from_secs_f64(s).map_err(|_| format!("--{name}: not a duration: {s}"))
+        };
+        Ok(Staleness {
+            silence: seconds(self.stale_after, "stale-after")?,
+            after_gap: seconds(self.gap_hold, "gap-hold")?,
+        })
+    }
 }
 
 #[cfg(test)]

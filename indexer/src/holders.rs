@@ -143,9 +143,10 @@ impl Holders {
         }
     }
 
-    /// Everything held now, as `held` changes, at the current version.
+    /// Everything held now, as `held` changes by endpoint and key (an order that does not
+    /// depend on how the tables hash), at the current version.
     pub fn snapshot(&self) -> Delta {
-        let changes = self
+        let mut changes: Vec<Change> = self
             .held
             .iter()
             .enumerate()
@@ -157,6 +158,7 @@ impl Holders {
                 })
             })
             .collect();
+        changes.sort_unstable_by_key(|c| (c.endpoint, c.key));
         Delta {
             version: self.version,
             full: true,

@@ -12,13 +12,16 @@
 //! a silence, for what followed the last message applied (a probe): an answer proves it is up,
 //! fills what the stream missed, and shows a restart (the engine no longer has that message);
 //! no answer makes the stream stale. An engine without one is stale after the silence.
+//!
+//! Times are the indexer's clock: a monotonic [`Duration`] since it started, which the caller
+//! supplies (the server its elapsed time, a virtual-time lab its own).
 
 use crate::chains::{Shape, Stream};
 use crate::holders::Holders;
 use crate::token_bytes::TokenBytes;
 use crate::wire::Batch;
 use std::ops::Range;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// When streams count as stale.
 #[derive(Debug, Clone, Copy)]
@@ -48,8 +51,8 @@ pub struct Health {
     /// The last probe went unanswered, and nothing has been heard since.
     pub unreachable: bool,
     pub connected: bool,
-    pub last_heard: Option<Instant>,
-    pub stale_until: Option<Instant>,
+    pub last_heard: Option<Duration>,
+    pub stale_until: Option<Duration>,
 }
 
 #[derive(Debug)]
@@ -137,7 +140,7 @@ impl Index {
         s: usize,
         batch: &Batch,
         tokens: &TokenBytes,
-        now: Instant,
+        now: Duration,
     ) -> Received {
         let entry = &mut self.streams[s];
         entry.health.last_heard = Some(now);
@@ -177,7 +180,7 @@ impl Index {
         replayed: &[Batch],
         batch: &Batch,
         tokens: &TokenBytes,
-        now: Instant,
+        now: Duration,
         hold: Duration,
     ) {
         let from = self.streams[s].expected.unwrap_or(batch.seq);
@@ -216,7 +219,7 @@ impl Index {
         restarted: bool,
         replayed: &[Batch],
         tokens: &TokenBytes,
-        now: Instant,
+        now: Duration,
         hold: Duration,
     ) {
         let entry = &mut self.streams[s];
@@ -290,21 +293,21 @@ impl Index {
     /// Whether what stream `s` says can be trusted: it is connected, outside the hold of an
     /// unfilled gap, and known to be up: heard from or its probe answered, and its last probe
     /// not unanswered (with a replay socket), or heard from within the silence (without).
-    pub fn stream_stale(&self, s: usize, now: Instant, staleness: Staleness) -> bool {
+    pub fn stream_stale(&self, s: usize, now: Duration, staleness: Staleness) -> bool {
         let entry = &self.streams[s];
         let h = &entry.health;
         let unknown = match entry.replay {
             Some(_) => h.unreachable || (h.last_heard.is_none() && h.probes == 0),
             None => h
                 .last_heard
-                .is_none_or(|t| now.saturating_duration_since(t) > staleness.silence),
+                .is_none_or(|t| now.saturating_sub(t) > staleness.silence),
         };
         let held = h.stale_until.is_some_and(|t| now < t);
         !h.connected || unknown || held
     }
 
     /// Endpoint indexes with a stale stream.
-    pub fn stale_endpoints(&self, now: Instant, staleness: Staleness) -> Vec<u32> {
+    pub fn stale_endpoints(&self, now: Duration, staleness: Staleness) -> Vec<u32> {
         let mut stale: Vec<u32> = (0..self.streams.len())
             .filter(|&s| self.stream_stale(s, now, staleness))
             .map(|s| self.streams[s].stream.endpoint())

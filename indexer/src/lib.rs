@@ -17,11 +17,10 @@ pub mod token_bytes;
 pub mod wire;
 
 use config::Config;
-use index::{Index, Staleness};
+use index::Index;
 use state::Shared;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 use token_bytes::TokenBytes;
 
 /// A started indexer.
@@ -38,13 +37,7 @@ pub async fn start(config: Config) -> Result<Running, String> {
         return Err("--chunk-size must be at least 1".into());
     }
     let tokens = TokenBytes::load(&config.tokenizer)?;
-    let seconds = |s: f64, name: &str| {
-        Duration::try_from_secs_f64(s).map_err(|_| format!("--{name}: not a duration: {s}"))
-    };
-    let staleness = Staleness {
-        silence: seconds(config.stale_after, "stale-after")?,
-        after_gap: seconds(config.gap_hold, "gap-hold")?,
-    };
+    let staleness = config.staleness()?;
     let index = Index::new(config.chunk_size, config.feed_capacity);
     let shared = Arc::new(Shared::new(index, tokens, staleness));
     let listener = tokio::net::TcpListener::bind(config.listen)

@@ -1,15 +1,14 @@
 //! `/metrics` (Prometheus text) and `/health` (JSON): what the index holds and how its streams
 //! are doing.
 
-use crate::state::Shared;
+use crate::index::Index;
+use crate::state::Serving;
 use serde_json::json;
 use std::fmt::Write;
-use std::time::Instant;
+use std::time::Duration;
 
-/// Prometheus exposition of every stream's and endpoint's counters.
-pub fn render(shared: &Shared) -> String {
-    let index = shared.lock();
-    let now = Instant::now();
+/// Prometheus exposition of every stream's and endpoint's counters at `now`.
+pub fn render(index: &Index, serving: Serving, now: Duration) -> String {
     let mut out = String::new();
     let endpoints = index.holders.endpoints();
     type Get = fn(&crate::index::StreamEntry) -> u64;
@@ -118,7 +117,7 @@ pub fn render(shared: &Shared) -> String {
             );
         }
     }
-    let stale = index.stale_endpoints(now, shared.staleness);
+    let stale = index.stale_endpoints(now, serving.staleness);
     let _ = writeln!(out, "# HELP kvroute_indexer_keys_held Prefix keys the endpoint holds.\n# TYPE kvroute_indexer_keys_held gauge");
     for (e, name) in endpoints.iter().enumerate() {
         let _ = writeln!(
@@ -134,15 +133,13 @@ pub fn render(shared: &Shared) -> String {
     }
     let _ = writeln!(out, "# HELP kvroute_indexer_stale_endpoints Endpoints stale now.\n# TYPE kvroute_indexer_stale_endpoints gauge\nkvroute_indexer_stale_endpoints {}", stale.len());
     let _ = writeln!(out, "# HELP kvroute_indexer_version Changes published since start.\n# TYPE kvroute_indexer_version counter\nkvroute_indexer_version {}", index.holders.version());
-    let memory = index.memory() + shared.tokens.memory();
+    let memory = index.memory() + serving.tokens.memory();
     let _ = writeln!(out, "# HELP kvroute_indexer_memory_bytes Heap the index takes, estimated.\n# TYPE kvroute_indexer_memory_bytes gauge\nkvroute_indexer_memory_bytes {memory}");
     out
 }
 
-/// `/health`: the epoch, the version and each stream's state.
-pub fn health(shared: &Shared) -> String {
-    let index = shared.lock();
-    let now = Instant::now();
+/// `/health`: the epoch, the version and each stream's state at `now`.
+pub fn health(index: &Index, serving: Serving, now: Duration) -> String {
     let endpoints = index.holders.endpoints();
     let streams: Vec<_> = index
         .streams
@@ -154,7 +151,7 @@ pub fn health(shared: &Shared) -> String {
                 "endpoint": endpoints[e as usize],
                 "stream": entry.url,
                 "connected": entry.health.connected,
-                "stale": index.stream_stale(s, now, shared.staleness),
+                "stale": index.stream_stale(s, now, serving.staleness),
                 "events": entry.stream.counts.events,
                 "next_seq": entry.next_seq(),
                 "probes": entry.health.probes,
@@ -166,7 +163,7 @@ pub fn health(shared: &Shared) -> String {
         .collect();
     json!({
         "status": "ok",
-        "epoch": shared.epoch,
+        "epoch": serving.epoch,
         "version": index.holders.version(),
         "streams": streams,
     })

@@ -1,10 +1,11 @@
 //! What the subscribers and the HTTP server share: the index behind a lock, the tokenizer's
-//! byte table, the staleness rules and this process's epoch.
+//! byte table, the staleness rules, this process's epoch and its clock.
 
 use crate::index::{Index, Staleness};
 use crate::token_bytes::TokenBytes;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 pub struct Shared {
     index: Mutex<Index>,
@@ -12,6 +13,15 @@ pub struct Shared {
     pub staleness: Staleness,
     /// Random per start: a client's version from another epoch means nothing here.
     pub epoch: u64,
+    started: Instant,
+}
+
+/// What the API's answers depend on besides the index and the time.
+#[derive(Debug, Clone, Copy)]
+pub struct Serving<'a> {
+    pub epoch: u64,
+    pub staleness: Staleness,
+    pub tokens: &'a TokenBytes,
 }
 
 impl Shared {
@@ -21,6 +31,20 @@ impl Shared {
             tokens,
             staleness,
             epoch: random_epoch(),
+            started: Instant::now(),
+        }
+    }
+
+    /// The index's clock: the time since this indexer started.
+    pub fn now(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    pub fn serving(&self) -> Serving<'_> {
+        Serving {
+            epoch: self.epoch,
+            staleness: self.staleness,
+            tokens: &self.tokens,
         }
     }
 

@@ -9,7 +9,7 @@ use crate::state::Shared;
 use crate::wire::{self, Batch};
 use bytes::Bytes;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 /// How long a replay may take before the gap counts as unfilled, or the engine as unreachable.
@@ -72,7 +72,7 @@ async fn receive(shared: &Shared, s: usize, replay: Option<&str>, message: ZmqMe
     };
     let received = shared
         .lock()
-        .receive(s, &batch, &shared.tokens, Instant::now());
+        .receive(s, &batch, &shared.tokens, shared.now());
     if let crate::index::Received::Gap { from } = received {
         let replayed = match replay {
             Some(url) => fetch_replay(url, from, batch.seq)
@@ -88,7 +88,7 @@ async fn receive(shared: &Shared, s: usize, replay: Option<&str>, message: ZmqMe
             &replayed,
             &batch,
             &shared.tokens,
-            Instant::now(),
+            shared.now(),
             shared.staleness.after_gap,
         );
     }
@@ -101,13 +101,7 @@ async fn receive(shared: &Shared, s: usize, replay: Option<&str>, message: ZmqMe
 async fn probe(shared: &Shared, s: usize, url: &str) {
     let last = shared.lock().streams[s].last_applied();
     let mut answer = fetch_replay(url, last.map_or(0, |(seq, _)| seq), u64::MAX).await;
-    let restarted = match (&answer, last) {
-        (Ok(batches), Some((seq, digest))) => match batches.first() {
-            Some(first) => first.seq == seq && first.digest != digest,
-            None => true,
-        },
-        _ => false,
-    };
+    let restarted = matches!(&answer, Ok(batches) if shows_restart(batches, last));
     if restarted {
         answer = fetch_replay(url, 0, u64::MAX).await;
     }
@@ -118,7 +112,7 @@ async fn probe(shared: &Shared, s: usize, url: &str) {
             restarted,
             &batches,
             &shared.tokens,
-            Instant::now(),
+            shared.now(),
             shared.staleness.after_gap,
         ),
         Err(e) => {
@@ -126,6 +120,16 @@ async fn probe(shared: &Shared, s: usize, url: &str) {
                 log::warn!("{url}: no answer to a probe ({e}): stale until heard again");
             }
         }
+    }
+}
+
+/// Whether a probe's answer (the replay from the last message applied, `last`) shows that the
+/// engine restarted: it no longer has that message, or has another message of its number.
+pub fn shows_restart(answer: &[Batch], last: Option<(u64, u64)>) -> bool {
+    match (answer.first(), last) {
+        (Some(first), Some((seq, digest))) => first.seq == seq && first.digest != digest,
+        (None, Some(_)) => true,
+        (_, None) => false,
     }
 }
 
