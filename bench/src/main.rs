@@ -142,6 +142,46 @@ enum Cmd {
         #[arg(long, value_name = "DIR")]
         keep_dumps: Option<PathBuf>,
     },
+    /// Routers against the simulator's engine model in virtual time (no sockets, no clock),
+    /// every router on the same K workload seeds: each figure's mean and 95% interval, and with
+    /// --baseline each router's paired difference from it and a verdict. Prints the table; writes
+    /// DIR/results.{json,md} with --out.
+    Lab {
+        /// Fleet spec (JSON), as `compare` takes it.
+        #[arg(long)]
+        fleet: PathBuf,
+        /// Workload spec (JSON); its seed is the first of the K.
+        #[arg(long)]
+        workload: PathBuf,
+        /// Comma-separated: round_robin, least_request, kvroute, kvroute:<policy>,
+        /// kvroute-precise, smg, oracle; NAME@N for N instances behind round robin.
+        #[arg(long, default_value = "round_robin,kvroute,smg,oracle")]
+        routers: String,
+        /// Workload seeds per router (the workload's seed, +1, ...).
+        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=1000))]
+        seeds: u64,
+        /// The router every other one is paired against, seed by seed.
+        #[arg(long)]
+        baseline: Option<String>,
+        /// Output directory for results.json and results.md.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Runs at once, each on its own thread (0: one per core).
+        #[arg(long, default_value_t = 0)]
+        jobs: usize,
+        /// Worker threads of each gateway's Envoy, each with its own kvroute.
+        #[arg(long, default_value_t = routers::ENVOY_WORKERS as usize)]
+        envoy_workers: usize,
+        /// Milliseconds from a gateway's poll call to its answer.
+        #[arg(long, default_value_t = 1.0)]
+        poll_latency_ms: f64,
+        /// Milliseconds from an engine's KV-event batch to the indexer taking it in.
+        #[arg(long, default_value_t = 2.0)]
+        kv_event_lag_ms: f64,
+        /// Share of KV-event batches the stream loses (0 to 1).
+        #[arg(long, default_value_t = 0.0)]
+        kv_event_loss: f64,
+    },
     /// One chat request rendered by a chat template, and kvroute's prefix keys over it:
     /// prints {"rendered": "...", "keys": ["<hex>", ...]}.
     Keys {
@@ -181,6 +221,40 @@ fn main() {
             tokenizer_config: tokenizer_config.as_deref(),
         };
         if let Err(e) = keys::keys(&args) {
+            fail(e);
+        }
+        return;
+    }
+    if let Cmd::Lab {
+        fleet,
+        workload,
+        routers,
+        seeds,
+        baseline,
+        out,
+        jobs,
+        envoy_workers,
+        poll_latency_ms,
+        kv_event_lag_ms,
+        kv_event_loss,
+    } = &cli.command
+    {
+        let args = lab::LabArgs {
+            fleet: fleet.clone(),
+            workload: workload.clone(),
+            routers: routers.clone(),
+            seeds: *seeds,
+            baseline: baseline.clone(),
+            out: out.clone(),
+            knobs: lab::Knobs {
+                jobs: *jobs,
+                workers: *envoy_workers,
+                poll_latency_ms: *poll_latency_ms,
+                kv_event_lag_ms: *kv_event_lag_ms,
+                kv_event_loss: *kv_event_loss,
+            },
+        };
+        if let Err(e) = lab::lab(&args) {
             fail(e);
         }
         return;
@@ -243,7 +317,7 @@ fn main() {
                     let (b, keep) = (compare_wasm.as_deref(), keep_dumps.as_deref());
                     instructions::instructions(requests, config, &configs, b, keep).await
                 }
-                Cmd::Keys { .. } => Ok(()),
+                Cmd::Keys { .. } | Cmd::Lab { .. } => Ok(()),
             }
         };
         // Stopped by a signal, the run's future is dropped, and with it the Envoys, sims and peer

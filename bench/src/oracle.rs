@@ -25,12 +25,12 @@ use tokio::task::JoinHandle;
 /// by more than this; the oracle then gives up its cache hit for a shorter queue.
 pub const OVERLOAD_SLACK: u64 = 4;
 /// How long a dispatched prompt counts as (about to be) cached on its replica.
-const PENDING_WINDOW: Duration = Duration::from_secs(2);
+pub const PENDING_WINDOW: Duration = Duration::from_secs(2);
 /// At most this many recent dispatches are remembered.
-const PENDING_MAX: usize = 256;
+pub const PENDING_MAX: usize = 256;
 /// A pending shared prefix counts in whole KV blocks of this many tokens, like a real cache hit
 /// (so a few shared template tokens do not attract unrelated prompts).
-const PENDING_BLOCK_TOKENS: u64 = 16;
+pub const PENDING_BLOCK_TOKENS: u64 = 16;
 
 type Body = BoxBody<Bytes, hyper::Error>;
 
@@ -200,7 +200,7 @@ async fn pick(state: &State, path: &str, body: &[u8]) -> Result<usize, String> {
 
 /// The prompt as text: the completion prompt, or the chat messages' roles and contents in order.
 /// The cache salt comes first: prompts of different salts share no cached prefix.
-fn prompt_text(body: &Value) -> String {
+pub fn prompt_text(body: &Value) -> String {
     let mut s = match body["cache_salt"].as_str() {
         Some(salt) => format!("{salt}\n"),
         None => String::new(),
@@ -221,7 +221,7 @@ fn prompt_text(body: &Value) -> String {
     s
 }
 
-fn common_prefix(a: &str, b: &str) -> usize {
+pub fn common_prefix(a: &str, b: &str) -> usize {
     a.bytes().zip(b.bytes()).take_while(|(x, y)| x == y).count()
 }
 

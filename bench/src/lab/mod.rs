@@ -82,8 +82,8 @@ impl Options {
 /// Runs the lab and prints its table; writes results.json and results.md to `--out`.
 pub fn lab(args: &LabArgs) -> Result<(), String> {
     let fleet_text = read(&args.fleet)?;
-    let fleet: Value = serde_json::from_str(&fleet_text)
-        .map_err(|e| format!("{}: {e}", args.fleet.display()))?;
+    let fleet: Value =
+        serde_json::from_str(&fleet_text).map_err(|e| format!("{}: {e}", args.fleet.display()))?;
     let workload = Workload::from_file(&args.workload)?;
     let routers = Router::parse_list(&args.routers, None)?;
     let baseline = match &args.baseline {
@@ -208,8 +208,18 @@ pub fn run_all(
 }
 
 /// One seed through one router.
-pub fn one(opts: &Options, workload: &Workload, router: &Router) -> Result<crate::report::Measured, String> {
+pub fn one(
+    opts: &Options,
+    workload: &Workload,
+    router: &Router,
+) -> Result<crate::report::Measured, String> {
     let run = run::Run::new(opts, workload, router)?;
     let (outcome, per_replica, hits, queries) = run.finish();
-    Ok(crate::report::measured(&router.name(), &outcome, hits, queries, &per_replica))
+    Ok(crate::report::measured(
+        &router.name(),
+        &outcome,
+        hits,
+        queries,
+        &per_replica,
+    ))
 }

@@ -20,6 +20,13 @@ pub struct Interval {
     pub hi: f64,
 }
 
+impl Interval {
+    /// Half the interval's width: the mean is known to within this.
+    pub fn half_width(&self) -> f64 {
+        (self.hi - self.lo) / 2.0
+    }
+}
+
 /// Mean and 95% interval of `samples`; `None` when there are none or one is not finite.
 pub fn interval(samples: &[f64]) -> Option<Interval> {
     let n = samples.len();
@@ -67,6 +74,17 @@ pub enum Verdict {
     Better,
     Worse,
     NotDistinguishable,
+}
+
+impl Verdict {
+    /// How a table shows it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Verdict::Better => "better",
+            Verdict::Worse => "worse",
+            Verdict::NotDistinguishable => "tie",
+        }
+    }
 }
 
 /// `Better` when the whole interval of `diff` lies strictly on the good side of 0 (above it when

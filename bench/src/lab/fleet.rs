@@ -1,0 +1,105 @@
+//! The simulated fleet in virtual time: one engine core per replica (the simulator's own model),
+//! and the simulator's front end that turns a request body into prompt and output tokens.
+
+use kvroute_sim::bpe::Vocab;
+use kvroute_sim::engine::core::{EngineCore, Happened, RequestId};
+use kvroute_sim::kv_events::Published;
+use kvroute_sim::request::{self, Endpoint, Frontend};
+use kvroute_sim::spec::FleetSpec;
+use kvroute_sim::tokenizer::seed_of;
+use serde_json::Value;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What a replica needs to run one request, as its HTTP front end would give it.
+pub struct Prepared {
+    pub prompt: Vec<u32>,
+    pub salt: Option<String>,
+    pub output: Vec<u32>,
+    pub include_usage: bool,
+}
+
+pub struct Fleet {
+    pub spec: Arc<FleetSpec>,
+    pub cores: Vec<EngineCore>,
+    /// Each replica's address as the gateways name it (never connected to).
+    pub addrs: Vec<String>,
+    vocab: Vocab,
+}
+
+/// The address the lab names replica `i` by.
+pub fn addr_of(i: usize) -> String {
+    format!("127.0.0.1:{}", 8001 + i)
+}
+
+impl Fleet {
+    pub fn new(spec: Arc<FleetSpec>, vocab: Vocab) -> Fleet {
+        let cores = (0..spec.replicas)
+            .map(|i| EngineCore::new(i, spec.clone()))
+            .collect();
+        Fleet {
+            addrs: (0..spec.replicas).map(addr_of).collect(),
+            cores,
+            spec,
+            vocab,
+        }
+    }
+
+    /// The replica named `addr`.
+    pub fn index_of(&self, addr: &str) -> Option<usize> {
+        self.addrs.iter().position(|a| a == addr)
+    }
+
+    /// The request as replica `_i`'s front end reads it: its tokens, or the 400 it answers.
+    pub fn prepare(&self, path: &str, body: &Value, raw: &[u8]) -> Result<Prepared, String> {
+        let endpoint = Endpoint::from_path(path).ok_or("not a generation path")?;
+        let frontend = Frontend {
+            vocab: &self.vocab,
+            template: None,
+        };
+        let gen = request::parse_with(&frontend, endpoint, body, Some(raw))?;
+        let output_len = gen.max_tokens.unwrap_or(self.spec.default_max_tokens);
+        if gen.prompt_tokens.len() + output_len > self.spec.max_model_len {
+            return Err("longer than max_model_len".into());
+        }
+        let (_, output) = self.vocab.output(seed_of(&gen.prompt_tokens), output_len);
+        Ok(Prepared {
+            prompt: gen.prompt_tokens,
+            salt: gen.cache_salt,
+            output,
+            include_usage: gen.include_usage,
+        })
+    }
+
+    /// Queues request `id` at replica `r`.
+    pub fn submit(
+        &mut self,
+        now: Duration,
+        r: usize,
+        id: RequestId,
+        p: &Prepared,
+    ) -> Result<(), String> {
+        let core = &mut self.cores[r];
+        core.note_request();
+        let (prompt, salt, output) = (p.prompt.clone(), p.salt.clone(), p.output.clone());
+        core.submit(now, id, prompt, salt, output)
+            .map_err(|e| format!("{e:?}"))
+    }
+
+    /// When replica `r` next has something to do by itself.
+    pub fn next_event(&self, r: usize) -> Option<Duration> {
+        self.cores[r].next_event()
+    }
+
+    /// Runs replica `r` up to `now`: what happened, and the KV-event batches it published.
+    pub fn advance(&mut self, r: usize, now: Duration, out: &mut Vec<Happened>) -> Vec<Published> {
+        let core = &mut self.cores[r];
+        core.advance(now, out);
+        core.take_published()
+    }
+
+    /// Drains what replica `r` published outside `advance` (on a submit).
+    pub fn published(&mut self, r: usize) -> Vec<Published> {
+        self.cores[r].take_published()
+    }
+}
