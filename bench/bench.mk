@@ -16,9 +16,19 @@
 #   make bench-results  the README's tables: each workload of RESULTS_SETS through its routers,
 #               one run each, into bench/results/<workload>/ (results.json, results.md, ttft.svg,
 #               stamped with the build's commit and the run's date); commit what it writes
+#   make lab    routers against the simulator's engine core in virtual time (kvroute-bench lab):
+#               LAB_WORKLOAD on LAB_FLEET through LAB_ROUTERS over LAB_SEEDS paired seeds, paired
+#               against LAB_BASELINE, into bench/results/lab/<workload>/ (minutes, deterministic)
+#   make lab-precise  precise mode's lines decided in the lab (LAB_SEEDS paired seeds each) into
+#               bench/results/lab/precise/<line>/, and the table of their targets (README.md's and
+#               bench/README.md's lab-precise blocks); commit what it writes
+#   make lab-calibrate  the lab beside the wall-clock bench: for each results.json under
+#               bench/results, the lab on the same fleet, workload and seed (lab/calibration/)
 #   make peers  installs the peer routers (smg, vllm-router), each in its own venv
 #   make real   the comparison on real vLLM engines (CPU, a tiny model) instead of the sim:
 #               round robin, kvroute, smg, kvroute@3, smg@3 (results in $(REAL_OUT))
+
+.PHONY: lab lab-precise lab-calibrate
 .PHONY: run bench peers bench-all bench-overhead bench-instructions bench-placement bench-precise bench-precise-summary bench-results bench-summary real
 
 BENCH := target/release/kvroute-bench
@@ -144,3 +154,21 @@ peers:
 	    touch $$dir/.installed ) > $(PEERS)/$$name.log 2>&1 \
 	    || echo "peers: $$name failed to install (see $(PEERS)/$$name.log); it will be reported as skipped"; \
 	done
+
+# The lab: deterministic, in virtual time, no Envoy or sockets (bench/README.md, "The lab").
+LAB_DIR := bench/results/lab
+LAB_FLEET ?= bench/fleets/pressure.json
+LAB_WORKLOAD ?= bench/workloads/zipf-pressure.json
+LAB_ROUTERS ?= round_robin,least_request,kvroute,kvroute@3,kvroute-precise,smg,smg@3,oracle
+LAB_BASELINE ?= smg
+LAB_SEEDS ?= 30
+
+lab: bins
+	$(BENCH) lab --fleet $(LAB_FLEET) --workload $(LAB_WORKLOAD) --routers $(LAB_ROUTERS) \
+	  --seeds $(LAB_SEEDS) --baseline $(LAB_BASELINE) --out $(LAB_DIR)/$(basename $(notdir $(LAB_WORKLOAD)))
+
+lab-precise: bins
+	$(BENCH) lab-precise --results $(LAB_DIR)/precise --seeds $(LAB_SEEDS) --readme README.md --readme bench/README.md
+
+lab-calibrate: bins
+	$(BENCH) lab-calibrate --results $(RESULTS_DIR)

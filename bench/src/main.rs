@@ -166,21 +166,41 @@ enum Cmd {
         /// Output directory for results.json and results.md.
         #[arg(long)]
         out: Option<PathBuf>,
-        /// Runs at once, each on its own thread (0: one per core).
-        #[arg(long, default_value_t = 0)]
-        jobs: usize,
-        /// Worker threads of each gateway's Envoy, each with its own kvroute.
-        #[arg(long, default_value_t = routers::ENVOY_WORKERS as usize)]
-        envoy_workers: usize,
-        /// Milliseconds from a gateway's poll call to its answer.
-        #[arg(long, default_value_t = 1.0)]
-        poll_latency_ms: f64,
-        /// Milliseconds from an engine's KV-event batch to the indexer taking it in.
-        #[arg(long, default_value_t = 2.0)]
-        kv_event_lag_ms: f64,
-        /// Share of KV-event batches the stream loses (0 to 1).
-        #[arg(long, default_value_t = 0.0)]
-        kv_event_loss: f64,
+        #[command(flatten)]
+        knobs: lab::Knobs,
+    },
+    /// Precise mode's lines (bench/src/precise_lines.rs) decided in the lab: each line's routers
+    /// over --seeds paired seeds into DIR/<line>/results.{json,md}, then the table of each
+    /// check's paired interval against its target (met, missed or undecided), printed, written
+    /// to DIR/summary.md and into each --readme's `lab-precise` block.
+    LabPrecise {
+        #[arg(long, default_value = "bench/results/lab/precise")]
+        results: PathBuf,
+        /// The lines to run, comma-separated (default: all).
+        #[arg(long, value_delimiter = ',')]
+        lines: Vec<String>,
+        #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(2..=1000))]
+        seeds: u64,
+        /// Only the table, from the lines DIR holds.
+        #[arg(long)]
+        summary_only: bool,
+        #[arg(long, value_name = "FILE")]
+        readme: Vec<PathBuf>,
+        #[command(flatten)]
+        knobs: lab::Knobs,
+    },
+    /// The lab held against the wall-clock bench: for each results.json under DIR (each
+    /// workload's set, each precise line's first run), the lab on the same fleet, workload and
+    /// seed through the same routers (round_robin, kvroute, kvroute@3, kvroute-precise, smg where
+    /// present), each figure side by side; printed and written to DIR/lab/calibration/summary.md.
+    LabCalibrate {
+        #[arg(long, default_value = "bench/results")]
+        results: PathBuf,
+        /// Lab seeds per file, from the file's own.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=100))]
+        seeds: u64,
+        #[command(flatten)]
+        knobs: lab::Knobs,
     },
     /// One chat request rendered by a chat template, and kvroute's prefix keys over it:
     /// prints {"rendered": "...", "keys": ["<hex>", ...]}.
@@ -225,36 +245,8 @@ fn main() {
         }
         return;
     }
-    if let Cmd::Lab {
-        fleet,
-        workload,
-        routers,
-        seeds,
-        baseline,
-        out,
-        jobs,
-        envoy_workers,
-        poll_latency_ms,
-        kv_event_lag_ms,
-        kv_event_loss,
-    } = &cli.command
-    {
-        let args = lab::LabArgs {
-            fleet: fleet.clone(),
-            workload: workload.clone(),
-            routers: routers.clone(),
-            seeds: *seeds,
-            baseline: baseline.clone(),
-            out: out.clone(),
-            knobs: lab::Knobs {
-                jobs: *jobs,
-                workers: *envoy_workers,
-                poll_latency_ms: *poll_latency_ms,
-                kv_event_lag_ms: *kv_event_lag_ms,
-                kv_event_loss: *kv_event_loss,
-            },
-        };
-        if let Err(e) = lab::lab(&args) {
+    if let Some(outcome) = run_lab(&cli.command) {
+        if let Err(e) = outcome {
             fail(e);
         }
         return;
@@ -317,7 +309,10 @@ fn main() {
                     let (b, keep) = (compare_wasm.as_deref(), keep_dumps.as_deref());
                     instructions::instructions(requests, config, &configs, b, keep).await
                 }
-                Cmd::Keys { .. } | Cmd::Lab { .. } => Ok(()),
+                Cmd::Keys { .. }
+                | Cmd::Lab { .. }
+                | Cmd::LabPrecise { .. }
+                | Cmd::LabCalibrate { .. } => Ok(()),
             }
         };
         // Stopped by a signal, the run's future is dropped, and with it the Envoys, sims and peer
@@ -332,6 +327,58 @@ fn main() {
     if let Err(e) = outcome {
         fail(e);
     }
+}
+
+/// The lab's commands, which run on threads of their own rather than on the tokio runtime;
+/// `None` for the others.
+fn run_lab(cmd: &Cmd) -> Option<Result<(), String>> {
+    Some(match cmd {
+        Cmd::Lab {
+            fleet,
+            workload,
+            routers,
+            seeds,
+            baseline,
+            out,
+            knobs,
+        } => lab::lab(&lab::LabArgs {
+            fleet: fleet.clone(),
+            workload: workload.clone(),
+            routers: routers.clone(),
+            seeds: *seeds,
+            baseline: baseline.clone(),
+            out: out.clone(),
+            knobs: *knobs,
+        }),
+        Cmd::LabPrecise {
+            results,
+            lines,
+            seeds,
+            summary_only,
+            readme,
+            knobs,
+        } => (|| {
+            if !summary_only {
+                lab::run_lines(results, lines, *seeds, knobs)?;
+            }
+            let table = lab::lines_summary(results)?;
+            write_summary(results, &table, "lab-precise", readme)
+        })(),
+        Cmd::LabCalibrate {
+            results,
+            seeds,
+            knobs,
+        } => (|| {
+            let table = lab::calibrate(&lab::calibration_sources(results), *seeds, knobs)?;
+            write_summary(
+                &results.join("lab/calibration"),
+                &table,
+                "lab-calibration",
+                &[],
+            )
+        })(),
+        _ => return None,
+    })
 }
 
 /// Writes `table` to `dir/summary.md` and into each of `readmes`' `name` block; prints it.

@@ -11,6 +11,8 @@ pub struct Line {
     pub name: &'static str,
     /// The workload's `name` field, as repeats.json records it.
     pub workload: &'static str,
+    /// The workload's file under bench/workloads, without `.json`.
+    pub file: &'static str,
     /// The fleet spec's file name without `.json`, as repeats.json records it.
     pub fleet: &'static str,
     pub checks: &'static [Check],
@@ -75,6 +77,7 @@ pub const LINES: &[Line] = &[
     Line {
         name: "zipf-pressure",
         workload: "zipf-pressure",
+        file: "zipf-pressure",
         fleet: "pressure",
         checks: &[
             check(PRECISE, Metric::HitRate, rel(Op::AtLeast, 1.0, "smg")),
@@ -93,6 +96,7 @@ pub const LINES: &[Line] = &[
     Line {
         name: "grouped-pressure",
         workload: "grouped-pressure",
+        file: "grouped-pressure",
         fleet: "pressure",
         checks: &[
             check(
@@ -115,24 +119,28 @@ pub const LINES: &[Line] = &[
     Line {
         name: "llm-d",
         workload: "llm-d-shared-prefix",
+        file: "llm-d",
         fleet: "default",
         checks: AS_GOOD_AS_KVROUTE,
     },
     Line {
         name: "agentic",
         workload: "agentic",
+        file: "agentic",
         fleet: "default",
         checks: AS_GOOD_AS_KVROUTE,
     },
     Line {
         name: "tenants",
         workload: "tenants",
+        file: "tenants",
         fleet: "default",
         checks: AS_GOOD_AS_KVROUTE,
     },
     Line {
         name: "agentic-pressure",
         workload: "agentic",
+        file: "agentic",
         fleet: "pressure",
         checks: &[
             check(PRECISE, Metric::HitRate, rel(Op::AtLeast, 0.95, "oracle")),
@@ -143,7 +151,7 @@ pub const LINES: &[Line] = &[
 
 impl Metric {
     /// The field of repeats.json's `routers.<router>`.
-    fn key(self) -> &'static str {
+    pub fn key(self) -> &'static str {
         match self {
             Metric::HitRate => "prefix_hit_rate",
             Metric::TtftP50 => "ttft_p50_ms",
@@ -152,7 +160,7 @@ impl Metric {
         }
     }
 
-    fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             Metric::HitRate => "hit rate",
             Metric::TtftP50 => "TTFT p50",
@@ -161,7 +169,7 @@ impl Metric {
         }
     }
 
-    fn show(self, v: f64) -> String {
+    pub fn show(self, v: f64) -> String {
         match self {
             Metric::HitRate => format!("{:.1}%", v * 100.0),
             Metric::TtftP50 | Metric::TtftP90 => format!("{v:.1} ms"),
@@ -171,7 +179,7 @@ impl Metric {
 }
 
 impl Op {
-    fn sign(self) -> &'static str {
+    pub fn sign(self) -> &'static str {
         match self {
             Op::AtLeast => "≥",
             Op::AtMost => "≤",
@@ -186,8 +194,23 @@ impl Op {
     }
 }
 
+impl Line {
+    /// The routers its checks name, in the order they first appear.
+    pub fn routers(&self) -> Vec<&'static str> {
+        let mut out: Vec<&'static str> = Vec::new();
+        for c in self.checks {
+            for r in std::iter::once(c.router).chain(c.target.of()) {
+                if !out.contains(&r) {
+                    out.push(r);
+                }
+            }
+        }
+        out
+    }
+}
+
 impl Target {
-    fn text(&self) -> String {
+    pub fn text(&self) -> String {
         match self {
             Target::Relative { op, times, of } if *times == 1.0 => format!("{} {of}'s", op.sign()),
             Target::Relative { op, times, of } => format!("{} {times}× {of}'s", op.sign()),
@@ -197,7 +220,7 @@ impl Target {
     }
 
     /// The router whose figure this one is held against.
-    fn of(&self) -> Option<&'static str> {
+    pub fn of(&self) -> Option<&'static str> {
         match self {
             Target::Relative { of, .. } | Target::Context { of } => Some(of),
             Target::Absolute { .. } => None,
@@ -343,7 +366,7 @@ fn rows(line: &Line, repeats: Option<&Value>) -> String {
 }
 
 /// A markdown table row, `| a | | b |` for cells `a`, ``, `b`.
-fn table_row(cells: &[&str]) -> String {
+pub fn table_row(cells: &[&str]) -> String {
     let mut s = "|".to_string();
     for c in cells {
         match c.is_empty() {

@@ -5,15 +5,20 @@
 //! mode) and the simulator's own engine core on one virtual clock, with no sockets and no clock
 //! reads, so the same command gives the same bytes. bench/README.md says what it leaves out.
 
+mod calibrate;
 mod fleet;
 mod gateways;
 mod host;
 pub mod index;
+mod lines;
 mod queue;
 mod report;
 mod run;
 pub mod smg;
 pub mod stats;
+
+pub use calibrate::{calibrate, sources as calibration_sources};
+pub use lines::{run as run_lines, summary as lines_summary};
 
 use crate::routers::Router;
 use crate::workload::Workload;
@@ -38,15 +43,23 @@ pub struct LabArgs {
 }
 
 /// How the lab runs and what it models around the engines, for every router alike.
-#[derive(Debug, Clone, Copy, serde::Serialize)]
+#[derive(Debug, Clone, Copy, serde::Serialize, clap::Args)]
 pub struct Knobs {
-    /// Runs at once (0: one per core).
+    /// Runs at once, each on its own thread (0: one per core).
     #[serde(skip)]
+    #[arg(long, default_value_t = 0)]
     pub jobs: usize,
-    /// Worker threads of each gateway's Envoy.
+    /// Worker threads of each gateway's Envoy, each with its own kvroute.
+    #[arg(long = "envoy-workers", default_value_t = crate::routers::ENVOY_WORKERS as usize)]
     pub workers: usize,
+    /// Milliseconds from a gateway's poll call to its answer.
+    #[arg(long, default_value_t = 1.0)]
     pub poll_latency_ms: f64,
+    /// Milliseconds from an engine's KV-event batch to the indexer taking it in.
+    #[arg(long, default_value_t = 2.0)]
     pub kv_event_lag_ms: f64,
+    /// Share of KV-event batches the stream loses (0 to 1).
+    #[arg(long, default_value_t = 0.0)]
     pub kv_event_loss: f64,
 }
 

@@ -75,6 +75,13 @@ const FIGURES: [Figure; 6] = [
     },
 ];
 
+/// Each run's value of the figure named `name` (a `FIGURES` name, as results.json names it);
+/// `None` when a run lacks it.
+pub fn per_seed(runs: &[Measured], name: &str) -> Option<Vec<f64>> {
+    let f = FIGURES.iter().find(|f| f.name == name)?;
+    runs.iter().map(f.read).collect()
+}
+
 impl Figures {
     /// The figure's value in each run; `None` when some run has none (so pairs stay aligned).
     fn values(&self, f: &Figure) -> Option<Vec<f64>> {

@@ -14,7 +14,10 @@
 //! - **Routing text**: for `/v1/chat/completions` the text of the messages in order, each
 //!   message's text parts joined by a space and the messages joined by a space, an assistant's
 //!   `reasoning_content` after its content; for `/v1/completions` the `prompt`, an array of
-//!   prompts joined by a space. Never the raw JSON. See [`routing_text`].
+//!   prompts joined by a space. Never the raw JSON. A request with a `cache_salt` keys under
+//!   its namespace: the text follows a marker of the salt, so requests of different salts
+//!   never match each other (smg's `cache_namespace.rs`; the marker's few characters count in
+//!   the match rate here, where smg leaves them out). See [`routing_text`].
 //! - **Tree**: one radix tree per model shared by all workers; each node lists the workers
 //!   ("tenants") it was inserted for, with a last-access stamp. The unit is the character
 //!   (Unicode scalar), not the token. A lookup walks the text down the tree; the matched length
@@ -52,9 +55,8 @@
 //!   and no child is dropped.
 //!
 //! Left out: the 1-in-8 sampled re-stamp of a matched node during lookup, the order in which
-//! smg lists a node's holders (here by worker index), cache partitions (`cache_salt`,
-//! `extra_key`, LoRA), and health, circuit breaking and the liveness veto (every worker is
-//! healthy).
+//! smg lists a node's holders (here by worker index), the partitions of `extra_key` and LoRA,
+//! and health, circuit breaking and the liveness veto (every worker is healthy).
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -283,6 +285,15 @@ fn overloaded(report: &Report) -> bool {
 /// its content, messages joined by a space, empty texts skipped), or a completion's `prompt`
 /// (an array joined by a space); empty for anything else.
 pub fn routing_text(body: &Value) -> String {
+    let text = unsalted_text(body);
+    match body.get("cache_salt").and_then(Value::as_str) {
+        Some(salt) => format!("\u{0}{salt}\u{0}{text}"),
+        None => text,
+    }
+}
+
+/// The request's text, before its namespace.
+fn unsalted_text(body: &Value) -> String {
     if let Some(messages) = body.get("messages").and_then(Value::as_array) {
         let mut out = String::new();
         let mut any = false;
@@ -878,5 +889,8 @@ mod tests {
         assert_eq!(routing_text(&json!({"prompt": "Once upon"})), "Once upon");
         assert_eq!(routing_text(&json!({"prompt": ["a", "b"]})), "a b");
         assert_eq!(routing_text(&json!({"input": "x"})), "");
+        let salted = |salt: &str| routing_text(&json!({"prompt": "doc", "cache_salt": salt}));
+        assert_ne!(salted("a")[..2], salted("b")[..2], "salts diverge at once");
+        assert!(salted("a").ends_with("doc"));
     }
 }

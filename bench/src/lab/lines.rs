@@ -1,0 +1,195 @@
+//! Precise mode's lines decided in the lab: each line's routers on its fleet and workload over
+//! paired seeds (`make lab-precise`), and a table of each check's paired interval against its
+//! target: met when the whole interval is on the target's side, missed when it is on the other,
+//! undecided when it straddles it.
+
+use super::stats::{self, Interval};
+use super::{report, run_all, seeds_from, Knobs, Options};
+use crate::precise_lines::{table_row, Check, Line, Op, Target, LINES};
+use crate::report::Measured;
+use crate::routers::Router;
+use crate::workload::Workload;
+use serde_json::Value;
+use std::path::Path;
+
+/// Runs `names` (every line when empty), each into `dir/<line>/`.
+pub fn run(dir: &Path, names: &[String], seeds: u64, knobs: &Knobs) -> Result<(), String> {
+    for line in LINES
+        .iter()
+        .filter(|l| names.is_empty() || names.iter().any(|n| n == l.name))
+    {
+        eprintln!("lab-precise: {}", line.name);
+        let root = crate::paths::workspace_root();
+        let fleet_path = root.join(format!("bench/fleets/{}.json", line.fleet));
+        let fleet_text = std::fs::read_to_string(&fleet_path)
+            .map_err(|e| format!("{}: {e}", fleet_path.display()))?;
+        let fleet: Value = serde_json::from_str(&fleet_text).map_err(|e| e.to_string())?;
+        let workload =
+            Workload::from_file(&root.join(format!("bench/workloads/{}.json", line.file)))?;
+        let routers = Router::parse_list(&line.routers().join(","), None)?;
+        let opts = Options::new(&fleet, &routers, knobs)?;
+        let seeds = seeds_from(&workload, seeds);
+        let figures = run_all(&opts, &workload, &routers, &seeds, knobs.jobs)?;
+        let table = report::Table {
+            workload: &workload,
+            fleet,
+            seeds: &seeds,
+            routers: &routers,
+            figures: &figures,
+            baseline: None,
+            knobs: *knobs,
+        };
+        table.write(&dir.join(line.name))?;
+    }
+    Ok(())
+}
+
+const HEADER: &str = "| line | figure | mean (95%) | against | target | router − target (95%) | result | build, date, seeds |\n\
+                      |---|---|---:|---|---|---:|---|---|\n";
+
+/// The table of every line under `dir` (`dir/<line>/results.json`); a line not run shows as not
+/// measured.
+pub fn summary(dir: &Path) -> Result<String, String> {
+    let mut s = HEADER.to_string();
+    for line in LINES {
+        let path = dir.join(line.name).join("results.json");
+        let results = match std::fs::read_to_string(&path) {
+            Ok(text) => Some(
+                serde_json::from_str::<Value>(&text)
+                    .map_err(|e| format!("{}: {e}", path.display()))?,
+            ),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        };
+        s += &rows(line, results.as_ref()).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(s)
+}
+
+/// Each seed's value of `check`'s figure for `router`, from a lab results.json.
+fn per_seed(results: &Value, router: &str, key: &str) -> Result<Vec<f64>, String> {
+    let row = results["results"]
+        .as_array()
+        .and_then(|rows| rows.iter().find(|r| r["router"] == router))
+        .ok_or_else(|| format!("no router {router}"))?;
+    let runs: Vec<Measured> =
+        serde_json::from_value(row["runs"].clone()).map_err(|e| format!("{router}: {e}"))?;
+    report::per_seed(&runs, key).ok_or_else(|| format!("{router}: {key} missing in a run"))
+}
+
+/// The paired interval of the router's figure minus the target's bound, seed by seed, and the
+/// router's own interval.
+fn against_target(c: &Check, results: &Value) -> Result<(Interval, Option<Interval>), String> {
+    let key = c.metric.key();
+    let values = per_seed(results, c.router, key)?;
+    let own = stats::interval(&values).ok_or("no runs")?;
+    let bounds: Vec<f64> = match &c.target {
+        Target::Relative { times, of, .. } => per_seed(results, of, key)?
+            .iter()
+            .map(|b| times * b)
+            .collect(),
+        Target::Absolute { value, .. } => vec![*value; values.len()],
+        Target::Context { .. } => return Ok((own, None)),
+    };
+    Ok((own, stats::paired(&values, &bounds)))
+}
+
+/// `line`'s rows, one per check.
+fn rows(line: &Line, results: Option<&Value>) -> Result<String, String> {
+    let mut s = String::new();
+    for (i, c) in line.checks.iter().enumerate() {
+        let name = if i == 0 { line.name } else { "" };
+        let figure = format!("{} {}", c.router, c.metric.name());
+        let target = c.target.text();
+        let Some(results) = results else {
+            s += &table_row(&[name, &figure, "not measured", "", &target, "", "", ""]);
+            continue;
+        };
+        let (own, diff) = against_target(c, results)?;
+        let show = |v: f64| c.metric.show(v);
+        let mean = format!("{} ± {}", show(own.mean), show(own.half_width()));
+        let against = match c.target.of() {
+            Some(of) => {
+                let theirs = stats::interval(&per_seed(results, of, c.metric.key())?);
+                theirs.map_or(String::new(), |t| format!("{of} {}", show(t.mean)))
+            }
+            None => String::new(),
+        };
+        let (interval, result) = match (&c.target, diff) {
+            (Target::Relative { op, .. } | Target::Absolute { op, .. }, Some(d)) => {
+                let interval = format!(
+                    "{} [{}, {}]",
+                    signed(c, d.mean),
+                    signed(c, d.lo),
+                    signed(c, d.hi)
+                );
+                (interval, decide(*op, &d))
+            }
+            _ => (String::new(), ""),
+        };
+        let stamp = if i == 0 {
+            stamp_cell(results)
+        } else {
+            String::new()
+        };
+        s += &table_row(&[
+            name, &figure, &mean, &against, &target, &interval, result, &stamp,
+        ]);
+    }
+    Ok(s)
+}
+
+/// A difference in the figure's unit, with its sign (points for a hit rate).
+fn signed(c: &Check, v: f64) -> String {
+    match c.metric.key() {
+        "prefix_hit_rate" => format!("{:+.1} pts", v * 100.0),
+        _ => format!("{}{}", if v >= 0.0 { "+" } else { "" }, c.metric.show(v)),
+    }
+}
+
+/// Met when the whole interval of (figure − bound) is on `op`'s side of 0, missed when it is
+/// wholly on the other, undecided when it touches or straddles 0.
+fn decide(op: Op, d: &Interval) -> &'static str {
+    match op {
+        Op::AtLeast if d.lo > 0.0 || (d.lo == 0.0 && d.hi == 0.0) => "met",
+        Op::AtMost if d.hi < 0.0 || (d.lo == 0.0 && d.hi == 0.0) => "met",
+        Op::AtLeast if d.hi < 0.0 => "missed",
+        Op::AtMost if d.lo > 0.0 => "missed",
+        _ => "undecided",
+    }
+}
+
+/// `commit, date, N seeds` from a lab results.json.
+fn stamp_cell(results: &Value) -> String {
+    let stamp = &results["stamp"];
+    let build = match (stamp["commit"].as_str(), stamp["date"].as_str()) {
+        (Some(c), Some(d)) => format!("{c}, {d}"),
+        _ => "unstamped".into(),
+    };
+    let n = results["seeds"].as_array().map_or(0, Vec::len);
+    format!("{build}, {n} seeds")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn interval(lo: f64, hi: f64) -> Interval {
+        Interval {
+            n: 30,
+            mean: (lo + hi) / 2.0,
+            lo,
+            hi,
+        }
+    }
+
+    #[test]
+    fn a_check_is_met_only_when_its_whole_interval_is_on_the_targets_side() {
+        assert_eq!(decide(Op::AtLeast, &interval(0.1, 0.3)), "met");
+        assert_eq!(decide(Op::AtLeast, &interval(-0.1, 0.3)), "undecided");
+        assert_eq!(decide(Op::AtLeast, &interval(-0.3, -0.1)), "missed");
+        assert_eq!(decide(Op::AtMost, &interval(-0.3, -0.1)), "met");
+        assert_eq!(decide(Op::AtMost, &interval(-0.1, 0.3)), "undecided");
+        assert_eq!(decide(Op::AtMost, &interval(0.1, 0.3)), "missed");
+    }
+}
