@@ -1,16 +1,21 @@
 //! `kvroute-bench lab` end to end: same command same bytes, kvroute above round robin, bad names refused.
 
-use serde_json::{json, Value};
-use std::path::PathBuf;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// A fresh directory for one test (removed when it passes), holding a tiny fleet and workload:
-/// three replicas that each hold about two of the six 300-token system prompts, so round robin
-/// (which shows every replica every prompt) keeps evicting while a cache-aware router does not.
+/// The tiny fleet and workload in fixtures/lab: three replicas that each hold about two of the
+/// six 300-token system prompts, so round robin (which shows every replica every prompt) keeps
+/// evicting while a cache-aware router does not.
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/lab")
+        .join(name)
+}
+
+/// A fresh directory for one test's outputs, removed when the test passes.
 struct Scratch {
     dir: PathBuf,
-    fleet: PathBuf,
-    workload: PathBuf,
 }
 
 impl Scratch {
@@ -18,31 +23,18 @@ impl Scratch {
         let dir = std::env::temp_dir().join(format!("kvroute-lab-{test}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let fleet = json!({"replicas": 3, "kv_capacity_tokens": 1024, "time_scale": 0.02});
-        let workload = json!({
-            "name": "lab-tiny", "seed": 7, "groups": 6, "users_per_group": 2,
-            "system_prompt_tokens": 300, "question_tokens": 20, "output_tokens": 4,
-            "arrival": {"kind": "poisson", "qps": [15]}, "stage_duration_s": 4
-        });
-        let (fleet_path, workload_path) = (dir.join("fleet.json"), dir.join("workload.json"));
-        std::fs::write(&fleet_path, fleet.to_string()).unwrap();
-        std::fs::write(&workload_path, workload.to_string()).unwrap();
-        Scratch {
-            dir,
-            fleet: fleet_path,
-            workload: workload_path,
-        }
+        Scratch { dir }
     }
 
-    /// `kvroute-bench lab` on the scratch fleet and workload with `args` after them, writing to
+    /// `kvroute-bench lab` on the fixtures' fleet and workload with `args` after them, writing to
     /// the scratch directory's `out` (when given).
     fn lab(&self, args: &[&str], out: Option<&str>) -> Output {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvroute-bench"));
         cmd.arg("lab")
             .arg("--fleet")
-            .arg(&self.fleet)
+            .arg(fixture("fleet.json"))
             .arg("--workload")
-            .arg(&self.workload)
+            .arg(fixture("workload.json"))
             .args(args);
         if let Some(out) = out {
             cmd.arg("--out").arg(self.dir.join(out));
