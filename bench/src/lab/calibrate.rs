@@ -2,7 +2,7 @@
 //! bench wrote, the lab runs the same fleet, workload and seed through the same routers, and the
 //! table shows each figure side by side with whether it is within the tolerances.
 
-use super::{report, run_all, seeds_from, Knobs, Options};
+use super::{measure, report, Knobs};
 use crate::precise_lines::table_row;
 use crate::report::{Measured, RouterResult};
 use crate::routers::Router;
@@ -77,14 +77,7 @@ pub fn calibrate(files: &[PathBuf], seeds: u64, knobs: &Knobs) -> Result<String,
         let routers = Router::parse_list(&names.join(","), None)?;
         // A run with a precise router tokenizes with the BPE for every router, as `compare` does.
         let fleet = wall["fleet"].clone();
-        let opts = Options::new(&fleet, &routers, knobs)?;
-        let figures = run_all(
-            &opts,
-            &workload,
-            &routers,
-            &seeds_from(&workload, seeds),
-            knobs.jobs,
-        )?;
+        let (_, figures) = measure(&fleet, &workload, &routers, seeds, knobs)?;
         let label = label_of(file);
         for (m, figs) in measured.iter().zip(&figures) {
             let lab =
@@ -105,30 +98,19 @@ pub fn calibrate(files: &[PathBuf], seeds: u64, knobs: &Knobs) -> Result<String,
             total += 3;
             within += usize::from(hit_ok) + usize::from(p50_ok) + usize::from(p90_ok);
             let pct = |v: Option<f64>| v.map_or("-".into(), |v| format!("{:.1}%", v * 100.0));
-            let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.0}"));
-            let mark = |ok: bool| if ok { "" } else { " ✗" };
-            let mut cells = [String::new(), String::new(), String::new()];
-            let _ = write!(
-                cells[0],
-                "{} · {}{}",
-                pct(Some(m.prefix_hit_rate)),
-                pct(hit.map(|h| h.mean)),
-                mark(hit_ok)
-            );
-            let _ = write!(
-                cells[1],
-                "{} · {} ms{}",
-                ms(m.ttft_ms.p50),
-                ms(p50.map(|i| i.mean)),
-                mark(p50_ok)
-            );
-            let _ = write!(
-                cells[2],
-                "{} · {} ms{}",
-                ms(m.ttft_ms.p90),
-                ms(p90.map(|i| i.mean)),
-                mark(p90_ok)
-            );
+            let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.0} ms"));
+            let cell = |wall: String, lab: String, ok: bool| {
+                format!("{wall} · {lab}{}", if ok { "" } else { " ✗" })
+            };
+            let cells = [
+                cell(
+                    pct(Some(m.prefix_hit_rate)),
+                    pct(hit.map(|h| h.mean)),
+                    hit_ok,
+                ),
+                cell(ms(m.ttft_ms.p50), ms(p50.map(|i| i.mean)), p50_ok),
+                cell(ms(m.ttft_ms.p90), ms(p90.map(|i| i.mean)), p90_ok),
+            ];
             let ok = format!(
                 "{}/3",
                 usize::from(hit_ok) + usize::from(p50_ok) + usize::from(p90_ok)

@@ -7,6 +7,8 @@ use kvroute_sim::kv_events::Published;
 use kvroute_sim::request::{self, Endpoint, Frontend};
 use kvroute_sim::spec::FleetSpec;
 use kvroute_sim::tokenizer::seed_of;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use serde_json::Value;
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,18 +29,29 @@ pub struct Fleet {
     vocab: Vocab,
 }
 
-/// The address the lab names replica `i` by.
-pub fn addr_of(i: usize) -> String {
-    format!("127.0.0.1:{}", 8001 + i)
+/// The addresses the lab names `n` replicas by: distinct ports drawn from `seed`, as the
+/// wall-clock bench's simulator takes free ports. kvroute places groups by hashing addresses, so
+/// where each group lands varies from seed to seed as it does from run to run there.
+fn addresses(n: usize, seed: u64) -> Vec<String> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xad_d2e5);
+    let mut ports: Vec<u16> = Vec::with_capacity(n);
+    while ports.len() < n {
+        let port = rng.random_range(32768..61000);
+        if !ports.contains(&port) {
+            ports.push(port);
+        }
+    }
+    ports.iter().map(|p| format!("127.0.0.1:{p}")).collect()
 }
 
 impl Fleet {
-    pub fn new(spec: Arc<FleetSpec>, vocab: Vocab) -> Fleet {
+    /// A fresh fleet of `spec`, its addresses drawn from `seed`.
+    pub fn new(spec: Arc<FleetSpec>, vocab: Vocab, seed: u64) -> Fleet {
         let cores = (0..spec.replicas)
             .map(|i| EngineCore::new(i, spec.clone()))
             .collect();
         Fleet {
-            addrs: (0..spec.replicas).map(addr_of).collect(),
+            addrs: addresses(spec.replicas, seed),
             cores,
             spec,
             vocab,
@@ -50,7 +63,7 @@ impl Fleet {
         self.addrs.iter().position(|a| a == addr)
     }
 
-    /// The request as replica `_i`'s front end reads it: its tokens, or the 400 it answers.
+    /// The request as a replica's front end reads it: its tokens, or the 400 it answers.
     pub fn prepare(&self, path: &str, body: &Value, raw: &[u8]) -> Result<Prepared, String> {
         let endpoint = Endpoint::from_path(path).ok_or("not a generation path")?;
         let frontend = Frontend {

@@ -4,7 +4,7 @@
 //! undecided when it straddles it.
 
 use super::stats::{self, Interval};
-use super::{report, run_all, seeds_from, Knobs, Options};
+use super::{measure, report, Knobs};
 use crate::precise_lines::{table_row, Check, Line, Op, Target, LINES};
 use crate::report::Measured;
 use crate::routers::Router;
@@ -27,9 +27,7 @@ pub fn run(dir: &Path, names: &[String], seeds: u64, knobs: &Knobs) -> Result<()
         let workload =
             Workload::from_file(&root.join(format!("bench/workloads/{}.json", line.file)))?;
         let routers = Router::parse_list(&line.routers().join(","), None)?;
-        let opts = Options::new(&fleet, &routers, knobs)?;
-        let seeds = seeds_from(&workload, seeds);
-        let figures = run_all(&opts, &workload, &routers, &seeds, knobs.jobs)?;
+        let (seeds, figures) = measure(&fleet, &workload, &routers, seeds, knobs)?;
         let table = report::Table {
             workload: &workload,
             fleet,
@@ -107,6 +105,7 @@ fn rows(line: &Line, results: Option<&Value>) -> Result<String, String> {
         };
         let (own, diff) = against_target(c, results)?;
         let show = |v: f64| c.metric.show(v);
+        let delta = |v: f64| report::delta(c.metric.key(), v);
         let mean = format!("{} ± {}", show(own.mean), show(own.half_width()));
         let against = match c.target.of() {
             Some(of) => {
@@ -117,12 +116,7 @@ fn rows(line: &Line, results: Option<&Value>) -> Result<String, String> {
         };
         let (interval, result) = match (&c.target, diff) {
             (Target::Relative { op, .. } | Target::Absolute { op, .. }, Some(d)) => {
-                let interval = format!(
-                    "{} [{}, {}]",
-                    signed(c, d.mean),
-                    signed(c, d.lo),
-                    signed(c, d.hi)
-                );
+                let interval = format!("{} [{}, {}]", delta(d.mean), delta(d.lo), delta(d.hi));
                 (interval, decide(*op, &d))
             }
             _ => (String::new(), ""),
@@ -137,14 +131,6 @@ fn rows(line: &Line, results: Option<&Value>) -> Result<String, String> {
         ]);
     }
     Ok(s)
-}
-
-/// A difference in the figure's unit, with its sign (points for a hit rate).
-fn signed(c: &Check, v: f64) -> String {
-    match c.metric.key() {
-        "prefix_hit_rate" => format!("{:+.1} pts", v * 100.0),
-        _ => format!("{}{}", if v >= 0.0 { "+" } else { "" }, c.metric.show(v)),
-    }
 }
 
 /// Met when the whole interval of (figure − bound) is on `op`'s side of 0, missed when it is

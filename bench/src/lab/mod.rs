@@ -108,9 +108,7 @@ pub fn lab(args: &LabArgs) -> Result<(), String> {
         ),
         None => None,
     };
-    let opts = Options::new(&fleet, &routers, &args.knobs)?;
-    let seeds = seeds_from(&workload, args.seeds);
-    let figures = run_all(&opts, &workload, &routers, &seeds, args.knobs.jobs)?;
+    let (seeds, figures) = measure(&fleet, &workload, &routers, args.seeds, &args.knobs)?;
     let table = report::Table {
         workload: &workload,
         fleet,
@@ -127,8 +125,23 @@ pub fn lab(args: &LabArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// Every router on `k` seeds of `workload` on the fleet `fleet`: the seeds, and each router's
+/// runs in seed order.
+pub fn measure(
+    fleet: &Value,
+    workload: &Workload,
+    routers: &[Router],
+    k: u64,
+    knobs: &Knobs,
+) -> Result<(Vec<u64>, Vec<Figures>), String> {
+    let opts = Options::new(fleet, routers, knobs)?;
+    let seeds = seeds_from(workload, k);
+    let figures = run_all(&opts, workload, routers, &seeds, knobs.jobs)?;
+    Ok((seeds, figures))
+}
+
 /// `k` seeds: the workload's own, then the next ones (as `compare --repeat` takes them).
-pub fn seeds_from(workload: &Workload, k: u64) -> Vec<u64> {
+fn seeds_from(workload: &Workload, k: u64) -> Vec<u64> {
     (0..k).map(|i| workload.seed.wrapping_add(i)).collect()
 }
 
@@ -162,7 +175,7 @@ fn read(path: &Path) -> Result<String, String> {
 }
 
 /// Every router on every seed, `jobs` runs at a time; each router's figures in seed order.
-pub fn run_all(
+fn run_all(
     opts: &Options,
     workload: &Workload,
     routers: &[Router],

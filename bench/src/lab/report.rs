@@ -30,6 +30,17 @@ struct Figure {
     shown: fn(f64) -> String,
 }
 
+impl Figure {
+    /// How a difference prints: signed, a share's in points.
+    fn delta(&self, v: f64) -> String {
+        match self.name {
+            "prefix_hit_rate" => format!("{:+.1} pts", v * 100.0),
+            _ if v >= 0.0 => format!("+{}", (self.shown)(v)),
+            _ => (self.shown)(v),
+        }
+    }
+}
+
 const FIGURES: [Figure; 6] = [
     Figure {
         name: "prefix_hit_rate",
@@ -74,6 +85,14 @@ const FIGURES: [Figure; 6] = [
         shown: |v| format!("{v:.1}"),
     },
 ];
+
+/// A difference of the figure named `name`, as the tables print it.
+pub fn delta(name: &str, v: f64) -> String {
+    FIGURES
+        .iter()
+        .find(|f| f.name == name)
+        .map_or_else(|| format!("{v:+}"), |f| f.delta(v))
+}
 
 /// Each run's value of the figure named `name` (a `FIGURES` name, as results.json names it);
 /// `None` when a run lacks it.
@@ -217,9 +236,9 @@ impl Table<'_> {
                     .map(|f| match row.vs_baseline.get(f.name) {
                         Some(p) => format!(
                             "{} [{}, {}] {}",
-                            (f.shown)(p.difference.mean),
-                            (f.shown)(p.difference.lo),
-                            (f.shown)(p.difference.hi),
+                            f.delta(p.difference.mean),
+                            f.delta(p.difference.lo),
+                            f.delta(p.difference.hi),
                             p.verdict.name()
                         ),
                         None => String::new(),

@@ -111,7 +111,7 @@ pub struct Run<'a> {
 
 impl<'a> Run<'a> {
     pub fn new(opts: &'a Options, workload: &Workload, router: &Router) -> Result<Run<'a>, String> {
-        let fleet = Fleet::new(opts.spec.clone(), opts.vocab.clone());
+        let fleet = Fleet::new(opts.spec.clone(), opts.vocab.clone(), workload.seed);
         let replicas = fleet.addrs.len();
         let (inner, instances) = match router {
             Router::Scaled(inner, n) => (inner.as_ref(), *n as usize),
