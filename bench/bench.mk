@@ -23,7 +23,8 @@
 #               bench/results/lab/precise/<line>/, and the table of their targets (README.md's and
 #               bench/README.md's lab-precise blocks); commit what it writes
 #   make lab-calibrate  the lab beside the wall-clock bench: for each results.json under
-#               bench/results, the lab on the same fleet, workload and seed (lab/calibration/)
+#               bench/results, the lab on the same fleet and workload from the same seed
+#               (bench/results/lab/calibration/summary.md); commit what it writes
 #   make peers  installs the peer routers (smg, vllm-router), each in its own venv
 #   make real   the comparison on real vLLM engines (CPU, a tiny model) instead of the sim:
 #               round robin, kvroute, smg, kvroute@3, smg@3 (results in $(REAL_OUT))
@@ -170,5 +171,9 @@ lab: bins
 lab-precise: bins
 	$(BENCH) lab-precise --results $(LAB_DIR)/precise --seeds $(LAB_SEEDS) --readme README.md --readme bench/README.md
 
+# Five lab seeds from each file's own: the lab's mean over the replicas' port draws (kvroute
+# places groups by hashing addresses), against one wall-clock run.
+LAB_CALIBRATE_SEEDS ?= 5
+
 lab-calibrate: bins
-	$(BENCH) lab-calibrate --results $(RESULTS_DIR)
+	$(BENCH) lab-calibrate --results $(RESULTS_DIR) --seeds $(LAB_CALIBRATE_SEEDS)

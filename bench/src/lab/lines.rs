@@ -169,6 +169,24 @@ mod tests {
         }
     }
 
+    /// README.md's and bench/README.md's lab-precise blocks are the table of the lines committed
+    /// under bench/results/lab/precise, figure for figure.
+    #[test]
+    fn the_readmes_show_the_committed_lines() {
+        let root = crate::paths::workspace_root();
+        let table = summary(&root.join("bench/results/lab/precise")).unwrap();
+        for file in ["README.md", "bench/README.md"] {
+            let text = std::fs::read_to_string(root.join(file)).unwrap();
+            let replaced = crate::report::replace_block(&text, "lab-precise", &table);
+            assert_eq!(
+                replaced.as_deref(),
+                Some(text.as_str()),
+                "{file}: its lab-precise block is not the lines' table \
+                 (kvroute-bench lab-precise --summary-only --readme {file})"
+            );
+        }
+    }
+
     #[test]
     fn a_check_is_met_only_when_its_whole_interval_is_on_the_targets_side() {
         assert_eq!(decide(Op::AtLeast, &interval(0.1, 0.3)), "met");
