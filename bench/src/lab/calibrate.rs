@@ -50,7 +50,7 @@ pub fn sources(results: &Path) -> Vec<PathBuf> {
 /// seeds from each file's own.
 pub fn calibrate(files: &[PathBuf], seeds: u64, knobs: &Knobs) -> Result<String, String> {
     let mut s = String::from(
-        "| results | router | hit rate: bench · lab | TTFT p50: bench · lab | TTFT p90: bench · lab | within |\n\
+        "| results (build) | router | hit rate: bench · lab | TTFT p50: bench · lab | TTFT p90: bench · lab | within |\n\
          |---|---|---|---|---|---|\n",
     );
     let (mut within, mut total) = (0, 0);
@@ -78,7 +78,8 @@ pub fn calibrate(files: &[PathBuf], seeds: u64, knobs: &Knobs) -> Result<String,
         // A run with a precise router tokenizes with the BPE for every router, as `compare` does.
         let fleet = wall["fleet"].clone();
         let (_, figures) = measure(&fleet, &workload, &routers, seeds, knobs)?;
-        let label = label_of(file);
+        let stamp = wall["stamp"]["commit"].as_str().unwrap_or("unstamped");
+        let label = format!("{} ({stamp})", label_of(file));
         for (m, figs) in measured.iter().zip(&figures) {
             let lab =
                 |name| report::per_seed(&figs.runs, name).and_then(|v| super::stats::interval(&v));
