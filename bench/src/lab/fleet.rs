@@ -90,12 +90,11 @@ impl Fleet {
         now: Duration,
         r: usize,
         id: RequestId,
-        p: &Prepared,
+        p: Prepared,
     ) -> Result<(), String> {
         let core = &mut self.cores[r];
         core.note_request();
-        let (prompt, salt, output) = (p.prompt.clone(), p.salt.clone(), p.output.clone());
-        core.submit(now, id, prompt, salt, output)
+        core.submit(now, id, p.prompt, p.salt, p.output)
             .map_err(|e| format!("{e:?}"))
     }
 

@@ -446,7 +446,7 @@ impl<'a> Run<'a> {
             flight.prompt_tokens = p.prompt.len();
             flight.output_tokens = p.output.len();
             flight.include_usage = p.include_usage;
-            self.fleet.submit(now, replica, id, &p)
+            self.fleet.submit(now, replica, id, p)
         });
         match submitted {
             Ok(()) => {
