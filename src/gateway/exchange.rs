@@ -2,6 +2,8 @@
 //! buffering their body, the decision, and the routing from headers alone where Envoy withholds
 //! bodies. The response side is in `settle`.
 
+use std::borrow::Cow;
+
 use super::host::{HostApi, StreamApi};
 use super::Gateway;
 use crate::body_access;
@@ -19,6 +21,10 @@ pub struct Exchange {
     body_size: usize,
     /// What was decided, for the debug header: a decision name or `fallback:<reason>`.
     pub(super) outcome: Option<String>,
+    /// Why the request was left to Envoy's load balancer, when it was.
+    fallback: Option<Fallback>,
+    /// The only endpoints the request may go to, when the proxy names a subset of the hosts.
+    subset: Option<Vec<String>>,
     /// The endpoint counted in flight for this request (id, address), until the stream ends.
     pub(super) counted: Option<(u32, String)>,
     /// The chosen endpoint was already found at fault (at most one mark per request).
@@ -56,6 +62,18 @@ impl Exchange {
     pub fn routed_from_headers(&mut self) {
         self.api = None;
         self.outcome = Some(format!("fallback:{}", Fallback::NoBodyAccess.name()));
+    }
+
+    /// Lets [`Gateway::route`] pick only among `addrs` (`ip:port`, as the hosts are named): a
+    /// proxy that chose a subset of the endpoints (an endpoint picker's subset hint). With none
+    /// of them eligible, the request falls back as [`Fallback::NoHealthyEndpoint`].
+    pub fn restrict_to(&mut self, addrs: Vec<String>) {
+        self.subset = Some(addrs);
+    }
+
+    /// Why the request was left to Envoy's load balancer, once it was.
+    pub fn fallback(&self) -> Option<Fallback> {
+        self.fallback
     }
 }
 
@@ -156,10 +174,14 @@ impl<H: HostApi> Gateway<H> {
             self.fallback(ex, Fallback::StaleHosts);
             return None;
         }
-        let Some(hosts) = self.hosts(cluster.as_deref(), now) else {
+        let Some(mut hosts) = self.hosts(cluster.as_deref(), now) else {
             self.fallback(ex, Fallback::NoCluster);
             return None;
         };
+        if let Some(subset) = &ex.subset {
+            let within = hosts.iter().filter(|h| subset.contains(&h.addr)).cloned();
+            hosts = Cow::Owned(within.collect());
+        }
         // Only the policies that use these headers pay for reading them.
         let needs = self.router.needs();
         let session = match needs.session {
@@ -253,6 +275,7 @@ impl<H: HostApi> Gateway<H> {
     /// The request is left to Envoy's load balancer, for `reason`.
     fn fallback(&mut self, ex: &mut Exchange, reason: Fallback) {
         self.metrics.fallback(&self.host, reason);
+        ex.fallback = Some(reason);
         ex.outcome = Some(format!("fallback:{}", reason.name()));
     }
 }

@@ -14,8 +14,8 @@ mod host;
 mod metrics;
 mod poll;
 mod settle;
-#[cfg(test)]
-mod testing;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 #[cfg(test)]
 mod tests;
 

@@ -4,6 +4,7 @@ use super::testing::{MemoryHost, MemoryStream};
 use super::*;
 use crate::counters;
 use crate::rendezvous::endpoint_id;
+use crate::router::Fallback;
 
 const POOL: [&str; 4] = [
     "10.0.0.1:8000",
@@ -448,4 +449,35 @@ fn an_engine_that_cached_far_less_than_predicted_raises_its_eviction_horizon() {
     end(&mut gw, &mut second, &served(0));
     assert_eq!(gw.host().stat("kvroute.affinity.evictions_seen"), 1);
     assert_eq!(gw.host().stat("kvroute.suspect_marked"), 0);
+}
+
+#[test]
+fn a_request_restricted_to_a_subset_goes_only_within_it() {
+    let mut gw = static_pool("");
+    let stream = MemoryStream::default();
+    for i in 0..16 {
+        let mut ex = Exchange::default();
+        ex.restrict_to(vec![POOL[1].to_string(), POOL[3].to_string()]);
+        let body = chat(&format!("system {i}"), "hello");
+        let value = send(&mut gw, &mut ex, &body, &stream).expect("routed");
+        let listed: Vec<&str> = value.split(',').collect();
+        assert!(
+            listed.iter().all(|a| *a == POOL[1] || *a == POOL[3]),
+            "{value} strays from the subset"
+        );
+        assert_eq!(ex.fallback(), None);
+    }
+}
+
+#[test]
+fn a_subset_with_no_eligible_endpoint_falls_back_as_no_healthy_endpoint() {
+    let mut gw = static_pool("");
+    let stream = MemoryStream::default();
+    for subset in [vec![], vec!["10.9.9.9:8000".to_string()]] {
+        let mut ex = Exchange::default();
+        ex.restrict_to(subset);
+        assert_eq!(send(&mut gw, &mut ex, &chat("s", "u"), &stream), None);
+        assert_eq!(ex.fallback(), Some(Fallback::NoHealthyEndpoint));
+    }
+    assert_eq!(gw.host().stat("kvroute.fallback.no_healthy_endpoint"), 2);
 }
