@@ -1,0 +1,209 @@
+//! Helpers of the picker's tests: a kvroute-epp started in the test's process, and a real Envoy
+//! started from the shipped `envoy/kvroute-epp.yaml` with its ports, pool and picker patched.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use kvroute::config::Config;
+use kvroute_epp::settings::{Args, Settings};
+use kvroute_epp::Running;
+use kvroute_harness::backend::Backend;
+use kvroute_harness::{paths, Envoy, EnvoyOptions, HarnessError};
+use serde_yaml::Value;
+
+/// The picker over `endpoints`, on free ports of 127.0.0.1, with the filter's `config` (JSON).
+pub async fn start_epp(endpoints: &[SocketAddr], config: &str, single_address: bool) -> Running {
+    let args = Args {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        metrics: Some("127.0.0.1:0".parse().unwrap()),
+        config: None,
+        endpoints: endpoints.to_vec(),
+        envoy_admin: None,
+        pool: "inference_pool".into(),
+        indexer: None,
+        workers: Some(2),
+        single_address,
+        subset_from_header: false,
+    };
+    let config = Config::parse(config.as_bytes()).expect("config");
+    let settings = Settings::with_config(args, config).expect("settings");
+    kvroute_epp::start(settings)
+        .await
+        .expect("kvroute-epp starts")
+}
+
+/// How the test's Envoy differs from the shipped one.
+#[derive(Default, Clone)]
+pub struct Shape {
+    /// `failure_mode_allow` of the ext_proc filter.
+    pub fail_open: bool,
+    /// A subset hint set on every request (`envoy.lb.subset_hint` metadata), as a gateway in
+    /// front of the picker would.
+    pub subset: Option<Vec<String>>,
+}
+
+/// The shipped bootstrap with Envoy's ports, the pool's members and the picker's address patched.
+pub fn bootstrap(
+    admin_port: u16,
+    listener_port: u16,
+    backends: &[SocketAddr],
+    epp: SocketAddr,
+    shape: &Shape,
+) -> Result<String, HarnessError> {
+    let shipped = std::fs::read_to_string(paths::workspace_root().join("envoy/kvroute-epp.yaml"))?;
+    let mut root: Value = serde_yaml::from_str(&shipped).map_err(cfg)?;
+    root["admin"]["address"]["socket_address"]["port_value"] = admin_port.into();
+    let listener = &mut root["static_resources"]["listeners"][0];
+    listener["address"]["socket_address"]["port_value"] = listener_port.into();
+    let filters = &mut listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"];
+    let filters = filters
+        .as_sequence_mut()
+        .ok_or_else(|| missing("http_filters"))?;
+    let ext_proc = filters
+        .iter_mut()
+        .find(|f| f["name"] == "envoy.filters.http.ext_proc")
+        .ok_or_else(|| missing("the ext_proc filter"))?;
+    ext_proc["typed_config"]["failure_mode_allow"] = shape.fail_open.into();
+    if let Some(subset) = &shape.subset {
+        let set_metadata = serde_json::json!({
+            "name": "envoy.filters.http.set_metadata",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+                "metadata": [{
+                    "metadata_namespace": "envoy.lb.subset_hint",
+                    "value": { "x-gateway-destination-endpoint-subset": subset }
+                }]
+            }
+        });
+        filters.insert(1, serde_yaml::to_value(set_metadata).map_err(cfg)?);
+    }
+    let clusters = root["static_resources"]["clusters"]
+        .as_sequence_mut()
+        .ok_or_else(|| missing("clusters"))?;
+    for cluster in clusters.iter_mut() {
+        let members: Vec<SocketAddr> = match cluster["name"].as_str() {
+            Some("inference_pool") => backends.to_vec(),
+            Some("kvroute_epp") => vec![epp],
+            _ => continue,
+        };
+        let endpoints: Vec<serde_json::Value> = members
+            .iter()
+            .map(|a| {
+                serde_json::json!({ "endpoint": { "address": { "socket_address": {
+                    "address": a.ip().to_string(), "port_value": a.port() } } } })
+            })
+            .collect();
+        let endpoints = serde_yaml::to_value(endpoints).map_err(cfg)?;
+        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = endpoints;
+        if let Some(checks) = cluster
+            .get_mut("health_checks")
+            .and_then(Value::as_sequence_mut)
+        {
+            for check in checks {
+                check["interval"] = "0.2s".into();
+                check["no_traffic_interval"] = "0.2s".into();
+            }
+        }
+    }
+    serde_yaml::to_string(&root).map_err(cfg)
+}
+
+fn cfg(e: impl std::fmt::Display) -> HarnessError {
+    HarnessError::Config(e.to_string())
+}
+
+fn missing(what: &str) -> HarnessError {
+    HarnessError::Config(format!("envoy/kvroute-epp.yaml has no {what}"))
+}
+
+/// Envoy over `backends`, asking the picker at `epp`.
+pub async fn start_envoy(backends: &[Backend], epp: SocketAddr, shape: Shape) -> Envoy {
+    let addrs: Vec<SocketAddr> = backends.iter().map(Backend::addr).collect();
+    let opts = EnvoyOptions {
+        backends: addrs.clone(),
+        ..EnvoyOptions::default()
+    };
+    let render =
+        move |admin, listener, _: &std::path::Path| bootstrap(admin, listener, &addrs, epp, &shape);
+    match Envoy::start_with(render, opts).await {
+        Ok(envoy) => envoy,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// A chat completion whose prompt opens with `system`: requests with one system prompt share
+/// their prefix.
+pub fn chat(system: &str, user: &str) -> String {
+    let long = system.repeat(40);
+    serde_json::json!({
+        "model": "m",
+        "messages": [
+            { "role": "system", "content": long },
+            { "role": "user", "content": user }
+        ]
+    })
+    .to_string()
+}
+
+/// A request's answer: status, the backend that served it (`x-backend`), body.
+pub struct Reply {
+    pub status: u16,
+    pub backend: Option<usize>,
+    pub body: String,
+}
+
+pub async fn post(envoy: &Envoy, body: impl Into<reqwest::Body>) -> Reply {
+    let client = reqwest::Client::new();
+    let response = client
+        .post(format!("{}/v1/chat/completions", envoy.url()))
+        .header("content-type", "application/json")
+        .body(body)
+        .timeout(Duration::from_secs(20))
+        .send()
+        .await
+        .expect("Envoy answers");
+    let status = response.status().as_u16();
+    let backend = response
+        .headers()
+        .get("x-backend")
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let body = response.text().await.unwrap_or_default();
+    Reply {
+        status,
+        backend,
+        body,
+    }
+}
+
+/// Waits until `stat` of the picker satisfies `ok`, or fails after 10 s.
+pub async fn wait_for_stat(epp: &Running, stat: &str, ok: impl Fn(i64) -> bool) -> i64 {
+    wait_until(stat, || epp.stats.value(stat), ok).await
+}
+
+/// Waits until `value()` satisfies `ok` (the workers write their counts on their ticks), or
+/// fails after 10 s naming `what`.
+pub async fn wait_until(what: &str, value: impl Fn() -> i64, ok: impl Fn(i64) -> bool) -> i64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = value();
+        if ok(v) {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "{what} stayed at {v}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until the picker's readiness: its first poll has shown it the pool.
+pub async fn wait_ready(epp: &Running) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while epp.stats.value("kvroute.stats_poll.ok") == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the picker never polled its pool"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
