@@ -8,7 +8,9 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 
-use common::{chat, post, start_envoy, start_epp, wait_for_stat, wait_ready, wait_until, Shape};
+use common::{
+    chat, fleet, post, start_envoy, start_epp, wait_for_stat, wait_ready, wait_until, Shape,
+};
 use kvroute_harness::backend::{self, Backend};
 
 const CONFIG: &str = kvroute_epp::settings::DEFAULT_CONFIG;
@@ -26,10 +28,7 @@ fn routed_as(backend: &Backend) -> Option<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_of_one_prefix_go_to_the_backend_the_picker_names() {
-    let backends = Backend::start_many(4).await.unwrap();
-    let epp = start_epp(&addrs(&backends), CONFIG, false).await;
-    wait_ready(&epp).await;
-    let envoy = start_envoy(&backends, epp.addr, Shape::default()).await;
+    let (backends, epp, envoy) = fleet(4, false, Shape::default()).await;
     let mut homes: BTreeMap<usize, BTreeSet<usize>> = BTreeMap::new();
     for round in 0..3 {
         for group in 0..8 {
@@ -66,10 +65,7 @@ async fn requests_of_one_prefix_go_to_the_backend_the_picker_names() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_single_address_mode_names_only_the_pick() {
-    let backends = Backend::start_many(2).await.unwrap();
-    let epp = start_epp(&addrs(&backends), CONFIG, true).await;
-    wait_ready(&epp).await;
-    let envoy = start_envoy(&backends, epp.addr, Shape::default()).await;
+    let (backends, _epp, envoy) = fleet(2, true, Shape::default()).await;
     let reply = post(&envoy, chat("single ", "q")).await;
     assert_eq!(reply.status, 200);
     let named = routed_as(&backends[reply.backend.unwrap()]).unwrap();
@@ -109,15 +105,12 @@ async fn the_subset_hint_keeps_every_pick_within_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subset_with_nothing_eligible_is_answered_503() {
-    let backends = Backend::start_many(2).await.unwrap();
-    let epp = start_epp(&addrs(&backends), CONFIG, false).await;
-    wait_ready(&epp).await;
     // An address outside the pool: nothing in the subset is eligible.
     let shape = Shape {
         subset: Some(vec!["127.0.0.1:1".into()]),
         ..Shape::default()
     };
-    let envoy = start_envoy(&backends, epp.addr, shape).await;
+    let (backends, epp, envoy) = fleet(2, false, shape).await;
     let reply = post(&envoy, chat("none eligible ", "q")).await;
     assert_eq!(reply.status, 503, "{}", reply.body);
     assert!(reply.body.contains("subset"), "{}", reply.body);
@@ -127,10 +120,7 @@ async fn a_subset_with_nothing_eligible_is_answered_503() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pick_that_refuses_is_retried_on_its_fallback_and_the_picker_learns_it() {
-    let backends = Backend::start_many(2).await.unwrap();
-    let epp = start_epp(&addrs(&backends), CONFIG, false).await;
-    wait_ready(&epp).await;
-    let envoy = start_envoy(&backends, epp.addr, Shape::default()).await;
+    let (backends, epp, envoy) = fleet(2, false, Shape::default()).await;
     let dead = backends[0].addr().to_string();
     backends[0].kill().await;
     // Each new prefix is placed on one of the two: the first placed on the dead one is served by
@@ -195,10 +185,7 @@ async fn with_the_picker_down_fail_open_goes_by_round_robin_and_fail_closed_answ
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_the_core_cannot_read_goes_on_unchanged_to_envoys_balancer() {
-    let backends = Backend::start_many(2).await.unwrap();
-    let epp = start_epp(&addrs(&backends), CONFIG, false).await;
-    wait_ready(&epp).await;
-    let envoy = start_envoy(&backends, epp.addr, Shape::default()).await;
+    let (backends, epp, envoy) = fleet(2, false, Shape::default()).await;
     let body = b"this is not json".to_vec();
     let reply = post(&envoy, body.clone()).await;
     assert_eq!(reply.status, 200);

@@ -135,6 +135,18 @@ pub async fn start_envoy(backends: &[Backend], epp: SocketAddr, shape: Shape) ->
     }
 }
 
+/// `n` backends, a picker over them with the shipped config (`single_address` as given), ready,
+/// and Envoy in front of them asking it.
+pub async fn fleet(n: usize, single_address: bool, shape: Shape) -> (Vec<Backend>, Running, Envoy) {
+    let backends = Backend::start_many(n).await.unwrap();
+    let addrs: Vec<SocketAddr> = backends.iter().map(Backend::addr).collect();
+    let config = kvroute_epp::settings::DEFAULT_CONFIG;
+    let epp = start_epp(&addrs, config, single_address).await;
+    wait_ready(&epp).await;
+    let envoy = start_envoy(&backends, epp.addr, shape).await;
+    (backends, epp, envoy)
+}
+
 /// A chat completion whose prompt opens with `system`: requests with one system prompt share
 /// their prefix.
 pub fn chat(system: &str, user: &str) -> String {
