@@ -61,6 +61,9 @@ async fn requests_of_one_prefix_go_to_the_backend_the_picker_names() {
     assert!(used.len() > 1, "8 groups all on one backend: {used:?}");
     let routed = || epp.stats.total("kvroute.routed.");
     wait_until("requests counted routed", routed, |n| n == 24).await;
+    // The engines' own /metrics, polled at each endpoint's address.
+    wait_for_stat(&epp, "kvroute.engine_poll.ok", |n| n >= 4).await;
+    assert_eq!(epp.stats.value("kvroute.engine_poll.failed"), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
