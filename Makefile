@@ -27,7 +27,7 @@ export KVROUTE_TEMPLATES := $(abspath .work/templates)
 # Unit tests compiled to wasm run under wasmtime (installed into the venv from PyPI).
 export CARGO_TARGET_WASM32_WASIP1_RUNNER := $(abspath $(VENV))/bin/python $(abspath tools/wasi-run.py)
 
-.PHONY: all build wasm bins image indexer-image test-indexer-image deps istio-deps template-deps test test-native test-wasm test-real vllm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
+.PHONY: all build wasm bins epp image indexer-image test-indexer-image deps istio-deps template-deps test test-native test-wasm test-real vllm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
 
 all: build
 
@@ -36,8 +36,14 @@ build: wasm bins
 wasm: .work/wasm-target
 	$(CARGO) build --release --target wasm32-wasip1 -p kvroute -p floor-filter
 
+# kvroute-epp is left out: the tests build it in the test profile, and its release build (Envoy's
+# protos, fat LTO) would cost CI minutes nothing here uses; `make epp` builds it.
 bins:
-	$(CARGO) build --release --workspace --bins
+	$(CARGO) build --release --workspace --exclude kvroute-epp --bins
+
+# kvroute-epp, the routing core as a Gateway API Inference Extension endpoint picker (epp/README.md).
+epp:
+	$(CARGO) build --release -p kvroute-epp
 
 # The filter as an OCI image layout under target/oci (tag kvroute), in the form istio-agent pulls
 # for a WasmPlugin; reproducible, prints the manifest digest. Pushing: istio/README.md.
