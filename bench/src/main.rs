@@ -202,6 +202,14 @@ enum Cmd {
         #[command(flatten)]
         knobs: lab::Knobs,
     },
+    /// Two lab results of one workload, fleet and seeds (two builds, or two configs): each
+    /// router's figures paired seed by seed, after − before with its 95% interval and verdict.
+    LabDiff {
+        /// results.json (or its directory) of the build before the change.
+        before: PathBuf,
+        /// results.json (or its directory) of the build with it.
+        after: PathBuf,
+    },
     /// One chat request rendered by a chat template, and kvroute's prefix keys over it:
     /// prints {"rendered": "...", "keys": ["<hex>", ...]}.
     Keys {
@@ -312,7 +320,8 @@ fn main() {
                 Cmd::Keys { .. }
                 | Cmd::Lab { .. }
                 | Cmd::LabPrecise { .. }
-                | Cmd::LabCalibrate { .. } => Ok(()),
+                | Cmd::LabCalibrate { .. }
+                | Cmd::LabDiff { .. } => Ok(()),
             }
         };
         // Stopped by a signal, the run's future is dropped, and with it the Envoys, sims and peer
@@ -377,6 +386,7 @@ fn run_lab(cmd: &Cmd) -> Option<Result<(), String>> {
                 &[],
             )
         })(),
+        Cmd::LabDiff { before, after } => lab::diff(before, after).map(|t| print!("{t}")),
         _ => return None,
     })
 }

@@ -126,6 +126,14 @@ impl LabGateway {
         held.decision = decision.map(str::to_owned);
     }
 
+    /// The response's first chunk `first` came: the first token, its prefill done.
+    pub fn first_token(&mut self, held: &mut Held, first: Vec<u8>) {
+        held.stream.body = first;
+        let gw = &mut self.workers[held.worker];
+        let size = held.stream.body.len();
+        gw.on_response_body(&mut held.exchange, size, false, &held.stream);
+    }
+
     /// The response ended with its last chunk `last` (the usage chunk and `[DONE]`, or an error).
     pub fn ended(&mut self, held: &mut Held, last: Vec<u8>) {
         held.stream.body = last;

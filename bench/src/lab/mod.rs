@@ -6,6 +6,7 @@
 //! reads, so the same command gives the same bytes. bench/README.md says what it leaves out.
 
 mod calibrate;
+mod diff;
 mod fleet;
 mod gateways;
 mod host;
@@ -18,6 +19,7 @@ pub mod smg;
 pub mod stats;
 
 pub use calibrate::{calibrate, sources as calibration_sources};
+pub use diff::diff;
 pub use lines::{run as run_lines, summary as lines_summary};
 
 use crate::routers::Router;

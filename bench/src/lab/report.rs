@@ -86,6 +86,19 @@ const FIGURES: [Figure; 6] = [
     },
 ];
 
+/// Every figure's name, as results.json names it, and whether more of it is better.
+pub fn figure_names() -> impl Iterator<Item = (&'static str, bool)> {
+    FIGURES.iter().map(|f| (f.name, f.higher_is_better))
+}
+
+/// A value of the figure named `name`, as the tables print it.
+pub fn shown(name: &str, v: f64) -> String {
+    FIGURES
+        .iter()
+        .find(|f| f.name == name)
+        .map_or_else(|| format!("{v}"), |f| (f.shown)(v))
+}
+
 /// A difference of the figure named `name`, as the tables print it.
 pub fn delta(name: &str, v: f64) -> String {
     FIGURES

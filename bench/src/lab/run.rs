@@ -511,6 +511,14 @@ impl<'a> Run<'a> {
         match h.what {
             Emit::First { .. } => {
                 flight.sample.ttft_ms = Some((h.at - flight.sent).as_secs_f64() * 1000.0);
+                let chunk = first_chunk(flight, &self.fleet);
+                if let (Routing::Kvroute { gateways, .. }, Some(held)) =
+                    (&mut self.routing, flight.held.as_mut())
+                {
+                    let gateway = &mut gateways[flight.instance];
+                    gateway.set_clock(now);
+                    gateway.first_token(held, chunk);
+                }
             }
             Emit::Tokens { .. } => {}
             Emit::Done { cached_tokens } => {
@@ -611,6 +619,19 @@ impl<'a> Run<'a> {
             );
         }
     }
+}
+
+/// The first chunk of a response as the engine streams it: the assistant's role.
+fn first_chunk(flight: &Flight, fleet: &Fleet) -> Vec<u8> {
+    let writer = ChunkWriter {
+        endpoint: flight.endpoint,
+        id: "lab".into(),
+        created: 0,
+        model: fleet.spec.model.clone(),
+    };
+    writer
+        .role()
+        .map_or_else(|| writer.token("", None).to_vec(), |b| b.to_vec())
 }
 
 /// The end of a response as the engine streams it: the usage chunk when asked for, and `[DONE]`.
