@@ -50,6 +50,10 @@ pub struct Config {
     /// Multiple of the fleet's mean load an endpoint may carry, plus `balance_abs_threshold`,
     /// before its groups spill to their next endpoint (`balance_rel_threshold`).
     pub balance_rel_threshold: f64,
+    /// How many bytes of uncached prompt an engine prefills per millisecond, until kvroute has
+    /// learnt each endpoint's own rate from its first response bytes (`prefill_bytes_per_ms`).
+    /// Weighs a cache hit against the prefill work queued ahead of it.
+    pub prefill_bytes_per_ms: f64,
     /// Header whose value keys the `session` policy (`session_header`).
     pub session_header: String,
     /// Envoy cluster pointing at the admin interface, polled for `/clusters` (`admin_cluster`).
@@ -110,6 +114,7 @@ impl Default for Config {
             cache_threshold: 0.3,
             balance_abs_threshold: 4,
             balance_rel_threshold: 1.5,
+            prefill_bytes_per_ms: 40.0,
             session_header: "x-session-id".to_string(),
             admin_cluster: None,
             clusters: Vec::new(),
@@ -215,6 +220,7 @@ impl Config {
                 "cache_threshold" => c.cache_threshold = float(f, v, 0.0, 1.0)?,
                 "balance_abs_threshold" => c.balance_abs_threshold = int(f, v, 0, 1 << 32)?,
                 "balance_rel_threshold" => c.balance_rel_threshold = float(f, v, 1.0, 1e6)?,
+                "prefill_bytes_per_ms" => c.prefill_bytes_per_ms = float(f, v, 0.001, 1e9)?,
                 "admin_cluster" => c.admin_cluster = optional_name(f, v)?,
                 "clusters" => c.clusters = names(f, v)?,
                 "engine_metrics_cluster" => c.engine_metrics_cluster = optional_name(f, v)?,

@@ -1,7 +1,7 @@
-//! kvroute's own requests in flight per endpoint, shared by all workers in one shared-data value.
-//! Current between polls, where the engines' reports and Envoy's `rq_active` are up to one poll
-//! interval old. Entries at zero are dropped, so the value stays as small as the set of busy
-//! endpoints.
+//! kvroute's own requests in flight per endpoint, and the prefill work they still queue there,
+//! shared by all workers in one shared-data value. Current between polls, where the engines'
+//! reports and Envoy's `rq_active` are up to one poll interval old. Entries with nothing in flight
+//! are dropped, so the value stays as small as the set of busy endpoints.
 //!
 //! A worker counts its own requests in a [`Local`] (no host call on the request path) and writes
 //! them to the shared value once per tick with one compare-and-swap, reading back what every worker
@@ -14,14 +14,25 @@ use crate::store::{self, SharedStore, Update};
 
 const KEY: &str = "kvroute.load";
 /// Format of the value; another version (an older kvroute in the same VM) reads as empty.
-const VERSION: u8 = 2;
-const ENTRY_LEN: usize = 8;
+const VERSION: u8 = 3;
+const ENTRY_LEN: usize = 12;
 
 /// One endpoint's count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Counts {
     pub id: u32,
     pub inflight: u32,
+    /// Prompt bytes kvroute's requests there have yet to prefill: the uncached part of each
+    /// request not yet at its first response byte ([`prefill`](crate::prefill)).
+    pub prefill: u32,
+}
+
+/// A change to one endpoint's counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Delta {
+    pub id: u32,
+    pub inflight: i64,
+    pub prefill: i64,
 }
 
 /// Every endpoint's counts.
@@ -37,6 +48,14 @@ impl Table {
             .iter()
             .find(|c| c.id == id)
             .map_or(0, |c| c.inflight)
+    }
+
+    /// Endpoint `id`'s queued prefill bytes (zero when it has none).
+    pub fn prefill(&self, id: u32) -> u32 {
+        self.counts
+            .iter()
+            .find(|c| c.id == id)
+            .map_or(0, |c| c.prefill)
     }
 }
 
@@ -78,12 +97,17 @@ fn add_from<S: SharedStore + ?Sized>(
     id: u32,
     delta: i64,
 ) -> Option<u32> {
-    add_all_from(store, read, &[(id, delta)]).map(|t| t.inflight(id))
+    let delta = Delta {
+        id,
+        inflight: delta,
+        prefill: 0,
+    };
+    add_all_from(store, read, &[delta]).map(|t| t.inflight(id))
 }
 
-/// Adds each endpoint's delta with one compare-and-swap (counts never going below zero). Returns
+/// Adds each endpoint's deltas with one compare-and-swap (counts never going below zero). Returns
 /// the table as written, or `None` if the update lost too many races.
-pub fn add_all<S: SharedStore + ?Sized>(store: &S, deltas: &[(u32, i64)]) -> Option<Table> {
+pub fn add_all<S: SharedStore + ?Sized>(store: &S, deltas: &[Delta]) -> Option<Table> {
     add_all_from(store, None, deltas)
 }
 
@@ -91,13 +115,13 @@ pub fn add_all<S: SharedStore + ?Sized>(store: &S, deltas: &[(u32, i64)]) -> Opt
 fn add_all_from<S: SharedStore + ?Sized>(
     store: &S,
     read: Option<(Option<Vec<u8>>, Option<u32>)>,
-    deltas: &[(u32, i64)],
+    deltas: &[Delta],
 ) -> Option<Table> {
     let mut result = None;
     let outcome = store::update_from(store, KEY, read, |current| {
         let mut counts = current.map(decode).unwrap_or_default();
-        for &(id, delta) in deltas {
-            apply(&mut counts, id, delta);
+        for d in deltas {
+            apply(&mut counts, d);
         }
         let value = encode(&counts);
         result = Some(Table { counts });
@@ -114,25 +138,21 @@ fn add_all_from<S: SharedStore + ?Sized>(
 #[derive(Debug, Default)]
 pub struct Local {
     table: Table,
-    deltas: Vec<(u32, i64)>,
+    deltas: Vec<Delta>,
 }
 
 impl Local {
     /// Endpoint `id`'s count: the shared one as last read with this worker's requests since.
     pub fn inflight(&self, id: u32) -> u32 {
-        let delta = self
-            .deltas
-            .iter()
-            .find(|(d, _)| *d == id)
-            .map_or(0, |d| d.1);
+        let delta = self.delta(id).map_or(0, |d| d.inflight);
         plus(self.table.inflight(id), delta)
     }
 
-    /// Every endpoint's count as [`Local::inflight`] gives it.
+    /// Every endpoint's counts as [`Local::inflight`] gives them.
     pub fn view(&self) -> Table {
         let mut counts = self.table.counts.clone();
-        for &(id, delta) in &self.deltas {
-            apply(&mut counts, id, delta);
+        for d in &self.deltas {
+            apply(&mut counts, d);
         }
         Table { counts }
     }
@@ -142,18 +162,42 @@ impl Local {
     /// already removed takes nothing from the next request.
     pub fn add(&mut self, id: u32, delta: i64) -> u32 {
         let floor = -i64::from(self.table.inflight(id));
-        match self.deltas.iter_mut().find(|(d, _)| *d == id) {
-            Some((_, n)) => *n = (*n + delta).max(floor),
-            None => self.deltas.push((id, delta.max(floor))),
-        }
+        let d = self.delta_mut(id);
+        d.inflight = (d.inflight + delta).max(floor);
         self.inflight(id)
+    }
+
+    /// Adds `bytes` (negative: removes them) to endpoint `id`'s queued prefill, never below zero.
+    pub fn add_prefill(&mut self, id: u32, bytes: i64) {
+        let floor = -i64::from(self.table.prefill(id));
+        let d = self.delta_mut(id);
+        d.prefill = (d.prefill + bytes).max(floor);
+    }
+
+    fn delta(&self, id: u32) -> Option<&Delta> {
+        self.deltas.iter().find(|d| d.id == id)
+    }
+
+    fn delta_mut(&mut self, id: u32) -> &mut Delta {
+        let at = match self.deltas.iter().position(|d| d.id == id) {
+            Some(at) => at,
+            None => {
+                self.deltas.push(Delta {
+                    id,
+                    inflight: 0,
+                    prefill: 0,
+                });
+                self.deltas.len() - 1
+            }
+        };
+        &mut self.deltas[at]
     }
 
     /// Writes this worker's requests since the last flush to the shared table and reads what every
     /// worker wrote (one call when there is nothing to write). What cannot be written now stays
     /// for the next flush.
     pub fn flush<S: SharedStore + ?Sized>(&mut self, store: &S) {
-        self.deltas.retain(|(_, n)| *n != 0);
+        self.deltas.retain(|d| d.inflight != 0 || d.prefill != 0);
         let table = if self.deltas.is_empty() {
             Some(read(store))
         } else {
@@ -168,8 +212,9 @@ impl Local {
 
 /// Corrects the counts against what Envoy itself has in flight to each endpoint (`caps`:
 /// endpoint id → Envoy's `rq_active`). kvroute's count can only drift upward (a stream whose end
-/// it never saw, as across a VM reload), so a count above Envoy's is lowered to it. Endpoints not
-/// in `caps` are left alone. Returns how many requests were removed in all.
+/// it never saw, as across a VM reload), so a count above Envoy's is lowered to it, and its queued
+/// prefill in proportion. Endpoints not in `caps` are left alone. Returns how many requests were
+/// removed in all.
 pub fn correct<S: SharedStore + ?Sized>(store: &S, caps: &[(u32, u64)]) -> u64 {
     let mut removed = 0;
     store::update(store, KEY, |current| {
@@ -180,6 +225,8 @@ pub fn correct<S: SharedStore + ?Sized>(store: &S, caps: &[(u32, u64)]) -> u64 {
                 let cap = u32::try_from(cap).unwrap_or(u32::MAX);
                 if c.inflight > cap {
                     removed += u64::from(c.inflight - cap);
+                    c.prefill =
+                        (u64::from(c.prefill) * u64::from(cap) / u64::from(c.inflight)) as u32;
                     c.inflight = cap;
                 }
             }
@@ -193,18 +240,25 @@ pub fn correct<S: SharedStore + ?Sized>(store: &S, caps: &[(u32, u64)]) -> u64 {
     removed
 }
 
-fn apply(counts: &mut Vec<Counts>, id: u32, delta: i64) {
-    let pos = match counts.iter().position(|c| c.id == id) {
+/// Applies `d`. An endpoint with nothing in flight has nothing queued: its entry goes, so prefill
+/// whose request's end was never seen leaves with the correction of its count.
+fn apply(counts: &mut Vec<Counts>, d: &Delta) {
+    let pos = match counts.iter().position(|c| c.id == d.id) {
         Some(p) => p,
         None => {
-            counts.push(Counts { id, inflight: 0 });
+            counts.push(Counts {
+                id: d.id,
+                inflight: 0,
+                prefill: 0,
+            });
             counts.len() - 1
         }
     };
     // Saturating: a decrement whose increment was lost to a startup race heals instead of
     // leaving a negative (and forever wrong) count.
     let c = &mut counts[pos];
-    c.inflight = plus(c.inflight, delta);
+    c.inflight = plus(c.inflight, d.inflight);
+    c.prefill = plus(c.prefill, d.prefill);
     counts.retain(|c| c.inflight > 0);
 }
 
@@ -219,6 +273,7 @@ fn encode(counts: &[Counts]) -> Vec<u8> {
     for c in counts {
         out.extend_from_slice(&c.id.to_le_bytes());
         out.extend_from_slice(&c.inflight.to_le_bytes());
+        out.extend_from_slice(&c.prefill.to_le_bytes());
     }
     out
 }
@@ -233,6 +288,7 @@ fn decode(bytes: &[u8]) -> Vec<Counts> {
         .map(|b| Counts {
             id: word(b, 0),
             inflight: word(b, 4),
+            prefill: word(b, 8),
         })
         .collect()
 }
@@ -250,7 +306,18 @@ mod tests {
         add(&store, 2, 1);
         assert_eq!(
             read(&store).counts,
-            vec![Counts { id: 1, inflight: 2 }, Counts { id: 2, inflight: 1 }]
+            vec![
+                Counts {
+                    id: 1,
+                    inflight: 2,
+                    prefill: 0
+                },
+                Counts {
+                    id: 2,
+                    inflight: 1,
+                    prefill: 0
+                }
+            ]
         );
         add(&store, 1, -1);
         add(&store, 1, -1);
@@ -292,6 +359,7 @@ mod tests {
         let counts = vec![Counts {
             id: u32::MAX,
             inflight: u32::MAX - 1,
+            prefill: u32::MAX - 2,
         }];
         assert_eq!(decode(&encode(&counts)), counts);
         let mut old = encode(&counts);
@@ -367,5 +435,32 @@ mod tests {
         add(&store, 2, 1); // another request wrote in between
         assert_eq!(add_after(&store, stale, 1, 1), Some(3));
         assert_eq!(read(&store).inflight(2), 1, "the other write is kept");
+    }
+
+    #[test]
+    fn queued_prefill_is_shared_like_the_counts_and_leaves_with_them() {
+        let store = MemoryStore::new();
+        let (mut a, mut b) = (Local::default(), Local::default());
+        a.add(1, 1);
+        a.add_prefill(1, 4_000);
+        b.add(1, 1);
+        b.add_prefill(1, 1_000);
+        a.flush(&store);
+        b.flush(&store);
+        assert_eq!(b.view().prefill(1), 5_000, "both workers' work");
+        b.add_prefill(1, -1_000);
+        b.add_prefill(1, -9_000);
+        b.flush(&store);
+        assert_eq!(read(&store).prefill(1), 0, "never below zero");
+        a.add_prefill(1, 2_000);
+        a.flush(&store);
+        // Envoy has half the requests kvroute counts: half the work goes with the others.
+        correct(&store, &[(1, 1)]);
+        assert_eq!(read(&store).prefill(1), 1_000);
+        correct(&store, &[(1, 0)]);
+        assert!(
+            read(&store).counts.is_empty(),
+            "nothing in flight, nothing queued"
+        );
     }
 }

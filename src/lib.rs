@@ -3,7 +3,8 @@
 //! The routing core is plain Rust that knows nothing about the host and is tested natively:
 //! [`request`] parses the OpenAI body, [`prefix`] hashes its prompt into chained chunk keys,
 //! [`affinity`] remembers which endpoints hold which prefixes, [`endpoints`], [`engine`] and
-//! [`counters`] say which endpoints exist and how loaded they are, [`policy`] picks one, and
+//! [`counters`] say which endpoints exist and how loaded they are, [`prefill`] what a request
+//! waits there for its first token, [`policy`] picks one, and
 //! [`router`] runs that pipeline for one request. [`gateway`] is a worker's whole routing core
 //! behind one entry type (its tick, the poll's answers, each request from its headers to its
 //! end) over a small host trait: Envoy's shared data, clock, stats and HTTP calls in the filter,
@@ -22,6 +23,7 @@ pub mod freshness;
 pub mod gateway;
 pub mod placement;
 pub mod policy;
+pub mod prefill;
 pub mod prefix;
 pub mod rendezvous;
 pub mod request;

@@ -92,6 +92,9 @@ pub struct Prompt {
     /// does; a stream only when it asks (`stream_options.include_usage`), as OpenAI servers
     /// and vLLM stream it.
     pub usage: bool,
+    /// Whether the response streams (`stream: true`): its first body byte comes with the first
+    /// token, when the prompt's prefill is done.
+    pub streams: bool,
 }
 
 /// Why a body cannot be routed. Each reason is a counter, so these names are stable.
@@ -402,6 +405,11 @@ impl<'a> ChatRequest<'a> {
     pub(crate) fn usage(&self) -> bool {
         reports_usage(self.stream, self.stream_options)
     }
+
+    /// Whether the response streams (see [`Prompt::streams`]).
+    pub(crate) fn streams(&self) -> bool {
+        streams(self.stream)
+    }
 }
 
 fn model(model: Option<Cow<'_, str>>) -> Result<String, ParseError> {
@@ -418,6 +426,11 @@ pub(crate) fn salt(salt: Option<&RawValue>) -> Option<String> {
         .map(Cow::into_owned)
 }
 
+/// Whether a request's response streams (see [`Prompt::streams`]).
+pub(crate) fn streams(stream: Option<&RawValue>) -> bool {
+    stream.map(RawValue::get) == Some("true")
+}
+
 /// Whether a request's response carries `usage` (see [`Prompt::usage`]). Read leniently: a
 /// `stream` or `stream_options` of another shape is the engine's to refuse, not a parse error.
 pub(crate) fn reports_usage(stream: Option<&RawValue>, options: Option<&RawValue>) -> bool {
@@ -425,7 +438,7 @@ pub(crate) fn reports_usage(stream: Option<&RawValue>, options: Option<&RawValue
     struct Options {
         include_usage: Option<bool>,
     }
-    if stream.map(RawValue::get) != Some("true") {
+    if !streams(stream) {
         return true;
     }
     options
@@ -447,6 +460,7 @@ pub(crate) fn render_chat(req: &ChatRequest, tools_at: ToolsAt) -> Result<Prompt
     let messages = req.messages()?;
     let salt = req.salt();
     let usage = req.usage();
+    let streams = req.streams();
     let lead = messages
         .iter()
         .take_while(|m| matches!(m.role.as_deref(), Some("system" | "developer")))
@@ -513,6 +527,7 @@ pub(crate) fn render_chat(req: &ChatRequest, tools_at: ToolsAt) -> Result<Prompt
         history,
         salt,
         usage,
+        streams,
     })
 }
 
@@ -586,6 +601,7 @@ fn parse_completion(body: &[u8]) -> Result<Prompt, ParseError> {
     let model = model(req.model)?;
     let salt = salt(req.cache_salt);
     let usage = reports_usage(req.stream, req.stream_options);
+    let streams = streams(req.stream);
     let text = match req.prompt.ok_or(ParseError::NoPrompt)? {
         Field::Text(t) => t.0.into_owned(),
         // A batch of strings, or token ids: equal leading elements give an equal leading text
@@ -611,6 +627,7 @@ fn parse_completion(body: &[u8]) -> Result<Prompt, ParseError> {
         history: false,
         salt,
         usage,
+        streams,
     })
 }
 

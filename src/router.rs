@@ -11,6 +11,7 @@ use crate::counters::{self, Table};
 use crate::endpoints::Host;
 use crate::eviction::Predicted;
 use crate::policy::{self, Answer, Candidate, Decision, Input, Needs, Policy, Settled};
+use crate::prefill::{Expected, PrefillModel};
 use crate::prefix::PrefixKeys;
 use crate::request::{Api, ParseError};
 use crate::store::SharedStore;
@@ -159,6 +160,11 @@ pub struct Routed {
     pub predicted: Predicted,
     /// Whether the response will carry `usage` ([`Prompt::usage`](crate::request::Prompt)).
     pub usage: bool,
+    /// Whether its first response byte comes with the first token
+    /// ([`Prompt::streams`](crate::request::Prompt)).
+    pub streams: bool,
+    /// Its prefill at the chosen endpoint, as expected now.
+    pub prefill: Expected,
 }
 
 /// The configured pipeline: built once per VM, then used for every request.
@@ -183,17 +189,20 @@ impl Router {
         now_ms: u64,
     ) -> Result<Routed, Fallback> {
         let (table, read) = counters::read_for_update(store);
-        let mut routed = self.route_with(store, &table, hosts, req, now_ms)?;
+        let model = PrefillModel::new(self.config.prefill_bytes_per_ms);
+        let mut routed = self.route_with(store, &table, &model, hosts, req, now_ms)?;
         routed.inflight = counters::add_after(store, read, routed.endpoint_id, 1).unwrap_or(0);
         Ok(routed)
     }
 
     /// Routes one request whose body is complete, given the requests in flight (`inflight`, a
-    /// worker's [`counters::Local`] view), which the caller then counts the request in.
+    /// worker's [`counters::Local`] view), which the caller then counts the request in, and what
+    /// the worker has learnt of the endpoints' prefill.
     pub fn route_with(
         &self,
         store: &dyn SharedStore,
         inflight: &Table,
+        prefill: &PrefillModel,
         hosts: &[Host],
         req: &RequestInfo,
         now_ms: u64,
@@ -207,7 +216,7 @@ impl Router {
             .parse(req.api, req.body, config.tools_position)?;
         let keys = PrefixKeys::of(&prompt, config.shape())
             .opened_by(prompt.text.get(prompt.opener.clone()).unwrap_or_default());
-        let candidates = candidates(inflight, hosts);
+        let candidates = candidates(inflight, prefill, hosts);
         if candidates.is_empty() {
             return Err(Fallback::NoHealthyEndpoint);
         }
@@ -220,6 +229,8 @@ impl Router {
             nonce: req.request_id.map_or(now_ms, |id| xxh3_64(id.as_bytes())),
             store,
             now_ms,
+            prompt_bytes: prompt.text.len(),
+            chunk_size: config.chunk_size,
         };
         let pick = self
             .policy
@@ -237,6 +248,12 @@ impl Router {
             .as_ref()
             .filter(|m| m.record.holders.contains(&chosen.id))
             .map_or((0, 0), |m| (m.depth, m.record.stamp_ms));
+        let uncached = prompt.text.len().saturating_sub(pick.held_bytes) as u64;
+        let prefill = Expected {
+            uncached,
+            ahead: chosen.queued_prefill,
+            ttft_ms: chosen.expected_ttft_ms(prompt.text.len(), pick.held_bytes),
+        };
         let predicted = Predicted {
             held,
             stamp_ms,
@@ -259,6 +276,8 @@ impl Router {
             keys: keys.keys,
             predicted,
             usage: prompt.usage,
+            streams: prompt.streams,
+            prefill,
         })
     }
 }
@@ -290,8 +309,10 @@ pub fn finish(store: &dyn SharedStore, endpoint_id: u32) -> Option<u32> {
 /// Healthy hosts with their load, sorted by address so that every worker and every gateway lists
 /// them alike. With engine metrics, the load is what the engine reported (every gateway's
 /// traffic) plus kvroute's own requests since; without, the larger of kvroute's own count and
-/// Envoy's `rq_active` (which also sees requests kvroute did not route).
-fn candidates<'h>(table: &Table, hosts: &'h [Host]) -> Vec<Candidate<'h>> {
+/// Envoy's `rq_active` (which also sees requests kvroute did not route). The prefill queued is
+/// kvroute's own requests' not yet at their first byte, or, where more, the engine's waiting
+/// requests at the mean size of a request's uncached prompt (other gateways' requests among them).
+fn candidates<'h>(table: &Table, prefill: &PrefillModel, hosts: &'h [Host]) -> Vec<Candidate<'h>> {
     let mut out: Vec<Candidate> = hosts
         .iter()
         .filter(|h| h.healthy)
@@ -305,12 +326,16 @@ fn candidates<'h>(table: &Table, hosts: &'h [Host]) -> Vec<Candidate<'h>> {
                 }
                 None => (u64::from(own).max(h.rq_active), false),
             };
+            let waiting = h.engine.filter(|e| !e.stale()).map_or(0, |e| e.waiting);
+            let others = (waiting as f64 * prefill.mean_uncached()) as u64;
             Candidate {
                 addr: &h.addr,
                 id,
                 load,
                 queueing,
                 retention_ms: h.engine.and_then(|e| e.churn?.retention_ms()),
+                queued_prefill: u64::from(table.prefill(id)).max(others),
+                prefill_rate: prefill.rate(id),
             }
         })
         .collect();

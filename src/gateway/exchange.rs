@@ -8,6 +8,7 @@ use super::host::{HostApi, StreamApi};
 use super::Gateway;
 use crate::body_access;
 use crate::eviction::Predicted;
+use crate::prefill::Expected;
 use crate::request::Api;
 use crate::router::{self, Fallback, RequestInfo, Routed};
 use crate::usage::Tail;
@@ -40,6 +41,21 @@ pub struct Exchange {
     pub(super) complete: bool,
     /// The end-of-stream work ran (Envoy may report the end twice).
     pub(super) ended: bool,
+    /// The request's prefill, counted queued at its endpoint until its first response byte.
+    pub(super) prefill: Option<Prefilling>,
+}
+
+/// A routed request not yet at its first byte: where its prefill is counted, and what was
+/// expected of it.
+pub(super) struct Prefilling {
+    pub id: u32,
+    pub addr: String,
+    pub expected: Expected,
+    pub routed_ms: u64,
+    /// Its first byte comes with its first token (a stream): the wait teaches the prefill rate.
+    pub streams: bool,
+    /// When its first response byte came: its prefill left the endpoint's queue then.
+    pub first_byte_ms: Option<u64>,
 }
 
 /// The prefix keys a routed request meant its chosen endpoint to hold, and what the affinity map
@@ -199,14 +215,27 @@ impl<H: HostApi> Gateway<H> {
             request_id: request_id.as_deref(),
         };
         let inflight = self.inflight.view();
-        let result = self
-            .router
-            .route_with(&self.host, &inflight, &hosts, &req, now);
+        let result =
+            self.router
+                .route_with(&self.host, &inflight, &self.prefill, &hosts, &req, now);
         drop(hosts);
         match result {
             Ok(routed) => {
-                self.inflight.add(routed.endpoint_id, 1);
-                Some(self.routed(ex, routed))
+                let (id, expected) = (routed.endpoint_id, routed.prefill);
+                self.inflight.add(id, 1);
+                self.inflight.add_prefill(id, expected.uncached as i64);
+                self.prefill.routed(expected.uncached);
+                let streams = routed.streams;
+                let value = self.routed(ex, routed);
+                ex.prefill = ex.counted.as_ref().map(|(id, addr)| Prefilling {
+                    id: *id,
+                    addr: addr.clone(),
+                    expected,
+                    routed_ms: now,
+                    streams,
+                    first_byte_ms: None,
+                });
+                Some(value)
             }
             Err(reason) => {
                 self.fallback(ex, reason);

@@ -26,6 +26,8 @@ pub struct Metrics {
     inflight_shown: HashMap<String, u64>,
     /// The usage counters (prompt tokens, cached tokens) of each endpoint address seen.
     usage: HashMap<String, [u32; 2]>,
+    /// The time-to-first-token estimate's histogram of each endpoint address seen.
+    ttft_estimate: HashMap<String, [u32; 1]>,
     /// Usage reported since the last flush.
     unwritten: Unwritten,
     /// Requests routed with each decision since the last flush.
@@ -156,6 +158,31 @@ impl Metrics {
                     *shown = value;
                 }
             }
+        }
+    }
+
+    /// A request's first byte came from `addr` `measured_ms` after it was routed, where its
+    /// prefill was expected to take `expected_ms`: `kvroute.ttft_estimate_percent.<ip>_<port>`
+    /// records the measured time as a percent of the expected (100: the model held).
+    pub fn ttft_estimate<H: HostApi + ?Sized>(
+        &mut self,
+        h: &H,
+        addr: &str,
+        expected_ms: f64,
+        measured_ms: u64,
+    ) {
+        let Metrics {
+            ids, ttft_estimate, ..
+        } = self;
+        let resolved = per_endpoint(h, ids, ttft_estimate, addr, |seg| {
+            [(
+                MetricKind::Histogram,
+                format!("kvroute.ttft_estimate_percent.{seg}"),
+            )]
+        });
+        if let Some([id]) = resolved {
+            let percent = measured_ms as f64 * 100.0 / expected_ms.max(1.0);
+            h.record_metric(id, percent.round() as u64);
         }
     }
 

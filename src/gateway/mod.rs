@@ -29,6 +29,7 @@ use crate::config::Config;
 use crate::counters;
 use crate::endpoints::{self, Host, Snapshot};
 use crate::freshness::{self, Age, MonoClock, RoundLease};
+use crate::prefill::PrefillModel;
 use crate::rendezvous::endpoint_id;
 use crate::router::Router;
 use crate::suspects::{self, Suspects};
@@ -75,6 +76,8 @@ pub struct Gateway<H: HostApi> {
     metrics: Metrics,
     /// This worker's view of the requests in flight, written to shared data on each tick.
     inflight: counters::Local,
+    /// What this worker has learnt of the endpoints' prefill.
+    prefill: PrefillModel,
     snapshot: Snapshot,
     snapshot_cas: Option<u32>,
     /// Endpoints to avoid for now: this worker's own marks at once, other workers' from the tick.
@@ -96,6 +99,7 @@ impl<H: HostApi> Gateway<H> {
         let metrics = Metrics::new(&host, &counters);
         Gateway {
             host,
+            prefill: PrefillModel::new(config.prefill_bytes_per_ms),
             router: Router::new(config),
             metrics,
             inflight: counters::Local::default(),

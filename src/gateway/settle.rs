@@ -52,6 +52,9 @@ impl<H: HostApi> Gateway<H> {
             self.blame(ex, None, 0);
         }
         self.count_where_served(ex);
+        if end_of_stream {
+            self.first_byte(ex);
+        }
         if self.router.config.debug_header {
             ex.outcome.as_deref()
         } else {
@@ -69,6 +72,9 @@ impl<H: HostApi> Gateway<H> {
         stream: &dyn StreamApi,
     ) {
         ex.complete |= end_of_stream;
+        if size > 0 || end_of_stream {
+            self.first_byte(ex);
+        }
         let Some(tail) = ex.tail.as_mut() else {
             return;
         };
@@ -106,9 +112,42 @@ impl<H: HostApi> Gateway<H> {
         if flags & UPSTREAM_FAILURE_FLAGS != 0 || server_error {
             self.blame(ex, status, flags);
         }
-        self.settle(ex, succeeded(flags, status, usage), usage);
+        let ok = succeeded(flags, status, usage);
+        self.settle(ex, ok, usage);
+        self.prefill_done(ex, ok);
         if let Some((id, _)) = ex.counted.take() {
             self.inflight.add(id, -1);
+        }
+    }
+
+    /// The response's first byte: the request's prefill leaves its endpoint's queue.
+    fn first_byte(&mut self, ex: &mut Exchange) {
+        let Some(p) = ex.prefill.as_mut().filter(|p| p.first_byte_ms.is_none()) else {
+            return;
+        };
+        p.first_byte_ms = Some(self.host.now_ms());
+        self.inflight
+            .add_prefill(p.id, -(p.expected.uncached as i64));
+    }
+
+    /// The stream is over (`ok`: it succeeded): a prefill still queued leaves the queue; a
+    /// streamed success's wait for its first byte teaches its endpoint's prefill rate, and is
+    /// set against what was expected of it.
+    fn prefill_done(&mut self, ex: &mut Exchange, ok: bool) {
+        let Some(p) = ex.prefill.take() else {
+            return;
+        };
+        let Some(at) = p.first_byte_ms else {
+            self.inflight
+                .add_prefill(p.id, -(p.expected.uncached as i64));
+            return;
+        };
+        if ok && p.streams {
+            let waited = at.saturating_sub(p.routed_ms);
+            let work = p.expected.ahead + p.expected.uncached;
+            self.prefill.first_byte(p.id, work, waited);
+            self.metrics
+                .ttft_estimate(&self.host, &p.addr, p.expected.ttft_ms, waited);
         }
     }
 
@@ -141,6 +180,13 @@ impl<H: HostApi> Gateway<H> {
         let served_id = endpoint_id(served);
         self.inflight.add(served_id, 1);
         self.inflight.add(*id, -1);
+        if let Some(p) = ex.prefill.as_mut() {
+            let bytes = p.expected.uncached as i64;
+            self.inflight.add_prefill(*id, -bytes);
+            self.inflight.add_prefill(served_id, bytes);
+            p.id = served_id;
+            p.addr = served.clone();
+        }
         self.metrics.count(&self.host, "kvroute.served_elsewhere");
         ex.counted = Some((served_id, served.clone()));
     }

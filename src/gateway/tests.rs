@@ -481,3 +481,81 @@ fn a_subset_with_no_eligible_endpoint_falls_back_as_no_healthy_endpoint() {
     }
     assert_eq!(gw.host().stat("kvroute.fallback.no_healthy_endpoint"), 2);
 }
+
+/// The shared queued prefill of endpoint `addr`.
+fn queued_prefill(gw: &Gateway<MemoryHost>, addr: &str) -> u32 {
+    counters::read(&*gw.host().store).prefill(endpoint_id(addr))
+}
+
+#[test]
+fn a_requests_uncached_prompt_is_queued_at_its_endpoint_until_its_first_byte_and_its_wait_is_measured(
+) {
+    let mut gw = static_pool("");
+    gw.tick(100);
+    let body = chat(&"You are a helpful assistant. ".repeat(40), "hello")
+        .replace(r#""model":"m""#, r#""model":"m","stream":true"#);
+    let mut ex = Exchange::default();
+    let Some(value) = send(&mut gw, &mut ex, &body, &MemoryStream::default()) else {
+        panic!("not routed");
+    };
+    let chosen = value.split(',').next().unwrap_or_default().to_string();
+    gw.tick(100);
+    let queued = queued_prefill(&gw, &chosen);
+    assert!(
+        queued > 1000,
+        "nothing held yet: the whole prompt, {queued} bytes"
+    );
+    // The next request of the group to the same endpoint sees that work ahead of it.
+    let response = MemoryStream {
+        upstream: Some(chosen.clone()),
+        body: b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n".to_vec(),
+        ..MemoryStream::default()
+    };
+    gw.on_response_headers(&mut ex, false, &response);
+    assert_eq!(
+        queued_prefill(&gw, &chosen),
+        queued,
+        "headers are not the first token"
+    );
+    gw.host().now.set(gw.host().now.get() + 250);
+    gw.on_response_body(&mut ex, response.body.len(), false, &response);
+    gw.tick(100);
+    assert_eq!(
+        queued_prefill(&gw, &chosen),
+        0,
+        "prefilled at the first byte"
+    );
+    assert_eq!(inflight(&gw, &chosen), 1, "still decoding");
+    let seg = crate::usage::stat_segment(&chosen);
+    let estimate = format!("kvroute.ttft_estimate_percent.{seg}");
+    assert!(
+        !gw.host().defined(&estimate),
+        "recorded once the stream succeeds"
+    );
+    let end = MemoryStream {
+        upstream: Some(chosen.clone()),
+        status: Some(200),
+        ..MemoryStream::default()
+    };
+    gw.on_response_body(&mut ex, 0, true, &end);
+    gw.on_end(&mut ex, &end);
+    // 250 ms against the work over the configured 40 bytes per millisecond.
+    let expected = f64::from(queued) / 40.0;
+    let percent = (250.0 * 100.0 / expected).round() as i64;
+    assert_eq!(gw.host().stat(&estimate), percent);
+
+    // A request whose stream ends before any byte takes its prefill out of the queue too.
+    let mut ex = Exchange::default();
+    send(&mut gw, &mut ex, &body, &MemoryStream::default());
+    gw.tick(100);
+    assert!(queued_prefill(&gw, &chosen) > 0);
+    let reset = MemoryStream {
+        upstream: Some(chosen.clone()),
+        flags: 0x10,
+        ..MemoryStream::default()
+    };
+    gw.on_end(&mut ex, &reset);
+    gw.tick(100);
+    assert_eq!(queued_prefill(&gw, &chosen), 0);
+    assert_eq!(inflight(&gw, &chosen), 0);
+}

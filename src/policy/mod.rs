@@ -19,7 +19,7 @@ use crate::store::SharedStore;
 pub use cache_aware::{Answer, Settled};
 
 /// An endpoint a request may go to.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Candidate<'h> {
     pub addr: &'h str,
     pub id: u32,
@@ -31,6 +31,12 @@ pub struct Candidate<'h> {
     /// How long its engine keeps a prefix nobody uses ([`retention`](crate::retention)); `None`
     /// where its metrics do not say, or it keeps everything.
     pub retention_ms: Option<u64>,
+    /// Prompt bytes queued there to prefill before a new request's: kvroute's own requests not
+    /// yet at their first byte, or what the engine's waiting requests are taken to cost, the
+    /// larger ([`prefill`](crate::prefill)).
+    pub queued_prefill: u64,
+    /// Prompt bytes its engine prefills per millisecond, as learnt.
+    pub prefill_rate: f64,
 }
 
 impl Candidate<'_> {
@@ -38,6 +44,13 @@ impl Candidate<'_> {
     pub fn keeps(&self, stamp_ms: u64, now_ms: u64) -> bool {
         self.retention_ms
             .is_none_or(|r| now_ms.saturating_sub(stamp_ms) <= r)
+    }
+
+    /// Milliseconds to the first token of a request that finds `held` of its `prompt` bytes
+    /// cached here.
+    pub fn expected_ttft_ms(&self, prompt: usize, held: usize) -> f64 {
+        let uncached = prompt.saturating_sub(held) as u64;
+        crate::prefill::expected_ttft_ms(self.queued_prefill, uncached, self.prefill_rate)
     }
 }
 
@@ -99,6 +112,9 @@ pub struct Input<'a> {
     /// Shared data: the affinity map, the round-robin ticket.
     pub store: &'a dyn SharedStore,
     pub now_ms: u64,
+    /// Bytes of the rendered prompt, and bytes per key's chunk.
+    pub prompt_bytes: usize,
+    pub chunk_size: usize,
 }
 
 /// The chosen candidate (an index into the candidates) and why.
@@ -108,6 +124,8 @@ pub struct Pick {
     pub decision: Decision,
     /// The longest prefix of the request found in the affinity map (cache_aware only).
     pub matched: Option<Match>,
+    /// Bytes of the prompt the chosen endpoint is taken to hold (0: none known).
+    pub held_bytes: usize,
 }
 
 impl Pick {
@@ -116,6 +134,7 @@ impl Pick {
             index,
             decision,
             matched: None,
+            held_bytes: 0,
         }
     }
 }
@@ -221,6 +240,8 @@ pub(crate) mod testing {
                 load,
                 queueing: false,
                 retention_ms: None,
+                queued_prefill: 0,
+                prefill_rate: 1.0,
             })
             .collect()
     }
@@ -242,6 +263,8 @@ pub(crate) mod testing {
             nonce: 0,
             store,
             now_ms: 1,
+            prompt_bytes: keys.keys.len() * 10,
+            chunk_size: 10,
         }
     }
 

@@ -160,6 +160,7 @@ pub(crate) fn render(
         history: messages.len().saturating_sub(head_messages) > 1,
         salt: req.salt(),
         usage: req.usage(),
+        streams: req.streams(),
         text,
     })
 }

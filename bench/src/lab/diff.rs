@@ -100,7 +100,10 @@ mod tests {
     #[test]
     fn a_result_against_itself_ties_on_every_figure_of_every_router() {
         let table = diff(&line("zipf-pressure"), &line("zipf-pressure")).unwrap();
-        let rows: Vec<&str> = table.lines().filter(|l| l.starts_with("| kvroute")).collect();
+        let rows: Vec<&str> = table
+            .lines()
+            .filter(|l| l.starts_with("| kvroute"))
+            .collect();
         assert_eq!(rows.len(), 6, "{table}");
         assert!(rows.iter().all(|r| r.ends_with("| tie |")), "{table}");
         assert!(table.contains("| smg | prefix_hit_rate |"), "{table}");

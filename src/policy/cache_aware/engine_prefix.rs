@@ -55,6 +55,7 @@ impl EngineHolders {
             EngineIndex::new(input.store, self.capacity).longest_match(keys, status)?;
         ((depth as f64) >= self.cache_threshold * keys.len() as f64).then_some(Held {
             holders,
+            depth,
             history: depth > input.keys.head_chunks,
         })
     }
@@ -63,6 +64,8 @@ impl EngineHolders {
 /// Who holds a request's longest engine-held prefix.
 pub struct Held {
     pub holders: Vec<u32>,
+    /// Leading chunks of the request they hold.
+    pub depth: usize,
     /// The prefix reaches past the request's head into its conversation's history.
     pub history: bool,
 }

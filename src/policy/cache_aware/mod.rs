@@ -35,13 +35,14 @@ mod stages;
 #[cfg(test)]
 mod tests;
 
-pub use engine_prefix::EngineHolders;
+pub use engine_prefix::{EngineHolders, Held};
 pub use group_home::GroupHomes;
 pub use prefix_index::{AffinityIndex, Answer, PrefixIndex, Settled, REFRESH_MS};
 
 use super::load::{least_loaded, mean_load, rendezvous_order, OverloadBound};
 use super::pipeline::{self, Filter, Scorer, Scoring};
 use super::{Candidate, Decision, Input, Pick, Policy};
+use crate::affinity::Match;
 use crate::store::SharedStore;
 
 /// Poll intervals (`stats_interval_ms`) a gateway waits, seeing groups, before it places them
@@ -99,6 +100,16 @@ impl CacheAware {
     }
 }
 
+/// Leading chunks of the request `c` is known to hold: the affinity map's longest match if it
+/// served it, the engines' longest held prefix if its engine reports it, the deeper.
+fn held_chunks(c: &Candidate, matched: Option<&Match>, engine: Option<&Held>) -> usize {
+    let served = matched.filter(|m| m.record.holders.contains(&c.id));
+    let reported = engine.filter(|e| e.holders.contains(&c.id));
+    served
+        .map_or(0, |m| m.depth)
+        .max(reported.map_or(0, |e| e.depth))
+}
+
 impl Policy for CacheAware {
     fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
         let matched = self.index.lookup(input);
@@ -120,14 +131,16 @@ impl Policy for CacheAware {
         let placed = pipeline::pick(&scoring, &self.filters, &self.scorers)
             .unwrap_or_else(|| (least_loaded(candidates, group), Decision::Balance));
         let held = self.engine.as_ref().and_then(|e| e.lookup(input));
-        let engine = held.and_then(|h| {
-            engine_prefix::instead_of(placed.0, &h, candidates, &order, &self.overload)
+        let engine = held.as_ref().and_then(|h| {
+            engine_prefix::instead_of(placed.0, h, candidates, &order, &self.overload)
         });
         let (index, decision) = engine.map_or(placed, |h| (h, Decision::Engine));
+        let chunks = held_chunks(&candidates[index], matched.as_ref(), held.as_ref());
         Some(Pick {
             index,
             decision,
             matched,
+            held_bytes: (chunks * input.chunk_size).min(input.prompt_bytes),
         })
     }
 
