@@ -48,8 +48,24 @@ async fn a_retry_to_the_fallback_host_moves_the_in_flight_count() {
         stopped: true,
         ..victim.faults()
     });
+    // Wait for the stop itself: the home's listener refuses connections.
+    let home_addr = sim.replicas[home].addr;
+    let mut refused = false;
+    for _ in 0..200 {
+        if tokio::net::TcpStream::connect(home_addr).await.is_err() {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(refused, "the stopped replica still accepts connections");
     let resp = http.post(&url).json(&body(1, 400)).send().await.unwrap();
-    assert_eq!(resp.status(), 200);
+    if resp.status() != 200 {
+        let status = resp.status();
+        let from = resp.headers().get("x-sim-replica").cloned();
+        let text = resp.text().await.unwrap_or_default();
+        panic!("status {status} from replica {from:?} (home {home}): {text}");
+    }
     let other = 1 - home;
     assert_eq!(replica(&resp), other, "the retry went to the fallback");
     // Response headers are in, the body is streaming: the count is where the request is, as the
