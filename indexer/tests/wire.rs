@@ -151,6 +151,7 @@ fn current_vllm_fields_decode() {
             ],
             group_idx: Some(1),
             kv_cache_spec_kind: Some("full_attention".into()),
+            salt: None,
         }
     );
     assert_eq!(

@@ -62,7 +62,7 @@ impl BpeFleet {
             endpoint: r.addr.to_string(),
             events: r.kv_events_endpoint(),
             replay: r.kv_events_replay_endpoint(),
-            model: None,
+            ..EngineSpec::default()
         });
         following(self.tokenizer.clone(), MODEL, engines.collect(), 1 << 16)
     }

@@ -70,14 +70,16 @@ pub fn config(
                 endpoint: endpoint.clone(),
                 events: events.clone(),
                 replay: replay.clone(),
-                model: None,
+                ..EngineSpec::default()
             })
             .collect(),
+        engine_kind: Default::default(),
         topic: String::new(),
         envoy_admin: None,
         cluster: None,
         kv_events_port: None,
         replay_port: None,
+        dp_size: 1,
         stale_after,
         gap_hold: 3600.0,
         feed_capacity: 1 << 16,
