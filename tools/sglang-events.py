@@ -8,6 +8,9 @@ bare namespaces over their folders, so only the events module and the few module
 run. Then it answers one JSON command per stdin line with one JSON line on stdout:
 
   {"encode": [EVENT, ...]}            -> {"payload": HEX}: a KVEventBatch as SGLang encodes it
+  {"decode": HEX}                     -> {"events": [EVENT, ...], "attn_dp_rank": R} or
+                                         {"error": MESSAGE}: a payload read as SGLang's typed
+                                         KVEventBatch (msgspec checks every field's type)
   {"publishers": N, "topic": T}       -> {"ranks": [{"endpoint", "replay_endpoint", ..}, ..]}:
                                          N ZmqEventPublisher ranks on 127.0.0.1, each with a
                                          replay socket, on base ports SGLang offsets by the rank
@@ -97,6 +100,15 @@ def main():
         command = json.loads(line)
         if "encode" in command:
             answer = {"payload": encoder.encode(batch(kv, command["encode"])).hex()}
+        elif "decode" in command:
+            try:
+                decoded = msgspec.msgpack.decode(bytes.fromhex(command["decode"]),
+                                                 type=kv.KVEventBatch)
+                answer = {"events": [dict(msgspec.to_builtins(e), type=type(e).__name__)
+                                     for e in decoded.events],
+                          "attn_dp_rank": decoded.attn_dp_rank}
+            except msgspec.ValidationError as e:
+                answer = {"error": str(e)}
         elif "publishers" in command:
             publishers = start_publishers(kv, command["publishers"], command.get("topic", ""))
             answer = {"ranks": [p.describe_local_source(block_size=1) for p in publishers]}

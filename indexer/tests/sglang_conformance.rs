@@ -3,7 +3,8 @@
 //! decode into the keys of the pages they store, through a store, a removal, a radix split
 //! (removal then stores, one batch) and a clear; and SGLang's `ZmqEventPublisher`, two
 //! data-parallel ranks on port + rank, feeds a running indexer over real sockets on 127.0.0.1,
-//! its replay socket answering the indexer's probes and requests.
+//! its replay socket answering the indexer's probes and requests. The simulator's SGLang
+//! replicas publish what SGLang's typed `KVEventBatch` decodes.
 //!
 //! `make test` installs the package (`make sglang-deps`) and points $KVROUTE_SGLANG_PYTHON at
 //! it. Without it the tests say why and pass, except in CI ($CI set), where they fail.
@@ -341,4 +342,48 @@ async fn sglangs_publisher_feeds_an_indexer_from_two_ranks_and_its_replay_socket
     assert_eq!(seqs, [0, 1, 2]);
     assert_eq!(replayed[1].events.len(), 1 + cut + c.len() - shared);
     assert_eq!(replayed[2].events, [Event::AllCleared]);
+}
+
+#[tokio::test]
+async fn the_simulators_sglang_events_are_sglangs_kv_event_batches() {
+    use kvroute_sim::kv_events::{encode_batch, Format};
+    use kvroute_sim::prefix_cache::CacheEvent;
+    let Some(mut sglang) = Reference::start().await else {
+        return;
+    };
+    let events = [
+        CacheEvent::Stored {
+            hashes: vec![u64::MAX - 1, 7],
+            parent: Some(1 << 63),
+            token_ids: (0..8).collect(),
+            salt: Some("tenant".into()),
+        },
+        CacheEvent::Removed {
+            hashes: vec![u64::MAX - 1, 7],
+        },
+        CacheEvent::AllCleared,
+    ];
+    let payload = encode_batch(1.0, &events, 4, Format::Sglang);
+    let hex: String = payload.iter().map(|b| format!("{b:02x}")).collect();
+    let answer = sglang.ask(json!({ "decode": hex })).await;
+    assert_eq!(answer["error"], Value::Null, "{answer}");
+    assert_eq!(
+        answer["events"],
+        json!([
+            {"type": "BlockStored", "block_hashes": [-2], "parent_block_hash": i64::MIN,
+             "token_ids": [0, 1, 2, 3], "block_size": 4, "lora_id": null, "medium": "GPU",
+             "cache_salt": "tenant"},
+            {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": -2,
+             "token_ids": [4, 5, 6, 7], "block_size": 4, "lora_id": null, "medium": "GPU",
+             "cache_salt": "tenant"},
+            {"type": "BlockRemoved", "block_hashes": [-2, 7], "medium": "GPU"},
+            {"type": "AllBlocksCleared"},
+        ])
+    );
+    assert_eq!(answer["attn_dp_rank"], 0);
+    // And SGLang refuses what is not its batch: the check can fail.
+    let vllm = encode_batch(1.0, &events, 4, Format::Array);
+    let hex: String = vllm.iter().map(|b| format!("{b:02x}")).collect();
+    let refused = sglang.ask(json!({ "decode": hex })).await;
+    assert!(refused["error"].is_string(), "{refused}");
 }

@@ -53,7 +53,7 @@ fn both_of_the_simulators_formats_decode_to_the_same_events() {
         // The salt is the first block's extra key; the older array format has no extra keys.
         let salted = match format {
             Format::Map => vec![vec![ExtraKey::Text("tenant-1".into())], vec![]],
-            Format::Array => vec![],
+            Format::Array | Format::Sglang => vec![],
         };
         assert_eq!(root.extra_keys, salted, "{format:?}");
         assert!(s.extra_keys.iter().all(Vec::is_empty));

@@ -50,7 +50,7 @@ pub async fn call(method: Method, url: &str, body: Option<&str>) -> std::io::Res
     tokio::spawn(conn);
     let request = Request::builder()
         .method(method)
-        .uri(uri.path())
+        .uri(uri.path_and_query().map_or("/", |p| p.as_str()))
         .header("host", authority)
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.unwrap_or("").to_string())))
