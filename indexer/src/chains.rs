@@ -10,7 +10,7 @@
 //! once; a block lives until its last copy goes.
 //!
 //! Events are applied a batch (one message) at a time, and a removed block's descendants are
-//! dropped when the batch ends unless the block came back in it: SGLang (before 0.5.4) split a
+//! dropped when the batch ends unless the block came back in it: SGLang (up to 0.5.6) split a
 //! radix node by removing its pages and storing them again as two nodes, in one batch, while the
 //! node's children stayed cached. A hash names its whole prefix, so the block that comes back is
 //! the one that went, and its descendants' keys still hold.
@@ -55,7 +55,7 @@ pub struct Counts {
     pub other_group_blocks: u64,
     /// Events that did not fit together (token count against block count, unknown token ids).
     pub malformed: u64,
-    /// SGLang blocks named by a content hash (SGLang before 0.5.4), not indexed.
+    /// SGLang blocks named by a content hash (SGLang up to 0.5.5), not indexed.
     pub content_hash_blocks: u64,
 }
 

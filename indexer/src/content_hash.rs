@@ -1,10 +1,10 @@
-//! Telling SGLang's old content hashes apart: before 0.5.4 SGLang named a page by CPython's
+//! Telling SGLang's old content hashes apart: up to 0.5.5 SGLang named a page by CPython's
 //! `hash(tuple(page_token_ids))`, which depends on the page's tokens alone, not on what comes
 //! before them.
 //!
 //! CPython (3.8 and later, 64-bit) hashes a tuple with an xxHash-style mix of its items'
 //! hashes, and a non-negative integer below 2^61 - 1 hashes to itself, so a token tuple's hash
-//! is computed here exactly. A position-aware hash (vLLM's, SGLang's since 0.5.4: the first 8
+//! is computed here exactly. A position-aware hash (vLLM's, SGLang's since 0.5.6: the first 8
 //! bytes of a SHA-256 chain) equals it only by a 2^-64 chance.
 
 const PRIME_1: u64 = 11_400_714_785_074_694_791;

@@ -6,7 +6,7 @@
 //! - the field order of events in the older array form: vLLM's `BlockStored` continues
 //!   `medium, lora_name, extra_keys, group_idx, ...` after `lora_id`, SGLang's `medium, metadata`
 //!   (a `{"cache_salt": ..}` map, SGLang 0.5.19);
-//! - whether a block hash may be a content hash: SGLang before 0.5.4 published Python's
+//! - whether a block hash may be a content hash: SGLang up to 0.5.5 published Python's
 //!   `hash(tuple(page_tokens))`, the same for a page wherever it stands in a prompt, so such
 //!   blocks cannot be placed in a chain (see [`crate::chains`]); vLLM's hashes always chain.
 

@@ -64,7 +64,7 @@ pub fn render(index: &Index, serving: Serving, now: Duration) -> String {
         (
             "content_hash_blocks_total",
             "counter",
-            "SGLang blocks named by a content hash (SGLang before 0.5.4), not indexed",
+            "SGLang blocks named by a content hash (SGLang up to 0.5.5), not indexed",
             |e| e.stream.counts.content_hash_blocks,
         ),
         ("blocks", "gauge", "Cached blocks known", |e| {

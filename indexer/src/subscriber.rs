@@ -3,7 +3,7 @@
 //!
 //! vLLM's and SGLang's replay socket is a ROUTER: a DEALER sends `["", start_seq as 8 bytes
 //! big-endian]` and gets back `["", topic, seq, payload]` for every buffered message from
-//! `start_seq` on, then `["", "", -1 as 8 bytes, ""]` (vLLM 0.32, SGLang 0.5.2x; older versions
+//! `start_seq` on, then `["", "", -1 as 8 bytes, ""]` (vLLM 0.32, SGLang 0.5.23; older versions
 //! of both send no topic frame).
 
 use crate::dialect::Dialect;

@@ -6,15 +6,15 @@
 //! of `KVEventBatch(ts, events, rank)`: an array `[ts, [event, ...], rank]` where the batch is
 //! `array_like` (vLLM's `data_parallel_rank`, SGLang's `attn_dp_rank`), a map `{"ts", "events",
 //! "data_parallel_rank"}` where it is not. Events are msgspec tagged unions, in one of two shapes:
-//! - map (current vLLM; SGLang since 0.5.2x): `{"type": "BlockStored", "block_hashes": [..],
+//! - map (current vLLM; SGLang 0.5.23): `{"type": "BlockStored", "block_hashes": [..],
 //!   "parent_block_hash": h|nil, "token_ids": [..], "block_size": n, "lora_id": ..,
 //!   "medium": "GPU"|.., "lora_name": .., "extra_keys": [entry|nil per block], "group_idx": g,
 //!   "kv_cache_spec_kind": ..}` from vLLM, `{.., "medium", "cache_salt", "session_id",
 //!   "lora_name"}` from SGLang, with fields at their default left out (`omit_defaults`);
-//! - array (older vLLM and SGLang, `array_like`): `["BlockStored", hashes, parent, token_ids,
-//!   block_size, lora_id, medium, ..]`, trailing defaults left out; after `medium` vLLM has
-//!   `lora_name, extra_keys, group_idx, kv_cache_spec_kind, ..`, SGLang 0.5.19 `metadata`
-//!   (`{"cache_salt": ..}`), so the dialect names those positions.
+//! - array (older vLLM; SGLang up to 0.5.19 at least, `array_like`): `["BlockStored", hashes,
+//!   parent, token_ids, block_size, lora_id, medium, ..]`, trailing defaults left out; after
+//!   `medium` vLLM has `lora_name, extra_keys, group_idx, kv_cache_spec_kind, ..`, SGLang 0.5.19
+//!   `metadata` (`{"cache_salt": ..}`), so the dialect names those positions.
 //!
 //! `BlockRemoved` carries `block_hashes`, `medium` and (vLLM) `group_idx`; `AllBlocksCleared`
 //! nothing. A block hash is an integer (SGLang's are signed 64-bit) or bytes (vLLM's

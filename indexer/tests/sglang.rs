@@ -2,7 +2,7 @@
 //! (tagged maps in an `[ts, events, attn_dp_rank]` batch; older builds' arrays), with signed
 //! 64-bit hashes, one event per page, radix-node splits sent as a removal and stores in one
 //! batch, no `medium` or a host tier's, `cache_salt`, EAGLE's token pairs and the content hashes
-//! of SGLang before 0.5.4. `sglang_conformance.rs` checks the same against SGLang's own classes.
+//! of SGLang up to 0.5.5. `sglang_conformance.rs` checks the same against SGLang's own classes.
 
 use kvroute::prefix::{PrefixKeys, Shape};
 use kvroute_indexer::chains::{self, Stream};
@@ -351,7 +351,7 @@ fn older_sglangs_array_events_decode_with_their_own_field_order() {
     let text = TEXT.as_bytes();
     let h = page_hashes(text, 4);
     let page = |i: usize| int_list(ids(&text[i * 4..i * 4 + 4]).into_iter().map(i64::from));
-    // SGLang 0.5.14: `array_like` events, `medium` after `lora_id`.
+    // SGLang 0.5.9 to 0.5.19: `array_like` events, `medium` after `lora_id`.
     let plain = Value::Array(vec![
         Value::from("BlockStored"),
         int_list([h[0]]),
@@ -372,7 +372,7 @@ fn older_sglangs_array_events_decode_with_their_own_field_order() {
         Value::from("GPU"),
         map(vec![("cache_salt", Value::from("tenant-a"))]),
     ]);
-    // SGLang 0.4: no medium; removals one page at a time.
+    // SGLang before 0.5.9: no medium; removals one page at a time.
     let removed = Value::Array(vec![Value::from("BlockRemoved"), int_list([h[0]])]);
     let batch = decode(vec![plain, salted.clone(), removed], Dialect::Sglang);
     let [Event::Stored(p), Event::Stored(s), Event::Removed(r)] = batch.events.as_slice() else {
@@ -395,7 +395,7 @@ fn older_sglangs_array_events_decode_with_their_own_field_order() {
 fn content_hashed_pages_of_old_sglang_are_counted_not_indexed() {
     let text = TEXT.as_bytes();
     let n = text.len() / 4;
-    // SGLang before 0.5.4: a page's hash is Python's hash(tuple(tokens)), chained by parent.
+    // SGLang up to 0.5.5: a page's hash is Python's hash(tuple(tokens)), chained by parent.
     let content: Vec<i64> = (0..n)
         .map(|i| python_tuple_hash(&ids(&text[i * 4..i * 4 + 4])) as i64)
         .collect();

@@ -1,4 +1,4 @@
-//! KV events as SGLang publishes them (`sglang.srt.disaggregation.kv_events`, 0.5.2x): the
+//! KV events as SGLang publishes them (`sglang.srt.disaggregation.kv_events`, 0.5.23): the
 //! same framing and batch as vLLM's, with SGLang's events.
 //!
 //! - One `BlockStored` per page, as SGLang's radix cache records a node: `{"type":
