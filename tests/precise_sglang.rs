@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::precise::{body, eventually, health, keys_held, post, BpeFleet, CHATML};
+use common::precise::{body, cached_then_decided, health, BpeFleet, CHATML};
 use kvroute_sim::spec::{EngineKind, EngineKinds};
 use serde_json::json;
 
@@ -38,14 +38,9 @@ async fn a_mixed_fleets_vllm_and_sglang_replicas_each_draw_the_prompts_they_cach
     // prompt then goes where it is cached, SGLang's replicas as vLLM's.
     for (n, r) in fleet.sim.replicas.iter().enumerate() {
         let tag = format!("{} kitchen {n}", r.kind().name());
-        let cached = r.addr.to_string();
-        post(&format!("{}/v1/chat/completions", r.url()), &body(&tag)).await;
-        let indexed = || async { keys_held(&index_url, &cached).await >= 2 };
-        eventually("the indexer holds the prompt", indexed).await;
-        common::index_applied(&envoy, 3).await;
         assert_eq!(
-            common::decided(&envoy, &body(&tag)).await,
-            ("engine".to_string(), cached),
+            cached_then_decided(&envoy, &index_url, r, &body(&tag)).await,
+            ("engine".to_string(), r.addr.to_string()),
             "replica {n} ({})",
             r.kind().name()
         );

@@ -157,18 +157,26 @@ fn field<'a>(map: &'a Value, key: &str) -> Option<&'a Value> {
         .filter(|v| !v.is_nil())
 }
 
-/// An event's fields by name: a map's own, an array's by position.
+/// An event's fields by name: a map's own, an array's by position (the names of the positions
+/// both engines share, then the dialect's own).
 enum Fields<'a> {
     Map(&'a Value),
-    Array(&'a [Value], &'static [&'static str]),
+    Array(
+        &'a [Value],
+        &'static [&'static str],
+        &'static [&'static str],
+    ),
 }
 
 impl<'a> Fields<'a> {
     fn get(&self, name: &str) -> Option<&'a Value> {
         match self {
             Fields::Map(map) => field(map, name),
-            Fields::Array(items, names) => {
-                let i = names.iter().position(|n| *n == name)?;
+            Fields::Array(items, shared, own) => {
+                let i = match shared.iter().position(|n| *n == name) {
+                    Some(i) => i,
+                    None => shared.len() + own.iter().position(|n| *n == name)?,
+                };
                 items.get(i).filter(|v| !v.is_nil())
             }
         }
@@ -177,6 +185,7 @@ impl<'a> Fields<'a> {
 
 /// Reads an event in either shape.
 fn decode_event(event: &Value, dialect: Dialect) -> Result<Event, WireError> {
+    /// `BlockStored`'s positions up to `medium`, the same in both engines.
     const STORED: &[&str] = &[
         "block_hashes",
         "parent_block_hash",
@@ -184,21 +193,15 @@ fn decode_event(event: &Value, dialect: Dialect) -> Result<Event, WireError> {
         "block_size",
         "lora_id",
         "medium",
+    ];
+    const VLLM_STORED: &[&str] = &[
         "lora_name",
         "extra_keys",
         "group_idx",
         "kv_cache_spec_kind",
         "kv_cache_spec_sliding_window",
     ];
-    const SGLANG_STORED: &[&str] = &[
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "metadata",
-    ];
+    const SGLANG_STORED: &[&str] = &["metadata"];
     const REMOVED: &[&str] = &["block_hashes", "medium", "group_idx"];
     let (tag, fields) = match event {
         Value::Map(_) => match field(event, "type").and_then(Value::as_str) {
@@ -207,13 +210,13 @@ fn decode_event(event: &Value, dialect: Dialect) -> Result<Event, WireError> {
         },
         Value::Array(items) => match items.first().and_then(Value::as_str) {
             Some(tag) => {
-                let names: &[&str] = match (tag, dialect) {
-                    ("BlockStored", Dialect::Vllm) => STORED,
-                    ("BlockStored", Dialect::Sglang) => SGLANG_STORED,
-                    ("BlockRemoved", _) => REMOVED,
-                    _ => &[],
+                let (shared, own): (&[&str], &[&str]) = match (tag, dialect) {
+                    ("BlockStored", Dialect::Vllm) => (STORED, VLLM_STORED),
+                    ("BlockStored", Dialect::Sglang) => (STORED, SGLANG_STORED),
+                    ("BlockRemoved", _) => (REMOVED, &[]),
+                    _ => (&[], &[]),
                 };
-                (tag, Fields::Array(&items[1..], names))
+                (tag, Fields::Array(&items[1..], shared, own))
             }
             None => return err("event array without a tag"),
         },

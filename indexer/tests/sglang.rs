@@ -4,7 +4,9 @@
 //! batch, no `medium` or a host tier's, `cache_salt`, EAGLE's token pairs and the content hashes
 //! of SGLang up to 0.5.5. `sglang_conformance.rs` checks the same against SGLang's own classes.
 
-use kvroute::prefix::{PrefixKeys, Shape};
+mod common;
+
+use common::{msgpack_map as map, whole_chunk_keys};
 use kvroute_indexer::chains::{self, Stream};
 use kvroute_indexer::content_hash::python_tuple_hash;
 use kvroute_indexer::dialect::Dialect;
@@ -45,15 +47,6 @@ fn page_hashes(text: &[u8], page: usize) -> Vec<i64> {
     (1..=text.len() / page)
         .map(|i| xxhash_rust::xxh3::xxh3_64(&text[..i * page]) as i64)
         .collect()
-}
-
-fn map(entries: Vec<(&str, Value)>) -> Value {
-    Value::Map(
-        entries
-            .into_iter()
-            .map(|(k, v)| (Value::from(k), v))
-            .collect(),
-    )
 }
 
 fn int_list(xs: impl IntoIterator<Item = i64>) -> Value {
@@ -131,14 +124,7 @@ fn apply(s: &mut Stream, h: &mut Holders, events: Vec<Value>) {
 
 /// The keys of the whole chunks of `text[..len]`, as the filter computes them.
 fn expected(text: &[u8], len: usize, salt: Option<&str>) -> BTreeSet<u64> {
-    let covered = &text[..len];
-    let shape = Shape {
-        chunk_size: CHUNK,
-        max_chunks: usize::MAX,
-        group_bytes: 4096,
-    };
-    let keys = PrefixKeys::salted(salt, MODEL, covered, 0, false, shape).keys;
-    keys[..covered.len() / CHUNK].iter().copied().collect()
+    whole_chunk_keys(salt, MODEL, &text[..len], CHUNK)
 }
 
 fn held(h: &Holders) -> BTreeSet<u64> {
@@ -362,16 +348,10 @@ fn older_sglangs_array_events_decode_with_their_own_field_order() {
         Value::from("GPU"),
     ]);
     // SGLang 0.5.19: a salted store appends `metadata`, where vLLM has `lora_name`.
-    let salted = Value::Array(vec![
-        Value::from("BlockStored"),
-        int_list([h[0]]),
-        Value::Nil,
-        page(0),
-        Value::from(4),
-        Value::Nil,
-        Value::from("GPU"),
-        map(vec![("cache_salt", Value::from("tenant-a"))]),
-    ]);
+    let mut salted = plain.clone();
+    if let Value::Array(fields) = &mut salted {
+        fields.push(map(vec![("cache_salt", Value::from("tenant-a"))]));
+    }
     // SGLang before 0.5.9: no medium; removals one page at a time.
     let removed = Value::Array(vec![Value::from("BlockRemoved"), int_list([h[0]])]);
     let batch = decode(vec![plain, salted.clone(), removed], Dialect::Sglang);

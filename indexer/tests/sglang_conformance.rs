@@ -11,8 +11,7 @@
 
 mod common;
 
-use common::{config, tokenizer_file, Deadline, FeedClient};
-use kvroute::prefix::{PrefixKeys, Shape};
+use common::{config, tokenizer_file, whole_chunk_keys, Deadline, FeedClient};
 use kvroute_indexer::chains::{self, Stream};
 use kvroute_indexer::config::EngineSpec;
 use kvroute_indexer::dialect::Dialect;
@@ -161,13 +160,7 @@ fn keys(tokens: &TokenBytes, p: &Pages, pages: usize) -> BTreeSet<u64> {
     tokens
         .decode(&p.ids[..pages * p.page], &mut bytes)
         .expect("known ids");
-    let shape = Shape {
-        chunk_size: CHUNK,
-        max_chunks: usize::MAX,
-        group_bytes: 4096,
-    };
-    let all = PrefixKeys::salted(None, MODEL, &bytes, 0, false, shape).keys;
-    all[..bytes.len() / CHUNK].iter().copied().collect()
+    whole_chunk_keys(None, MODEL, &bytes, CHUNK)
 }
 
 fn union(sets: &[&BTreeSet<u64>]) -> BTreeSet<u64> {

@@ -2,6 +2,9 @@
 //! batches with the fields current vLLM adds (extra keys, LoRA, groups, byte hashes, a map
 //! batch).
 
+mod common;
+
+use common::msgpack_map as map;
 use kvroute_indexer::wire::{self, Event, ExtraKey, Removed, Stored};
 use kvroute_sim::kv_events::{encode_batch, frames, Format};
 use kvroute_sim::prefix_cache::CacheEvent;
@@ -67,15 +70,6 @@ fn both_of_the_simulators_formats_decode_to_the_same_events() {
         );
         assert_eq!(batch.events[3], Event::AllCleared);
     }
-}
-
-fn map(entries: Vec<(&str, Value)>) -> Value {
-    Value::Map(
-        entries
-            .into_iter()
-            .map(|(k, v)| (Value::from(k), v))
-            .collect(),
-    )
 }
 
 fn pack(v: &Value) -> Vec<u8> {

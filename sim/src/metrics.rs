@@ -150,13 +150,18 @@ pub fn render(spec: &FleetSpec, snap: &Snapshot) -> String {
         "vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"{}\",prefix_caching_hash_algo=\"xxh3_64\"}} 1.0",
         spec.block_size, snap.num_gpu_blocks
     );
-    let name = "vllm:time_to_first_token_seconds";
+    render_ttft(&mut out, "vllm", &snap.ttft_seconds, &labels);
+    out
+}
+
+/// The `<engine>:time_to_first_token_seconds` histogram family, with its help and type.
+pub(crate) fn render_ttft(out: &mut String, engine: &str, ttft: &Histogram, labels: &str) {
+    let name = format!("{engine}:time_to_first_token_seconds");
     let _ = writeln!(
         out,
         "# HELP {name} Histogram of time to first token in seconds.\n# TYPE {name} histogram"
     );
-    snap.ttft_seconds.render(&mut out, name, &labels);
-    out
+    ttft.render(out, &name, labels);
 }
 
 pub(crate) fn escape(label: &str) -> String {

@@ -7,7 +7,7 @@
 //! queued request's prompt less its cached prefix, plus the chunked-prefill request's remainder.
 
 use crate::engine::{Backlog, Snapshot};
-use crate::metrics::escape;
+use crate::metrics::{escape, render_ttft};
 use crate::spec::FleetSpec;
 use serde_json::{json, Value};
 use std::fmt::Write;
@@ -86,12 +86,7 @@ pub fn render(spec: &FleetSpec, snap: &Snapshot) -> String {
     for (name, help, extra, value) in counters {
         metric(name, "counter", help, extra, value as f64);
     }
-    let name = "sglang:time_to_first_token_seconds";
-    let _ = writeln!(
-        out,
-        "# HELP {name} Histogram of time to first token in seconds.\n# TYPE {name} histogram"
-    );
-    snap.ttft_seconds.render(&mut out, name, &labels);
+    render_ttft(&mut out, "sglang", &snap.ttft_seconds, &labels);
     out
 }
 

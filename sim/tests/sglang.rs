@@ -5,15 +5,12 @@
 
 mod common;
 
-use common::{get, post};
+use common::{get, post, replay_all, tokens_of};
 use kvroute_sim::fleet::Fleet;
-use kvroute_sim::kv_events::END_SEQ;
 use kvroute_sim::spec::{EngineKind, EngineKinds, FleetSpec};
-use kvroute_sim::zmtp::DealerSocket;
 use rmpv::Value;
 use serde_json::json;
 use std::net::SocketAddr;
-use std::time::Duration;
 
 const PAGE: usize = 4;
 
@@ -39,20 +36,12 @@ fn field<'a>(event: &'a Value, key: &str) -> Option<&'a Value> {
 
 /// Every event the replay socket at `addr` still has, in order.
 async fn replayed_events(addr: SocketAddr) -> Vec<Value> {
-    let mut dealer = DealerSocket::connect(addr).await.unwrap();
-    dealer.send(&[b"", &0u64.to_be_bytes()]).await.unwrap();
     let mut events = Vec::new();
-    loop {
-        let frames = tokio::time::timeout(Duration::from_secs(10), dealer.recv())
-            .await
-            .expect("a replay message")
-            .unwrap();
-        if frames[2] == END_SEQ {
-            return events;
-        }
+    for frames in replay_all(addr).await {
         let batch = rmpv::decode::read_value(&mut &frames[3][..]).unwrap();
         events.extend(batch.as_array().unwrap()[1].as_array().unwrap().clone());
     }
+    events
 }
 
 #[tokio::test]
@@ -68,18 +57,7 @@ async fn an_sglang_replica_publishes_one_event_per_page_with_signed_hashes() {
     assert_eq!(replica.kind(), EngineKind::Sglang);
     let base = replica.url();
     let prompt = "alpha beta gamma delta epsilon ".repeat(12);
-    let tokens = post(
-        &format!("{base}/tokenize"),
-        &json!({"prompt": prompt}).to_string(),
-    )
-    .await
-    .json();
-    let tokens: Vec<u64> = tokens["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect();
+    let tokens = tokens_of(&base, &prompt).await;
     post(
         &format!("{base}/v1/completions"),
         &json!({"prompt": prompt, "max_tokens": 1}).to_string(),

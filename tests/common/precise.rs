@@ -125,6 +125,23 @@ impl Drop for BpeFleet {
     }
 }
 
+/// Sends `body` to `replica` straight (not through kvroute), waits until the indexer at
+/// `index_url` holds its prompt and `envoy` has polled since, then asks where kvroute places
+/// `body`: (decision, endpoint).
+pub async fn cached_then_decided(
+    envoy: &kvroute_harness::Envoy,
+    index_url: &str,
+    replica: &kvroute_sim::fleet::ReplicaHandle,
+    body: &Value,
+) -> (String, String) {
+    post(&format!("{}/v1/chat/completions", replica.url()), body).await;
+    let cached = replica.addr.to_string();
+    let indexed = || async { keys_held(index_url, &cached).await >= 2 };
+    eventually("the indexer holds the prompt", indexed).await;
+    super::index_applied(envoy, 3).await;
+    super::decided(envoy, body).await
+}
+
 /// Polls `check` every 100 ms for up to 60 s; panics with `what` when it never holds.
 pub async fn eventually<F, Fut>(what: &str, mut check: F)
 where
