@@ -24,10 +24,15 @@ export KVROUTE_ISTIO_PYTHON := $(abspath $(ISTIO_VENV))/bin/python
 HF_VENV := .work/hf-venv
 export KVROUTE_HF_PYTHON := $(abspath $(HF_VENV))/bin/python
 export KVROUTE_TEMPLATES := $(abspath .work/templates)
+# The SGLang conformance test's reference (indexer/tests/sglang_conformance.rs): SGLang's own KV
+# event classes and ZMQ publisher, from PyPI's sglang without its dependencies (torch and the GPU
+# stack: its events module needs msgspec, pyzmq, pydantic and psutil only).
+SGLANG_VENV := .work/sglang-venv
+export KVROUTE_SGLANG_PYTHON := $(abspath $(SGLANG_VENV))/bin/python
 # Unit tests compiled to wasm run under wasmtime (installed into the venv from PyPI).
 export CARGO_TARGET_WASM32_WASIP1_RUNNER := $(abspath $(VENV))/bin/python $(abspath tools/wasi-run.py)
 
-.PHONY: all build wasm bins epp image indexer-image test-indexer-image deps istio-deps template-deps test test-native test-wasm test-real vllm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
+.PHONY: all build wasm bins epp image indexer-image test-indexer-image deps istio-deps template-deps sglang-deps test test-native test-wasm test-real vllm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
 
 all: build
 
@@ -118,7 +123,17 @@ $(HF_VENV)/bin/python:
 
 template-deps: .work/templates/.done
 
-deps: .work/wasm-target $(ENVOY) .work/skopeo istio-deps template-deps
+$(SGLANG_VENV)/.installed:
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install --quiet --disable-pip-version-check msgspec==0.22.0 \
+		pyzmq==27.3.0 pydantic==2.14.4 psutil==7.2.2
+	$(SGLANG_VENV)/bin/pip install --quiet --disable-pip-version-check --no-compile --no-deps \
+		sglang==0.5.23
+	@touch $@
+
+sglang-deps: $(SGLANG_VENV)/.installed
+
+deps: .work/wasm-target $(ENVOY) .work/skopeo istio-deps template-deps sglang-deps
 
 test: deps build image test-native test-wasm
 

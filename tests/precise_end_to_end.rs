@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::precise::{body, eventually, keys_held, post, BpeFleet, CHATML};
+use common::precise::{body, cached_then_decided, eventually, keys_held, post, BpeFleet, CHATML};
 use kvroute_harness::Envoy;
 use serde_json::json;
 
@@ -37,14 +37,9 @@ async fn the_replica_whose_engine_cached_the_prompt_draws_it_until_it_evicts_it(
     // Each of three prompts cached by a replica chosen here, not by kvroute: each goes there.
     for (n, r) in sim.replicas.iter().enumerate() {
         let tag = format!("shop {n}");
-        let cached = r.addr.to_string();
-        post(&format!("{}/v1/chat/completions", r.url()), &body(&tag)).await;
-        let indexed = || async { keys_held(&index_url, &cached).await >= 2 };
-        eventually("the indexer holds the prompt", indexed).await;
-        common::index_applied(&envoy, 3).await;
         assert_eq!(
-            common::decided(&envoy, &body(&tag)).await,
-            ("engine".to_string(), cached.clone()),
+            cached_then_decided(&envoy, &index_url, r, &body(&tag)).await,
+            ("engine".to_string(), r.addr.to_string()),
             "prompt {n}"
         );
     }

@@ -125,8 +125,11 @@ impl Indexer {
             let endpoint = r.url.trim_start_matches("http://").trim_end_matches('/');
             let replay = r.kv_events_replay.as_ref().map(|r| format!(",replay={r}"));
             let replay = replay.unwrap_or_default();
+            // Each replica's dialect, so a mixed fleet is read right.
+            let kind = r.engine_kind.as_ref().map(|k| format!(",kind={k}"));
+            let kind = kind.unwrap_or_default();
             cmd.arg("--engine")
-                .arg(format!("{endpoint}={events}{replay}"));
+                .arg(format!("{endpoint}={events}{replay}{kind}"));
         }
         let mut child = cmd
             .stdin(Stdio::null())

@@ -92,6 +92,7 @@ impl RealFleet {
                 url,
                 kv_events: Some(e.kv_events.clone()),
                 kv_events_replay: Some(e.replay.clone()),
+                engine_kind: Some("vllm".into()),
             });
         }
         Ok(RealFleet {

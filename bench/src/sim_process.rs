@@ -22,6 +22,9 @@ pub struct Replica {
     pub kv_events: Option<String>,
     /// Its replay socket (vLLM's `replay_endpoint`), if it has one.
     pub kv_events_replay: Option<String>,
+    /// The engine it plays (`vllm` or `sglang`; none from a fleet that does not say).
+    #[serde(default)]
+    pub engine_kind: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -8,7 +8,21 @@
 //! one holding its chunk's last byte is held: removing a block drops it and its descendants.
 //! vLLM does not deduplicate blocks, so the same hash may be stored (and removed) more than
 //! once; a block lives until its last copy goes.
+//!
+//! Events are applied a batch (one message) at a time, and a removed block's descendants are
+//! dropped when the batch ends unless the block came back in it: SGLang (up to 0.5.6) split a
+//! radix node by removing its pages and storing them again as two nodes, in one batch, while the
+//! node's children stayed cached. A hash names its whole prefix, so the block that comes back is
+//! the one that went, and its descendants' keys still hold.
+//!
+//! SGLang publishes one event per page (`block_size` = its `--page-size`, 1 by default), each
+//! chained to the previous page; the bytes after the last whole chunk are carried over from one
+//! event to the next when it continues the block just stored, instead of being read back from
+//! the ancestors. Pages named by SGLang's old content hashes ([`crate::content_hash`]) cannot be
+//! placed in a chain and are counted, not indexed.
 
+use crate::content_hash::python_tuple_hash;
+use crate::dialect::Dialect;
 use crate::holders::Holders;
 use crate::token_bytes::TokenBytes;
 use crate::wire::{Event, ExtraKey, Removed, Stored};
@@ -41,6 +55,8 @@ pub struct Counts {
     pub other_group_blocks: u64,
     /// Events that did not fit together (token count against block count, unknown token ids).
     pub malformed: u64,
+    /// SGLang blocks named by a content hash (SGLang up to 0.5.5), not indexed.
+    pub content_hash_blocks: u64,
 }
 
 #[derive(Debug)]
@@ -64,11 +80,16 @@ struct Block {
 pub struct Stream {
     endpoint: u32,
     shape: Shape,
+    dialect: Dialect,
     blocks: HashMap<u64, Block>,
     /// The KV-cache group whose blocks are indexed: the first full-attention one seen.
     group: Option<u64>,
     pub counts: Counts,
+    /// After a store: the bytes following the last whole chunk of block `tail`.
     scratch: Vec<u8>,
+    tail: Option<u64>,
+    /// Children of the blocks removed in this batch, until the batch ends or the block is back.
+    detached: HashMap<u64, Vec<u64>>,
 }
 
 /// Whether a `kv_cache_spec_kind` is attention over the whole prefix (absent: the engine has
@@ -110,15 +131,27 @@ fn classify<'a>(keys: &'a [ExtraKey], lora: Option<&str>, first: bool) -> Extra<
 }
 
 impl Stream {
+    /// A vLLM engine's stream.
     pub fn new(endpoint: u32, shape: Shape) -> Stream {
+        Stream::with_dialect(endpoint, shape, Dialect::Vllm)
+    }
+
+    pub fn with_dialect(endpoint: u32, shape: Shape, dialect: Dialect) -> Stream {
         Stream {
             endpoint,
             shape,
+            dialect,
             blocks: HashMap::new(),
             group: None,
             counts: Counts::default(),
             scratch: Vec::new(),
+            tail: None,
+            detached: HashMap::new(),
         }
+    }
+
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
     }
 
     pub fn endpoint(&self) -> u32 {
@@ -130,17 +163,26 @@ impl Stream {
         self.blocks.len()
     }
 
-    /// Applies one event.
+    /// Applies one event, as a batch of its own.
     pub fn apply(&mut self, event: &Event, tokens: &TokenBytes, holders: &mut Holders) {
-        self.counts.events += 1;
-        match event {
-            Event::Stored(stored) => self.store(stored, tokens, holders),
-            Event::Removed(removed) => self.remove(removed, holders),
-            Event::AllCleared => {
-                self.counts.clears += 1;
-                self.clear(holders);
+        self.apply_batch(std::slice::from_ref(event), tokens, holders);
+    }
+
+    /// Applies one message's events in order; then drops what lies below the blocks removed
+    /// and not stored again.
+    pub fn apply_batch(&mut self, events: &[Event], tokens: &TokenBytes, holders: &mut Holders) {
+        for event in events {
+            self.counts.events += 1;
+            match event {
+                Event::Stored(stored) => self.store(stored, tokens, holders),
+                Event::Removed(removed) => self.remove(removed, holders),
+                Event::AllCleared => {
+                    self.counts.clears += 1;
+                    self.clear(holders);
+                }
             }
         }
+        self.drop_detached(holders);
     }
 
     /// Forgets every block and releases every key (the engine cleared its cache, restarted, or
@@ -157,7 +199,9 @@ impl Stream {
             holders.release(self.endpoint, key);
         }
         self.blocks.clear();
+        self.detached.clear();
         self.group = None;
+        self.tail = None;
     }
 
     fn store(&mut self, ev: &Stored, tokens: &TokenBytes, holders: &mut Holders) {
@@ -177,9 +221,20 @@ impl Stream {
             self.counts.malformed += 1;
             return;
         }
+        let first_page = ev.token_ids.get(..ev.block_size);
+        if self.dialect == Dialect::Sglang
+            && ev.block_hashes.first().copied() == first_page.map(python_tuple_hash)
+        {
+            self.counts.content_hash_blocks += n;
+            return;
+        }
         let chunk = self.shape.chunk_size;
         let mut pending = std::mem::take(&mut self.scratch);
-        pending.clear();
+        // What the scratch holds is the tail's, and only while the tail is not passed over.
+        let continues = ev.parent.is_some() && ev.parent == self.tail.take();
+        if !continues {
+            pending.clear();
+        }
         // The chain state before the first block: the seed, or the parent's.
         let (mut last_key, mut indexed) = match ev.parent {
             None => (0, true),
@@ -191,7 +246,9 @@ impl Stream {
                 }
                 Some(b) if !b.indexed => (0, false),
                 Some(b) => {
-                    self.trailing_bytes(p, &mut pending);
+                    if !continues {
+                        self.trailing_bytes(p, &mut pending);
+                    }
                     (b.last_key, true)
                 }
             },
@@ -211,7 +268,7 @@ impl Stream {
                 Extra::Salt(salt) if indexed => {
                     last_key = prefix::seed(self.model(ev), Some(salt));
                 }
-                _ if first => last_key = prefix::seed(self.model(ev), None),
+                _ if first => last_key = prefix::seed(self.model(ev), ev.salt.as_deref()),
                 _ => {}
             }
             if !indexed {
@@ -247,6 +304,15 @@ impl Stream {
             if let Some(p) = parent.and_then(|p| self.blocks.get_mut(&p)) {
                 p.children.push(hash);
             }
+            // A block removed earlier in this batch is back: its descendants are its again.
+            let children = match self.detached.remove(&hash) {
+                Some(mut children) => {
+                    let blocks = &self.blocks;
+                    children.retain(|c| blocks.get(c).is_some_and(|b| b.parent == Some(hash)));
+                    children
+                }
+                None => Vec::new(),
+            };
             self.blocks.insert(
                 hash,
                 Block {
@@ -257,10 +323,13 @@ impl Stream {
                     pending: pending.len() as u32,
                     bytes: if indexed { own } else { Box::default() },
                     keys: keys.into_boxed_slice(),
-                    children: Vec::new(),
+                    children,
                 },
             );
             parent = Some(hash);
+        }
+        if indexed {
+            self.tail = parent;
         }
         self.scratch = pending;
     }
@@ -303,6 +372,7 @@ impl Stream {
             self.counts.other_group_blocks += ev.block_hashes.len() as u64;
             return;
         }
+        self.tail = None;
         for &hash in &ev.block_hashes {
             let Some(b) = self.blocks.get_mut(&hash) else {
                 continue;
@@ -310,7 +380,44 @@ impl Stream {
             self.counts.blocks_removed += 1;
             b.copies -= 1;
             if b.copies == 0 {
-                self.drop_subtree(hash, holders);
+                self.detach(hash, holders);
+            }
+        }
+    }
+
+    /// Removes block `hash` alone, releasing its keys; its children wait for the batch's end.
+    fn detach(&mut self, hash: u64, holders: &mut Holders) {
+        let Some(b) = self.blocks.remove(&hash) else {
+            return;
+        };
+        if let Some(p) = b.parent.and_then(|p| self.blocks.get_mut(&p)) {
+            p.children.retain(|c| *c != hash);
+        }
+        for &key in b.keys.iter() {
+            holders.release(self.endpoint, key);
+        }
+        if !b.children.is_empty() {
+            self.detached.entry(hash).or_default().extend(b.children);
+        }
+    }
+
+    /// The batch is over: drops the descendants of every block removed and not stored again.
+    fn drop_detached(&mut self, holders: &mut Holders) {
+        if self.detached.is_empty() {
+            return;
+        }
+        // In hash order: the feed must not depend on how the table hashes.
+        let mut gone: Vec<(u64, Vec<u64>)> = self.detached.drain().collect();
+        gone.sort_unstable_by_key(|(hash, _)| *hash);
+        for (hash, children) in gone {
+            for child in children {
+                if self
+                    .blocks
+                    .get(&child)
+                    .is_some_and(|b| b.parent == Some(hash))
+                {
+                    self.drop_subtree(child, holders);
+                }
             }
         }
     }

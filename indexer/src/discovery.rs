@@ -1,8 +1,9 @@
 //! Finding the engines from Envoy's admin: the hosts of one cluster, polled, each host's
 //! KV-event socket on a fixed port.
 
-use crate::config::Config;
+use crate::config::{Config, EngineSpec};
 use crate::state::Shared;
+use crate::subscriber::Source;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper::Request;
@@ -31,23 +32,50 @@ pub async fn run(shared: Arc<Shared>, config: Config, admin: String) {
             Ok(body) => {
                 for (host, endpoint) in hosts(&body, &cluster) {
                     if known.insert(endpoint.clone()) {
-                        let events = format!("tcp://{host}:{port}");
-                        let replay = config.replay_port.map(|p| format!("tcp://{host}:{p}"));
-                        log::info!("{cluster}: new endpoint {endpoint}, events at {events}");
-                        crate::subscriber::spawn(
-                            &shared,
-                            &endpoint,
-                            &config.model,
-                            &events,
-                            replay.as_deref(),
-                            &config.topic,
-                        );
+                        subscribe(&shared, &config, &cluster, &host, &endpoint, port);
                     }
                 }
             }
             Err(e) => log::warn!("{admin}: {e}"),
         }
         tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Subscribes to every data-parallel rank of a new engine at `host`.
+fn subscribe(
+    shared: &Arc<Shared>,
+    config: &Config,
+    cluster: &str,
+    host: &str,
+    endpoint: &str,
+    port: u16,
+) {
+    let spec = EngineSpec {
+        endpoint: endpoint.to_owned(),
+        events: format!("tcp://{host}:{port}"),
+        replay: config.replay_port.map(|p| format!("tcp://{host}:{p}")),
+        kind: Some(config.engine_kind),
+        dp_size: config.dp_size,
+        ..EngineSpec::default()
+    };
+    let ranks = match spec.ranks() {
+        Ok(ranks) => ranks,
+        Err(e) => {
+            log::warn!("{cluster}: {endpoint}: {e}");
+            return;
+        }
+    };
+    for (events, replay) in ranks {
+        log::info!("{cluster}: new endpoint {endpoint}, events at {events}");
+        let source = Source {
+            endpoint,
+            model: &config.model,
+            url: &events,
+            replay: replay.as_deref(),
+            dialect: config.engine_kind,
+        };
+        crate::subscriber::spawn(shared, source, &config.topic);
     }
 }
 

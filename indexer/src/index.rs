@@ -17,6 +17,7 @@
 //! supplies (the server its elapsed time, a virtual-time lab its own).
 
 use crate::chains::{Shape, Stream};
+use crate::dialect::Dialect;
 use crate::holders::Holders;
 use crate::token_bytes::TokenBytes;
 use crate::wire::Batch;
@@ -109,13 +110,25 @@ impl Index {
         }
     }
 
-    /// Adds a stream publishing for endpoint `endpoint` (`ip:port`); returns its number.
+    /// Adds a vLLM stream publishing for endpoint `endpoint` (`ip:port`); returns its number.
     pub fn add_stream(
         &mut self,
         endpoint: &str,
         model: &str,
         url: &str,
         replay: Option<&str>,
+    ) -> usize {
+        self.add_stream_as(endpoint, model, url, replay, Dialect::Vllm)
+    }
+
+    /// [`Index::add_stream`] for an engine of `dialect`.
+    pub fn add_stream_as(
+        &mut self,
+        endpoint: &str,
+        model: &str,
+        url: &str,
+        replay: Option<&str>,
+        dialect: Dialect,
     ) -> usize {
         let e = self.holders.endpoint(endpoint);
         let shape = Shape {
@@ -125,7 +138,7 @@ impl Index {
         self.streams.push(StreamEntry {
             url: url.to_owned(),
             replay: replay.map(str::to_owned),
-            stream: Stream::new(e, shape),
+            stream: Stream::with_dialect(e, shape, dialect),
             health: Health::default(),
             expected: None,
             last: None,
@@ -274,9 +287,9 @@ impl Index {
 
     fn apply(&mut self, s: usize, batch: &Batch, tokens: &TokenBytes) {
         let entry = &mut self.streams[s];
-        for event in &batch.events {
-            entry.stream.apply(event, tokens, &mut self.holders);
-        }
+        entry
+            .stream
+            .apply_batch(&batch.events, tokens, &mut self.holders);
         entry.expected = Some(batch.seq + 1);
         entry.last = Some((batch.seq, batch.digest));
     }

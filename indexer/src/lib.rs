@@ -7,6 +7,8 @@
 pub mod api;
 pub mod chains;
 pub mod config;
+pub mod content_hash;
+pub mod dialect;
 pub mod discovery;
 pub mod holders;
 pub mod index;
@@ -45,15 +47,16 @@ pub async fn start(config: Config) -> Result<Running, String> {
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     for engine in &config.engines {
-        let model = engine.model.as_deref().unwrap_or(&config.model);
-        subscriber::spawn(
-            &shared,
-            &engine.endpoint,
-            model,
-            &engine.events,
-            engine.replay.as_deref(),
-            &config.topic,
-        );
+        for (events, replay) in engine.ranks()? {
+            let source = subscriber::Source {
+                endpoint: &engine.endpoint,
+                model: engine.model.as_deref().unwrap_or(&config.model),
+                url: &events,
+                replay: replay.as_deref(),
+                dialect: engine.kind.unwrap_or(config.engine_kind),
+            };
+            subscriber::spawn(&shared, source, &config.topic);
+        }
     }
     if let Some(admin) = &config.envoy_admin {
         tokio::spawn(discovery::run(

@@ -12,7 +12,7 @@ pub fn render(index: &Index, serving: Serving, now: Duration) -> String {
     let mut out = String::new();
     let endpoints = index.holders.endpoints();
     type Get = fn(&crate::index::StreamEntry) -> u64;
-    let per_stream: [(&str, &str, &str, Get); 17] = [
+    let per_stream: [(&str, &str, &str, Get); 18] = [
         ("events_total", "counter", "Events received", |e| {
             e.stream.counts.events
         }),
@@ -61,13 +61,19 @@ pub fn render(index: &Index, serving: Serving, now: Duration) -> String {
             "Events whose tokens did not fit their blocks or vocabulary",
             |e| e.stream.counts.malformed,
         ),
+        (
+            "content_hash_blocks_total",
+            "counter",
+            "SGLang blocks named by a content hash (SGLang up to 0.5.5), not indexed",
+            |e| e.stream.counts.content_hash_blocks,
+        ),
         ("blocks", "gauge", "Cached blocks known", |e| {
             e.stream.blocks() as u64
         }),
         (
             "undecodable_messages_total",
             "counter",
-            "Messages that were not vLLM KV-event batches",
+            "Messages that were not KV-event batches",
             |e| e.health.undecodable,
         ),
         ("gaps_total", "counter", "Sequence gaps", |e| e.health.gaps),
@@ -150,6 +156,7 @@ pub fn health(index: &Index, serving: Serving, now: Duration) -> String {
             json!({
                 "endpoint": endpoints[e as usize],
                 "stream": entry.url,
+                "kind": entry.stream.dialect().name(),
                 "connected": entry.health.connected,
                 "stale": index.stream_stale(s, now, serving.staleness),
                 "events": entry.stream.counts.events,

@@ -1,10 +1,12 @@
 //! Subscribing to one engine's KV events over ZeroMQ, and asking its replay socket for what a
 //! gap lost, or, after a silence, whether the engine is up (a probe).
 //!
-//! vLLM's replay socket is a ROUTER: a DEALER sends `["", start_seq as 8 bytes big-endian]` and
-//! gets back `["", topic, seq, payload]` for every buffered message from `start_seq` on, then
-//! `["", "", -1 as 8 bytes, ""]` (vLLM 0.32; older versions send no topic frame).
+//! vLLM's and SGLang's replay socket is a ROUTER: a DEALER sends `["", start_seq as 8 bytes
+//! big-endian]` and gets back `["", topic, seq, payload]` for every buffered message from
+//! `start_seq` on, then `["", "", -1 as 8 bytes, ""]` (vLLM 0.32, SGLang 0.5.23; older versions
+//! of both send no topic frame).
 
+use crate::dialect::Dialect;
 use crate::state::Shared;
 use crate::wire::{self, Batch};
 use bytes::Bytes;
@@ -19,11 +21,13 @@ const RETRY: Duration = Duration::from_millis(500);
 
 /// Runs stream `s` for as long as the process: connect, receive, reconnect.
 pub async fn run(shared: Arc<Shared>, s: usize, topic: String) {
-    let (url, replay) = {
+    let (url, replay, dialect) = {
         let index = shared.lock();
+        let entry = &index.streams[s];
         (
-            index.streams[s].url.clone(),
-            index.streams[s].replay.clone(),
+            entry.url.clone(),
+            entry.replay.clone(),
+            entry.stream.dialect(),
         )
     };
     loop {
@@ -45,12 +49,14 @@ pub async fn run(shared: Arc<Shared>, s: usize, topic: String) {
                 None => Ok(socket.recv().await),
             };
             match (next, &replay) {
-                (Ok(Ok(message)), _) => receive(&shared, s, replay.as_deref(), message).await,
+                (Ok(Ok(message)), _) => {
+                    receive(&shared, s, replay.as_deref(), dialect, message).await
+                }
                 (Ok(Err(e)), _) => {
                     log::warn!("{url}: {e}");
                     break;
                 }
-                (Err(_), Some(replay)) => probe(&shared, s, replay).await,
+                (Err(_), Some(replay)) => probe(&shared, s, replay, dialect).await,
                 (Err(_), None) => {}
             }
         }
@@ -59,9 +65,15 @@ pub async fn run(shared: Arc<Shared>, s: usize, topic: String) {
     }
 }
 
-async fn receive(shared: &Shared, s: usize, replay: Option<&str>, message: ZmqMessage) {
+async fn receive(
+    shared: &Shared,
+    s: usize,
+    replay: Option<&str>,
+    dialect: Dialect,
+    message: ZmqMessage,
+) {
     let frames = message.into_vec();
-    let batch = match wire::decode_message(&frames) {
+    let batch = match wire::decode_message_as(&frames, dialect) {
         Ok(batch) => batch,
         Err(e) => {
             let mut index = shared.lock();
@@ -75,7 +87,7 @@ async fn receive(shared: &Shared, s: usize, replay: Option<&str>, message: ZmqMe
         .receive(s, &batch, &shared.tokens, shared.now());
     if let crate::index::Received::Gap { from } = received {
         let replayed = match replay {
-            Some(url) => fetch_replay(url, from, batch.seq)
+            Some(url) => fetch_replay(url, from, batch.seq, dialect)
                 .await
                 .unwrap_or_else(|e| {
                     log::warn!("{url}: replay from {from} failed: {e}");
@@ -98,12 +110,13 @@ async fn receive(shared: &Shared, s: usize, replay: Option<&str>, message: ZmqMe
 /// proves the engine is up and fills what the stream missed; an answer without that message
 /// (or with another message of that number) means the engine restarted, and its new run is
 /// asked for from the start; no answer in time makes the stream stale.
-async fn probe(shared: &Shared, s: usize, url: &str) {
+async fn probe(shared: &Shared, s: usize, url: &str, dialect: Dialect) {
     let last = shared.lock().streams[s].last_applied();
-    let mut answer = fetch_replay(url, last.map_or(0, |(seq, _)| seq), u64::MAX).await;
+    let from = last.map_or(0, |(seq, _)| seq);
+    let mut answer = fetch_replay(url, from, u64::MAX, dialect).await;
     let restarted = matches!(&answer, Ok(batches) if shows_restart(batches, last));
     if restarted {
-        answer = fetch_replay(url, 0, u64::MAX).await;
+        answer = fetch_replay(url, 0, u64::MAX, dialect).await;
     }
     let mut index = shared.lock();
     match answer {
@@ -133,8 +146,13 @@ pub fn shows_restart(answer: &[Batch], last: Option<(u64, u64)>) -> bool {
     }
 }
 
-/// Asks the replay socket at `url` for messages `from..until`.
-pub async fn fetch_replay(url: &str, from: u64, until: u64) -> Result<Vec<Batch>, String> {
+/// Asks the replay socket at `url` of an engine of `dialect` for messages `from..until`.
+pub async fn fetch_replay(
+    url: &str,
+    from: u64,
+    until: u64,
+    dialect: Dialect,
+) -> Result<Vec<Batch>, String> {
     tokio::time::timeout(REPLAY_TIMEOUT, async {
         let mut socket = DealerSocket::new();
         socket.connect(url).await.map_err(|e| e.to_string())?;
@@ -145,7 +163,7 @@ pub async fn fetch_replay(url: &str, from: u64, until: u64) -> Result<Vec<Batch>
         let mut batches = Vec::new();
         loop {
             let frames = socket.recv().await.map_err(|e| e.to_string())?.into_vec();
-            let Some(batch) = replayed(&frames)? else {
+            let Some(batch) = replayed(&frames, dialect)? else {
                 return Ok(batches);
             };
             if batch.seq >= until {
@@ -160,7 +178,7 @@ pub async fn fetch_replay(url: &str, from: u64, until: u64) -> Result<Vec<Batch>
 
 /// One message of a replay, as a DEALER receives it (`["", topic, seq, payload]`, or without
 /// the topic frame); `None` for the end marker.
-pub fn replayed(frames: &[Bytes]) -> Result<Option<Batch>, String> {
+pub fn replayed(frames: &[Bytes], dialect: Dialect) -> Result<Option<Batch>, String> {
     let frames = match frames.split_first() {
         Some((empty, rest)) if empty.is_empty() => rest,
         _ => frames,
@@ -172,21 +190,34 @@ pub fn replayed(frames: &[Bytes]) -> Result<Option<Batch>, String> {
     if seq.as_ref() == (-1i64).to_be_bytes() {
         return Ok(None);
     }
-    wire::decode_message(frames)
+    wire::decode_message_as(frames, dialect)
         .map(Some)
         .map_err(|e| e.to_string())
 }
 
-/// Adds a stream for `endpoint` from the publisher at `url` and starts subscribing.
-pub fn spawn(
-    shared: &Arc<Shared>,
-    endpoint: &str,
-    model: &str,
-    url: &str,
-    replay: Option<&str>,
-    topic: &str,
-) {
-    let s = shared.lock().add_stream(endpoint, model, url, replay);
+/// Where one stream comes from: its endpoint, the model it serves, its publisher (and replay
+/// socket) and which engine publishes.
+#[derive(Debug, Clone, Copy)]
+pub struct Source<'a> {
+    pub endpoint: &'a str,
+    pub model: &'a str,
+    pub url: &'a str,
+    pub replay: Option<&'a str>,
+    pub dialect: Dialect,
+}
+
+/// Adds a stream from `source` and starts subscribing to `topic`.
+pub fn spawn(shared: &Arc<Shared>, source: Source<'_>, topic: &str) {
+    let Source {
+        endpoint,
+        model,
+        url,
+        replay,
+        dialect,
+    } = source;
+    let s = shared
+        .lock()
+        .add_stream_as(endpoint, model, url, replay, dialect);
     tokio::spawn(run(shared.clone(), s, topic.to_owned()));
 }
 
@@ -209,11 +240,13 @@ mod tests {
             frames(&[b"", b"", &seq, &payload]),
             frames(&[b"", &seq, &payload]),
         ] {
-            let batch = replayed(&message).unwrap().unwrap();
+            let batch = replayed(&message, Dialect::Vllm).unwrap().unwrap();
             assert_eq!(batch.seq, 7);
         }
-        assert!(replayed(&frames(&[b"", b"", &end, b""])).unwrap().is_none());
-        assert!(replayed(&frames(&[b"", &end, b""])).unwrap().is_none());
-        assert!(replayed(&frames(&[b"", &seq])).is_err());
+        let end_marker = replayed(&frames(&[b"", b"", &end, b""]), Dialect::Sglang);
+        assert!(end_marker.unwrap().is_none());
+        let bare_end = replayed(&frames(&[b"", &end, b""]), Dialect::Vllm);
+        assert!(bare_end.unwrap().is_none());
+        assert!(replayed(&frames(&[b"", &seq]), Dialect::Vllm).is_err());
     }
 }

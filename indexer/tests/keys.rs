@@ -2,7 +2,9 @@
 //! `kvroute::prefix`'s over its bytes, whole chunks only, however the chain arrives; removals,
 //! clears, salts, LoRA, multimodal blocks, media and groups.
 
-use kvroute::prefix::{PrefixKeys, Shape};
+mod common;
+
+use common::whole_chunk_keys;
 use kvroute_indexer::chains::{self, Stream};
 use kvroute_indexer::holders::Holders;
 use kvroute_indexer::token_bytes::TokenBytes;
@@ -52,14 +54,7 @@ fn stored(text: &[u8], from: usize, to: usize, salt: u64) -> Stored {
 }
 
 fn expected(text: &[u8], blocks: usize, salt: Option<&str>, model: &str) -> BTreeSet<u64> {
-    let covered = &text[..blocks * BLOCK];
-    let shape = Shape {
-        chunk_size: CHUNK,
-        max_chunks: usize::MAX,
-        group_bytes: 4096,
-    };
-    let keys = PrefixKeys::salted(salt, model, covered, 0, false, shape).keys;
-    keys[..covered.len() / CHUNK].iter().copied().collect()
+    whole_chunk_keys(salt, model, &text[..blocks * BLOCK], CHUNK)
 }
 
 fn held(h: &Holders) -> BTreeSet<u64> {

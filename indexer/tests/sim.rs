@@ -10,9 +10,9 @@
 mod common;
 
 use common::{
-    default_stale_after, get_json, indexer, post_json, tokenizer_file, Deadline, FeedClient,
+    default_stale_after, get_json, indexer, post_json, tokenizer_file, whole_chunk_keys, Deadline,
+    FeedClient,
 };
-use kvroute::prefix::{PrefixKeys, Shape};
 use kvroute_indexer::token_bytes::TokenBytes;
 use kvroute_indexer::Running;
 use kvroute_sim::bpe::Vocab;
@@ -165,13 +165,7 @@ fn keys(bytes: &[u8]) -> BTreeSet<u64> {
 
 /// kvroute's keys for every whole chunk of `bytes` of a request with the cache salt `salt`.
 fn salted_keys(salt: Option<&str>, bytes: &[u8]) -> BTreeSet<u64> {
-    let shape = Shape {
-        chunk_size: CHUNK,
-        max_chunks: usize::MAX,
-        group_bytes: 4096,
-    };
-    let all = PrefixKeys::salted(salt, "m", bytes, 0, false, shape).keys;
-    all[..bytes.len() / CHUNK].iter().copied().collect()
+    whole_chunk_keys(salt, "m", bytes, CHUNK)
 }
 
 async fn held_becomes(base: &str, endpoint: &str, want: &BTreeSet<u64>) -> FeedClient {

@@ -2,6 +2,9 @@
 //! batches with the fields current vLLM adds (extra keys, LoRA, groups, byte hashes, a map
 //! batch).
 
+mod common;
+
+use common::msgpack_map as map;
 use kvroute_indexer::wire::{self, Event, ExtraKey, Removed, Stored};
 use kvroute_sim::kv_events::{encode_batch, frames, Format};
 use kvroute_sim::prefix_cache::CacheEvent;
@@ -53,7 +56,7 @@ fn both_of_the_simulators_formats_decode_to_the_same_events() {
         // The salt is the first block's extra key; the older array format has no extra keys.
         let salted = match format {
             Format::Map => vec![vec![ExtraKey::Text("tenant-1".into())], vec![]],
-            Format::Array => vec![],
+            Format::Array | Format::Sglang => vec![],
         };
         assert_eq!(root.extra_keys, salted, "{format:?}");
         assert!(s.extra_keys.iter().all(Vec::is_empty));
@@ -67,15 +70,6 @@ fn both_of_the_simulators_formats_decode_to_the_same_events() {
         );
         assert_eq!(batch.events[3], Event::AllCleared);
     }
-}
-
-fn map(entries: Vec<(&str, Value)>) -> Value {
-    Value::Map(
-        entries
-            .into_iter()
-            .map(|(k, v)| (Value::from(k), v))
-            .collect(),
-    )
 }
 
 fn pack(v: &Value) -> Vec<u8> {
@@ -151,6 +145,7 @@ fn current_vllm_fields_decode() {
             ],
             group_idx: Some(1),
             kv_cache_spec_kind: Some("full_attention".into()),
+            salt: None,
         }
     );
     assert_eq!(

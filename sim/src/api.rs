@@ -1,4 +1,5 @@
-//! The OpenAI-compatible HTTP API of one replica, with vLLM's extra routes.
+//! The OpenAI-compatible HTTP API of one replica, with vLLM's extra routes (an SGLang
+//! replica's metric names, and its `/v1/loads`).
 
 use crate::engine::{Emit, GenError, Replica};
 use crate::http::{
@@ -7,6 +8,8 @@ use crate::http::{
 };
 use crate::metrics;
 use crate::request::{self, Endpoint, GenRequest};
+use crate::sglang_metrics;
+use crate::spec::EngineKind;
 use crate::sse::{self, ChunkWriter};
 use crate::tokenizer::seed_of;
 use http_body_util::{Channel, Either};
@@ -56,7 +59,10 @@ const ROUTES: &[&str] = &[
     "/v1/completions/render",
     "/v1/chat/completions/render",
     "/reset_prefix_cache",
+    "/v1/loads",
 ];
+
+const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Handles one request; every response says which replica served it.
 pub async fn handle(api: Arc<Api>, req: Request<Incoming>) -> Resp {
@@ -78,6 +84,7 @@ async fn route(api: &Arc<Api>, req: Request<Incoming>) -> Resp {
         );
     }
     let spec = &api.replica.spec;
+    let sglang = spec.kind(api.replica.id) == EngineKind::Sglang;
     match (req.method().clone(), path.as_str()) {
         (Method::GET, "/health") => empty_response(StatusCode::OK),
         (Method::GET, "/version") => json_response(StatusCode::OK, &json!({"version": VERSION})),
@@ -89,11 +96,32 @@ async fn route(api: &Arc<Api>, req: Request<Incoming>) -> Resp {
                 "max_model_len": spec.max_model_len,
             }]}),
         ),
+        (Method::GET, "/metrics") if sglang => text_response(
+            StatusCode::OK,
+            PROMETHEUS_TEXT,
+            sglang_metrics::render(spec, &api.replica.snapshot()),
+        ),
         (Method::GET, "/metrics") => text_response(
             StatusCode::OK,
-            "text/plain; version=0.0.4; charset=utf-8",
+            PROMETHEUS_TEXT,
             metrics::render(spec, &api.replica.snapshot()),
         ),
+        (Method::GET, "/v1/loads") if sglang => {
+            let (snap, backlog) = (api.replica.snapshot(), api.replica.backlog());
+            let query = req.uri().query().unwrap_or("");
+            match query.split('&').any(|kv| kv == "format=prometheus") {
+                true => text_response(
+                    StatusCode::OK,
+                    PROMETHEUS_TEXT,
+                    sglang_metrics::loads_prometheus(spec, &snap, backlog),
+                ),
+                false => json_response(
+                    StatusCode::OK,
+                    &sglang_metrics::loads_json(spec, &snap, backlog),
+                ),
+            }
+        }
+        (Method::GET, "/v1/loads") => not_found(),
         (Method::POST, "/tokenize") => tokenize(api, req).await,
         (Method::POST, "/reset_prefix_cache") => {
             api.replica.reset_prefix_cache();

@@ -1,5 +1,6 @@
 //! Starting a fleet: one HTTP listener and one KV-event publisher (with its replay socket) per
-//! replica, plus the control port, all on 127.0.0.1.
+//! replica, each replica vLLM or SGLang as the spec says, plus the control port, all on
+//! 127.0.0.1.
 
 use crate::api::{self, Api};
 use crate::bpe::Vocab;
@@ -7,7 +8,7 @@ use crate::control;
 use crate::engine::Replica;
 use crate::http::serve;
 use crate::kv_events::{self, Format};
-use crate::spec::FleetSpec;
+use crate::spec::{EngineKind, FleetSpec};
 use kvroute::template::Templates;
 use serde_json::json;
 use std::io;
@@ -26,6 +27,11 @@ pub struct ReplicaHandle {
 }
 
 impl ReplicaHandle {
+    /// The engine it plays.
+    pub fn kind(&self) -> EngineKind {
+        self.replica.spec.kind(self.replica.id)
+    }
+
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
@@ -68,7 +74,6 @@ impl Fleet {
         spec.validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         let spec = Arc::new(spec);
-        let format = Format::from_name(&spec.kv_events_format);
         let vocab = match &spec.tokenizer {
             Some(path) => Vocab::load(std::path::Path::new(path))
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?,
@@ -94,16 +99,21 @@ impl Fleet {
             };
             let listener = TcpListener::bind(localhost(port)).await?;
             let addr = listener.local_addr()?;
+            let own = Arc::new(spec.replica(id));
+            let format = match own.kind(id) {
+                EngineKind::Sglang => Format::Sglang,
+                EngineKind::Vllm => Format::from_name(&spec.kv_events_format),
+            };
             let options = kv_events::Options {
                 topic: spec.kv_events_topic.clone(),
-                block_size: spec.block_size,
+                block_size: own.block_size,
                 format,
                 buffer_steps: spec.kv_events_buffer_steps,
             };
             let replay = spec.kv_events_replay.then(|| localhost(0));
             let publisher = kv_events::start_publisher(localhost(0), replay, options).await?;
             let events = Some(publisher.events);
-            let mut replica = Replica::with_vocab(id, spec.clone(), events, vocab.clone());
+            let mut replica = Replica::with_vocab(id, own, events, vocab.clone());
             replica.template = template.clone();
             let replica = Arc::new(replica);
             tokio::spawn(mute_while_stopped(&replica, publisher.muted));
@@ -139,11 +149,13 @@ impl Fleet {
             .iter()
             .map(|r| {
                 format!(
-                    "{{\"id\":{},\"url\":{},\"kv_events\":{},\"kv_events_replay\":{}}}",
+                    "{{\"id\":{},\"url\":{},\"kv_events\":{},\"kv_events_replay\":{},\
+                     \"engine_kind\":{}}}",
                     r.replica.id,
                     json!(r.url()),
                     json!(r.kv_events_endpoint()),
-                    json!(r.kv_events_replay_endpoint())
+                    json!(r.kv_events_replay_endpoint()),
+                    json!(r.kind().name())
                 )
             })
             .collect();

@@ -24,6 +24,7 @@
 //! `_service_replay`); the buffer holds the last `buffer_steps` messages (vLLM's default 10,000).
 
 use crate::prefix_cache::CacheEvent;
+use crate::sglang_events;
 use crate::zmtp::{self, PubSocket};
 use bytes::Bytes;
 use rmpv::Value;
@@ -39,6 +40,8 @@ use tokio::sync::mpsc;
 pub enum Format {
     Map,
     Array,
+    /// SGLang's events ([`crate::sglang_events`]): one per page, signed hashes.
+    Sglang,
 }
 
 impl Format {
@@ -70,13 +73,14 @@ fn extra_keys(blocks: usize, salt: Option<&str>) -> Value {
     Value::Array(keys)
 }
 
-fn tagged_map(tag: &str, fields: Vec<(&str, Value)>) -> Value {
+/// A msgspec tagged struct without `array_like`: its fields by name after `type`.
+pub(crate) fn tagged_map(tag: &str, fields: Vec<(&str, Value)>) -> Value {
     let mut entries = vec![(Value::from("type"), Value::from(tag))];
     entries.extend(fields.into_iter().map(|(k, v)| (Value::from(k), v)));
     Value::Map(entries)
 }
 
-/// One event as msgpack value.
+/// One event as msgpack value (for SGLang's, the array of the per-page events it becomes).
 pub fn encode_event(event: &CacheEvent, block_size: usize, format: Format) -> Value {
     match (event, format) {
         (
@@ -137,19 +141,27 @@ pub fn encode_event(event: &CacheEvent, block_size: usize, format: Format) -> Va
         (CacheEvent::AllCleared, Format::Array) => {
             Value::Array(vec![Value::from("AllBlocksCleared")])
         }
+        (event, Format::Sglang) => {
+            let mut events = Vec::new();
+            sglang_events::encode(event, block_size, &mut events);
+            Value::Array(events)
+        }
     }
 }
 
-/// A whole `KVEventBatch` payload: `[ts, [events], data_parallel_rank]`.
+/// A whole `KVEventBatch` payload: `[ts, [events], data_parallel_rank]` (SGLang's third
+/// element is its `attn_dp_rank`).
 pub fn encode_batch(ts: f64, events: &[CacheEvent], block_size: usize, format: Format) -> Vec<u8> {
+    let mut encoded = Vec::with_capacity(events.len());
+    for e in events {
+        match format {
+            Format::Sglang => sglang_events::encode(e, block_size, &mut encoded),
+            _ => encoded.push(encode_event(e, block_size, format)),
+        }
+    }
     let batch = Value::Array(vec![
         Value::F64(ts),
-        Value::Array(
-            events
-                .iter()
-                .map(|e| encode_event(e, block_size, format))
-                .collect(),
-        ),
+        Value::Array(encoded),
         Value::from(0u64),
     ]);
     let mut out = Vec::new();

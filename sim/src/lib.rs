@@ -1,4 +1,5 @@
-//! kvroute-sim: a simulated fleet of vLLM replicas (OpenAI API, prefix cache, time model, KV events).
+//! kvroute-sim: a simulated fleet of vLLM (or SGLang) replicas (OpenAI API, prefix cache, time
+//! model, KV events).
 //!
 //! The binary (`src/main.rs`) only parses flags and starts a [`fleet::Fleet`]; everything
 //! else lives here so integration tests can start replicas in-process.
@@ -18,6 +19,8 @@ pub mod kv_events;
 pub mod metrics;
 pub mod prefix_cache;
 pub mod request;
+pub mod sglang_events;
+pub mod sglang_metrics;
 pub mod spec;
 pub mod sse;
 pub mod time_model;

@@ -1,4 +1,5 @@
-//! `/metrics` in Prometheus text format, with vLLM's metric names and labels.
+//! `/metrics` in Prometheus text format, with vLLM's metric names and labels (an SGLang
+//! replica's: [`crate::sglang_metrics`]).
 //!
 //! Times are reported in *simulated* seconds (real time divided by `time_scale`), so a
 //! scraper sees the same numbers a real fleet would produce.
@@ -13,6 +14,12 @@ const TTFT_BUCKETS: &[f64] = &[
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
 
+/// SGLang's default bucket bounds for `sglang:time_to_first_token_seconds`.
+const SGLANG_TTFT_BUCKETS: &[f64] = &[
+    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0,
+    400.0,
+];
+
 #[derive(Debug, Clone)]
 pub struct Histogram {
     bounds: &'static [f64],
@@ -23,9 +30,17 @@ pub struct Histogram {
 
 impl Histogram {
     pub fn ttft() -> Self {
+        Histogram::with_bounds(TTFT_BUCKETS)
+    }
+
+    pub fn sglang_ttft() -> Self {
+        Histogram::with_bounds(SGLANG_TTFT_BUCKETS)
+    }
+
+    fn with_bounds(bounds: &'static [f64]) -> Self {
         Histogram {
-            bounds: TTFT_BUCKETS,
-            counts: vec![0; TTFT_BUCKETS.len() + 1],
+            bounds,
+            counts: vec![0; bounds.len() + 1],
             sum: 0.0,
         }
     }
@@ -44,7 +59,7 @@ impl Histogram {
         self.counts.iter().sum()
     }
 
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
+    pub(crate) fn render(&self, out: &mut String, name: &str, labels: &str) {
         let mut cumulative = 0;
         for (bound, count) in self.bounds.iter().zip(&self.counts) {
             cumulative += count;
@@ -135,16 +150,21 @@ pub fn render(spec: &FleetSpec, snap: &Snapshot) -> String {
         "vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"{}\",prefix_caching_hash_algo=\"xxh3_64\"}} 1.0",
         spec.block_size, snap.num_gpu_blocks
     );
-    let name = "vllm:time_to_first_token_seconds";
+    render_ttft(&mut out, "vllm", &snap.ttft_seconds, &labels);
+    out
+}
+
+/// The `<engine>:time_to_first_token_seconds` histogram family, with its help and type.
+pub(crate) fn render_ttft(out: &mut String, engine: &str, ttft: &Histogram, labels: &str) {
+    let name = format!("{engine}:time_to_first_token_seconds");
     let _ = writeln!(
         out,
         "# HELP {name} Histogram of time to first token in seconds.\n# TYPE {name} histogram"
     );
-    snap.ttft_seconds.render(&mut out, name, &labels);
-    out
+    ttft.render(out, &name, labels);
 }
 
-fn escape(label: &str) -> String {
+pub(crate) fn escape(label: &str) -> String {
     label
         .replace('\\', "\\\\")
         .replace('"', "\\\"")

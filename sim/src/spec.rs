@@ -49,6 +49,77 @@ pub struct FleetSpec {
     /// filter keys prompts with): a Jinja file, or a `tokenizer_config.json` holding
     /// `chat_template`; none: the built-in ChatML renderer ([`crate::chat_template`]).
     pub chat_template: Option<String>,
+    /// Which engine the replicas play: `"vllm"` or `"sglang"` for all, or a list with one kind
+    /// per replica (a mixed fleet).
+    pub engine_kind: EngineKinds,
+    /// SGLang replicas' page size (`--page-size`): their cache's granularity and the tokens of
+    /// each KV event; none: `block_size`.
+    pub page_size: Option<usize>,
+}
+
+/// The engine a replica plays: its KV events' dialect and its metric names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    #[default]
+    Vllm,
+    Sglang,
+}
+
+impl EngineKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineKind::Vllm => "vllm",
+            EngineKind::Sglang => "sglang",
+        }
+    }
+
+    fn parse(name: &str) -> Result<EngineKind, String> {
+        match name {
+            "vllm" => Ok(EngineKind::Vllm),
+            "sglang" => Ok(EngineKind::Sglang),
+            other => Err(format!(
+                "engine_kind: {other:?} is neither \"vllm\" nor \"sglang\""
+            )),
+        }
+    }
+}
+
+/// `engine_kind`: one kind for every replica, or one per replica.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum EngineKinds {
+    All(EngineKind),
+    Each(Vec<EngineKind>),
+}
+
+impl Default for EngineKinds {
+    fn default() -> Self {
+        EngineKinds::All(EngineKind::Vllm)
+    }
+}
+
+impl<'de> Deserialize<'de> for EngineKinds {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(
+            untagged,
+            expecting = "engine_kind: \"vllm\", \"sglang\" or a list of them"
+        )]
+        enum Raw {
+            One(String),
+            Each(Vec<String>),
+        }
+        let kinds = match Raw::deserialize(d)? {
+            Raw::One(name) => EngineKind::parse(&name).map(EngineKinds::All),
+            Raw::Each(names) => names
+                .iter()
+                .map(|n| EngineKind::parse(n))
+                .collect::<Result<_, _>>()
+                .map(EngineKinds::Each),
+        };
+        kinds.map_err(serde::de::Error::custom)
+    }
 }
 
 impl Default for FleetSpec {
@@ -74,6 +145,8 @@ impl Default for FleetSpec {
             kv_events_buffer_steps: 10_000,
             tokenizer: None,
             chat_template: None,
+            engine_kind: EngineKinds::default(),
+            page_size: None,
         }
     }
 }
@@ -116,7 +189,43 @@ impl FleetSpec {
         if self.kv_events_format != "map" && self.kv_events_format != "array" {
             return Err("kv_events_format must be \"map\" or \"array\"".into());
         }
+        if let EngineKinds::Each(kinds) = &self.engine_kind {
+            if kinds.len() != self.replicas {
+                return Err(format!(
+                    "engine_kind lists {} kinds for {} replicas",
+                    kinds.len(),
+                    self.replicas
+                ));
+            }
+        }
+        match self.page_size {
+            Some(0) => return Err("page_size must be at least 1".into()),
+            Some(p) if self.kv_capacity_tokens < p => {
+                return Err("kv_capacity_tokens must hold at least one page".into())
+            }
+            _ => {}
+        }
         Ok(())
+    }
+
+    /// The engine replica `id` plays.
+    pub fn kind(&self, id: usize) -> EngineKind {
+        match &self.engine_kind {
+            EngineKinds::All(kind) => *kind,
+            EngineKinds::Each(kinds) => kinds.get(id).copied().unwrap_or_default(),
+        }
+    }
+
+    /// Replica `id`'s own spec: its kind alone, and an SGLang replica's page size as its
+    /// block size.
+    pub fn replica(&self, id: usize) -> FleetSpec {
+        let kind = self.kind(id);
+        let mut spec = self.clone();
+        spec.engine_kind = EngineKinds::All(kind);
+        if kind == EngineKind::Sglang {
+            spec.block_size = self.page_size.unwrap_or(self.block_size);
+        }
+        spec
     }
 }
 
@@ -140,5 +249,36 @@ mod tests {
         assert!(FleetSpec::from_json(r#"{"replica":2}"#).is_err());
         assert!(FleetSpec::from_json(r#"{"time_scale":0}"#).is_err());
         assert!(FleetSpec::from_json(r#"{"kv_events_format":"json"}"#).is_err());
+    }
+
+    #[test]
+    fn engine_kinds_are_one_for_all_or_one_per_replica() {
+        let s = FleetSpec::from_json(r#"{"engine_kind":"sglang","page_size":4}"#).unwrap();
+        assert_eq!(s.kind(3), EngineKind::Sglang);
+        assert_eq!(s.replica(3).block_size, 4);
+        let mixed = r#"{"replicas":4,"engine_kind":["vllm","vllm","sglang","sglang"]}"#;
+        let s = FleetSpec::from_json(mixed).unwrap();
+        let kinds: Vec<EngineKind> = (0..4).map(|i| s.kind(i)).collect();
+        use EngineKind::{Sglang, Vllm};
+        assert_eq!(kinds, [Vllm, Vllm, Sglang, Sglang]);
+        assert_eq!(s.replica(2).engine_kind, EngineKinds::All(Sglang));
+        assert_eq!(
+            s.replica(2).block_size,
+            16,
+            "the page size defaults to block_size"
+        );
+        assert_eq!(FleetSpec::default().kind(0), Vllm);
+        for (bad, says) in [
+            (r#"{"engine_kind":"trtllm"}"#, "trtllm"),
+            (r#"{"engine_kind":["vllm"]}"#, "1 kinds for 4 replicas"),
+            (r#"{"engine_kind":3}"#, "engine_kind"),
+            (r#"{"page_size":0}"#, "page_size"),
+        ] {
+            let e = FleetSpec::from_json(bad).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        // A spec written back reads the same.
+        let json = serde_json::to_string(&s).unwrap();
+        assert_eq!(FleetSpec::from_json(&json).unwrap(), s);
     }
 }

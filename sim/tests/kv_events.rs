@@ -5,10 +5,9 @@
 
 mod common;
 
-use common::{fast_fleet, post};
+use common::{fast_fleet, post, replay_all, tokens_of};
 use kvroute_sim::fleet::ReplicaHandle;
-use kvroute_sim::kv_events::END_SEQ;
-use kvroute_sim::zmtp::{DealerSocket, SubSocket};
+use kvroute_sim::zmtp::SubSocket;
 use rmpv::Value;
 use serde_json::json;
 use std::path::PathBuf;
@@ -38,18 +37,7 @@ async fn request_publishes_block_stored_with_the_prompt_tokens() {
 
     let base = fleet.replicas[0].url();
     let prompt = "alpha beta gamma delta ".repeat(10);
-    let tokens = post(
-        &format!("{base}/tokenize"),
-        &json!({"prompt": prompt}).to_string(),
-    )
-    .await
-    .json();
-    let tokens: Vec<u64> = tokens["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect();
+    let tokens = tokens_of(&base, &prompt).await;
     post(
         &format!("{base}/v1/completions"),
         &json!({"prompt": prompt, "max_tokens": 1}).to_string(),
@@ -102,18 +90,8 @@ async fn a_message_dropped_from_the_stream_is_resent_by_the_replay_socket() {
     let second = first_event(&frames[2]);
 
     let replay = replica.kv_events_replay_addr.expect("a replay socket");
-    let mut dealer = DealerSocket::connect(replay).await.unwrap();
-    dealer.send(&[b"", &0u64.to_be_bytes()]).await.unwrap();
     let mut replayed = Vec::new();
-    loop {
-        let frames = tokio::time::timeout(Duration::from_secs(10), dealer.recv())
-            .await
-            .expect("a replay message")
-            .unwrap();
-        if frames[2] == END_SEQ {
-            assert_eq!(frames, [b"".to_vec(), vec![], END_SEQ.to_vec(), vec![]]);
-            break;
-        }
+    for frames in replay_all(replay).await {
         assert_eq!((&frames[0], &frames[1]), (&vec![], &b"kv-events".to_vec()));
         replayed.push((frames[2].clone(), first_event(&frames[3])));
     }

@@ -1,11 +1,12 @@
 //! Precise mode's fixtures: a simulated fleet tokenizing with the repository's byte-level BPE and
-//! publishing vLLM's KV events (with vLLM's replay socket), kvroute-indexers subscribed to it (in
-//! the test's process, or the built binary as a process of its own) with their default
+//! publishing vLLM's (or SGLang's) KV events with a replay socket, kvroute-indexers subscribed to
+//! it (in the test's process, or the built binary as a process of its own) with their default
 //! `--stale-after`, and waits on what an indexer reports.
 
 use kvroute_indexer::config::{Config as IndexerConfig, EngineSpec};
+use kvroute_indexer::dialect::Dialect;
 use kvroute_sim::fleet::Fleet;
-use kvroute_sim::spec::FleetSpec;
+use kvroute_sim::spec::{EngineKind, FleetSpec};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -39,30 +40,45 @@ pub struct BpeFleet {
 impl BpeFleet {
     /// `replicas` replicas serving [`MODEL`]; `name` tells the tokenizer file apart.
     pub async fn start(replicas: usize, name: &str) -> BpeFleet {
+        BpeFleet::start_with(replicas, name, |_| {}).await
+    }
+
+    /// [`BpeFleet::start`] with `change` made to the spec (e.g. which engine each replica plays).
+    pub async fn start_with(
+        replicas: usize,
+        name: &str,
+        change: impl FnOnce(&mut FleetSpec),
+    ) -> BpeFleet {
         let tokenizer = std::env::temp_dir().join(format!(
             "kvroute-{name}-{}-tokenizer.json",
             std::process::id()
         ));
         kvroute_sim::bpe::write(&tokenizer).expect("tokenizer written");
-        let spec = FleetSpec {
+        let mut spec = FleetSpec {
             replicas,
             model: MODEL.into(),
             time_scale: 0.05,
             tokenizer: Some(tokenizer.to_string_lossy().into_owned()),
             ..FleetSpec::default()
         };
+        change(&mut spec);
         let sim = Fleet::start(spec, 0, 0).await.expect("sim fleet starts");
         BpeFleet { sim, tokenizer }
     }
 
     /// An indexer's configuration following every replica's KV events and replay socket (an
-    /// idle replica is probed there and stays fresh), listening on a free port of 127.0.0.1.
+    /// idle replica is probed there and stays fresh) in its engine's dialect, listening on a free
+    /// port of 127.0.0.1.
     pub fn indexer_config(&self) -> IndexerConfig {
         let engines = self.sim.replicas.iter().map(|r| EngineSpec {
             endpoint: r.addr.to_string(),
             events: r.kv_events_endpoint(),
             replay: r.kv_events_replay_endpoint(),
-            model: None,
+            kind: Some(match r.kind() {
+                EngineKind::Vllm => Dialect::Vllm,
+                EngineKind::Sglang => Dialect::Sglang,
+            }),
+            ..EngineSpec::default()
         });
         following(self.tokenizer.clone(), MODEL, engines.collect(), 1 << 16)
     }
@@ -107,6 +123,23 @@ impl Drop for BpeFleet {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.tokenizer);
     }
+}
+
+/// Sends `body` to `replica` straight (not through kvroute), waits until the indexer at
+/// `index_url` holds its prompt and `envoy` has polled since, then asks where kvroute places
+/// `body`: (decision, endpoint).
+pub async fn cached_then_decided(
+    envoy: &kvroute_harness::Envoy,
+    index_url: &str,
+    replica: &kvroute_sim::fleet::ReplicaHandle,
+    body: &Value,
+) -> (String, String) {
+    post(&format!("{}/v1/chat/completions", replica.url()), body).await;
+    let cached = replica.addr.to_string();
+    let indexed = || async { keys_held(index_url, &cached).await >= 2 };
+    eventually("the indexer holds the prompt", indexed).await;
+    super::index_applied(envoy, 3).await;
+    super::decided(envoy, body).await
 }
 
 /// Polls `check` every 100 ms for up to 60 s; panics with `what` when it never holds.
@@ -183,7 +216,14 @@ impl IndexerProcess {
         ];
         for e in &config.engines {
             let replay = e.replay.as_ref().map(|r| format!(",replay={r}"));
-            let events = format!("{}={}{}", e.endpoint, e.events, replay.unwrap_or_default());
+            let kind = e.kind.map(|k| format!(",kind={k}"));
+            let events = format!(
+                "{}={}{}{}",
+                e.endpoint,
+                e.events,
+                replay.unwrap_or_default(),
+                kind.unwrap_or_default()
+            );
             args.push(format!("--engine={events}"));
         }
         IndexerProcess::with_args(&args).await

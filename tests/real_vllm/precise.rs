@@ -130,7 +130,7 @@ async fn start_indexer(fleet: &VllmFleet) -> kvroute_indexer::Running {
         endpoint: endpoint(&e.url),
         events: e.kv_events.clone(),
         replay: Some(e.replay.clone()),
-        model: None,
+        ..EngineSpec::default()
     });
     let tokenizer = vllm_model().join("tokenizer.json");
     let mut config =

@@ -48,7 +48,7 @@ impl Fleet {
     /// A fresh fleet of `spec`, its addresses drawn from `seed`.
     pub fn new(spec: Arc<FleetSpec>, vocab: Vocab, seed: u64) -> Fleet {
         let cores = (0..spec.replicas)
-            .map(|i| EngineCore::new(i, spec.clone()))
+            .map(|i| EngineCore::new(i, Arc::new(spec.replica(i))))
             .collect();
         Fleet {
             addrs: addresses(spec.replicas, seed),

@@ -2,7 +2,7 @@
 //! replicas' KV events and asked for its change feed in virtual time.
 //!
 //! Each replica publishes as the simulator's publisher does (`kv_events::encode_batch`, numbered
-//! from 0, the fleet's default format), and the index takes each message as kvroute-indexer's
+//! from 0, the fleet's default format, or SGLang's for a replica that plays SGLang), and the index takes each message as kvroute-indexer's
 //! subscriber does: decoded by its wire module and applied by `Index::receive`. The fleet's
 //! replicas have a replay socket (the fleet default), so:
 //! - a message the stream lost (`Published::dropped`) is still numbered and kept, as the
@@ -20,13 +20,14 @@
 
 use kvroute_indexer::api;
 use kvroute_indexer::config::Config;
+use kvroute_indexer::dialect::Dialect;
 use kvroute_indexer::index::{Index, Received, Staleness};
 use kvroute_indexer::state::Serving;
 use kvroute_indexer::subscriber::shows_restart;
 use kvroute_indexer::token_bytes::TokenBytes;
 use kvroute_indexer::wire::{self, Batch};
 use kvroute_sim::kv_events::{self, Format, Options, Published};
-use kvroute_sim::spec::FleetSpec;
+use kvroute_sim::spec::{EngineKind, FleetSpec};
 use std::collections::VecDeque;
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -38,6 +39,8 @@ pub const EPOCH: u64 = 1;
 /// One replica's publisher and the subscriber's view of it.
 #[derive(Debug, Default)]
 struct Replica {
+    /// Whether it plays SGLang: it publishes SGLang's events, read in SGLang's dialect.
+    sglang: bool,
     next_seq: u64,
     /// The last messages published, oldest first, as its replay socket keeps them.
     kept: VecDeque<Batch>,
@@ -63,8 +66,15 @@ impl LabIndex {
     /// `endpoints[r]`) that serve `model` with blocks of `block_size` tokens: keyed as
     /// kvroute-indexer's defaults key (chunk size, feed capacity, staleness), decoding token ids
     /// with the simulator's byte-level BPE (the tokenizer the fleet uses in precise mode), the
-    /// replicas publishing as the fleet's defaults have them.
-    pub fn new(endpoints: &[String], model: &str, block_size: usize) -> Result<LabIndex, String> {
+    /// replicas publishing as the fleet's defaults have them, replica `r` playing `kinds[r]`
+    /// (vLLM past the list's end): an SGLang replica publishes SGLang's events and is read in
+    /// SGLang's dialect.
+    pub fn new(
+        endpoints: &[String],
+        model: &str,
+        block_size: usize,
+        kinds: &[EngineKind],
+    ) -> Result<LabIndex, String> {
         // The indexer's defaults, as its command line gives them (the file is not read).
         let config = <Config as clap::Parser>::try_parse_from([
             "kvroute-indexer",
@@ -83,12 +93,18 @@ impl LabIndex {
             buffer_steps: fleet.kv_events_buffer_steps,
         };
         let mut index = Index::new(config.chunk_size, config.feed_capacity);
-        for endpoint in endpoints {
+        let sglang = |r: usize| kinds.get(r) == Some(&EngineKind::Sglang);
+        for (r, endpoint) in endpoints.iter().enumerate() {
             let events = format!("lab://{endpoint}/events");
             let replay = fleet
                 .kv_events_replay
                 .then(|| format!("lab://{endpoint}/replay"));
-            let s = index.add_stream(endpoint, model, &events, replay.as_deref());
+            let dialect = if sglang(r) {
+                Dialect::Sglang
+            } else {
+                Dialect::Vllm
+            };
+            let s = index.add_stream_as(endpoint, model, &events, replay.as_deref(), dialect);
             let health = &mut index.streams[s].health;
             health.connected = true;
             health.last_heard = Some(Duration::ZERO);
@@ -99,7 +115,12 @@ impl LabIndex {
             staleness: config.staleness()?,
             publishing,
             replay: fleet.kv_events_replay,
-            replicas: endpoints.iter().map(|_| Replica::default()).collect(),
+            replicas: (0..endpoints.len())
+                .map(|r| Replica {
+                    sglang: sglang(r),
+                    ..Replica::default()
+                })
+                .collect(),
         })
     }
 
@@ -117,9 +138,14 @@ impl LabIndex {
         let seq = replica.next_seq;
         replica.next_seq += 1;
         let o = &self.publishing;
+        let (format, dialect) = match replica.sglang {
+            true => (Format::Sglang, Dialect::Sglang),
+            false => (o.format, Dialect::Vllm),
+        };
         let payload =
-            kv_events::encode_batch(now.as_secs_f64(), &batch.events, o.block_size, o.format);
-        let message = match wire::decode_message(&kv_events::frames(&o.topic, seq, payload)) {
+            kv_events::encode_batch(now.as_secs_f64(), &batch.events, o.block_size, format);
+        let frames = kv_events::frames(&o.topic, seq, payload);
+        let message = match wire::decode_message_as(&frames, dialect) {
             Ok(message) => message,
             Err(_) => {
                 stream.health.undecodable += 1;
@@ -230,7 +256,7 @@ mod tests {
     }
 
     fn lab() -> LabIndex {
-        LabIndex::new(&endpoints(), MODEL, BLOCK).unwrap()
+        LabIndex::new(&endpoints(), MODEL, BLOCK, &[]).unwrap()
     }
 
     fn secs(s: u64) -> Duration {
@@ -330,6 +356,24 @@ mod tests {
 
     fn stale(answer: &Value) -> Vec<String> {
         serde_json::from_value(answer["stale"].clone()).unwrap()
+    }
+
+    #[test]
+    fn an_sglang_replicas_prompt_is_held_under_the_same_keys() {
+        let mut lab = LabIndex::new(
+            &endpoints(),
+            MODEL,
+            BLOCK,
+            &[EngineKind::Vllm, EngineKind::Sglang],
+        )
+        .unwrap();
+        let mut cache = PrefixCache::new(BLOCK, 1 << 20);
+        lab.publish(secs(1), 1, &served(&mut cache, &tokens(&chat("a"))));
+        let answer = get(&mut lab, secs(2), SNAPSHOT);
+        assert_eq!(held(&answer, "127.0.0.1:8002"), filter_keys(&chat("a")));
+        let stream = &lab.index.streams[1];
+        assert_eq!(stream.stream.dialect(), Dialect::Sglang);
+        assert!(stream.stream.counts.events > 1, "one event per page");
     }
 
     #[test]

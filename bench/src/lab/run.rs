@@ -127,7 +127,9 @@ impl<'a> Run<'a> {
                 let config = opts.plugin_config(inner)?;
                 if inner.is_precise() {
                     let model = &opts.spec.model;
-                    index = Some(LabIndex::new(&fleet.addrs, model, opts.spec.block_size)?);
+                    let kinds: Vec<_> = (0..replicas).map(|r| opts.spec.kind(r)).collect();
+                    let block = opts.spec.block_size;
+                    index = Some(LabIndex::new(&fleet.addrs, model, block, &kinds)?);
                 }
                 let gateways = (0..instances)
                     .map(|_| LabGateway::new(&config, opts.workers, replicas))

@@ -1,5 +1,6 @@
-//! Helpers for the socket tests: the simulator's tokenizer on disk, an indexer in-process,
-//! HTTP/1.1 calls, a change-feed client, and polling with a generous deadline.
+//! Helpers for the tests: the simulator's tokenizer on disk, an indexer in-process, HTTP/1.1
+//! calls, a change-feed client, polling with a generous deadline, msgpack maps, and the keys
+//! kvroute computes over bytes.
 
 #![allow(dead_code)]
 
@@ -7,6 +8,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request};
 use hyper_util::rt::TokioIo;
+use kvroute::prefix::{PrefixKeys, Shape};
 use kvroute_indexer::config::{Config, EngineSpec};
 use kvroute_indexer::Running;
 use serde_json::Value;
@@ -70,14 +72,16 @@ pub fn config(
                 endpoint: endpoint.clone(),
                 events: events.clone(),
                 replay: replay.clone(),
-                model: None,
+                ..EngineSpec::default()
             })
             .collect(),
+        engine_kind: Default::default(),
         topic: String::new(),
         envoy_admin: None,
         cluster: None,
         kv_events_port: None,
         replay_port: None,
+        dp_size: 1,
         stale_after,
         gap_hold: 3600.0,
         feed_capacity: 1 << 16,
@@ -200,4 +204,31 @@ fn strings(v: &Value) -> Vec<String> {
         .iter()
         .map(|s| s.as_str().unwrap().to_owned())
         .collect()
+}
+
+/// A msgpack map of `entries` (a msgspec struct without `array_like`).
+pub fn msgpack_map(entries: Vec<(&str, rmpv::Value)>) -> rmpv::Value {
+    rmpv::Value::Map(
+        entries
+            .into_iter()
+            .map(|(k, v)| (rmpv::Value::from(k), v))
+            .collect(),
+    )
+}
+
+/// kvroute's keys for every whole `chunk`-byte chunk of `bytes`, a prompt of `model` under the
+/// cache salt `salt`, as the filter computes them.
+pub fn whole_chunk_keys(
+    salt: Option<&str>,
+    model: &str,
+    bytes: &[u8],
+    chunk: usize,
+) -> BTreeSet<u64> {
+    let shape = Shape {
+        chunk_size: chunk,
+        max_chunks: usize::MAX,
+        group_bytes: 4096,
+    };
+    let keys = PrefixKeys::salted(salt, model, bytes, 0, false, shape).keys;
+    keys[..bytes.len() / chunk].iter().copied().collect()
 }

@@ -26,7 +26,7 @@
 use crate::kv_events::Published;
 use crate::metrics::Histogram;
 use crate::prefix_cache::{Lease, PrefixCache};
-use crate::spec::FleetSpec;
+use crate::spec::{EngineKind, FleetSpec};
 use crate::time_model;
 use serde::Serialize;
 use std::collections::VecDeque;
@@ -92,6 +92,15 @@ pub struct Snapshot {
     pub faults: Faults,
 }
 
+/// Prefill work waiting on a replica, in tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Backlog {
+    /// The queued (not admitted) requests' prompt tokens.
+    pub queued_prompt_tokens: u64,
+    /// The prompt tokens still to compute: SGLang's `num_waiting_uncached_tokens`.
+    pub uncached_tokens: u64,
+}
+
 /// A request's name in the core, chosen by the caller; unique among live requests.
 pub type RequestId = u64;
 
@@ -120,6 +129,9 @@ struct Running {
     lease: Lease,
     /// Prompt plus output so far; its full blocks are cached on release.
     sequence: Vec<u32>,
+    /// Its prompt tokens not found in cache: the prefill's work.
+    uncached: usize,
+    prefill_start: Duration,
     prefill_end: Duration,
     /// Output tokens out (0 while prefilling).
     out: usize,
@@ -157,6 +169,10 @@ pub struct EngineCore {
 impl EngineCore {
     /// An idle replica with an empty cache; `id` seeds its failure draws.
     pub fn new(id: usize, spec: Arc<FleetSpec>) -> EngineCore {
+        let ttft = match spec.kind(id) {
+            EngineKind::Vllm => Histogram::ttft(),
+            EngineKind::Sglang => Histogram::sglang_ttft(),
+        };
         EngineCore {
             cache: PrefixCache::new(spec.block_size, spec.kv_capacity_tokens),
             spec,
@@ -173,7 +189,7 @@ impl EngineCore {
             prompt_tokens_total: 0,
             generation_tokens_total: 0,
             success_total: 0,
-            ttft_seconds: Histogram::ttft(),
+            ttft_seconds: ttft,
             faults: Faults::default(),
             rng: 0x9E37_79B9_7F4A_7C15 ^ (id as u64 + 1),
         }
@@ -280,6 +296,36 @@ impl EngineCore {
         self.cache.cached_tokens(prompt, salt)
     }
 
+    /// The prefill work waiting: the queued requests' prompt tokens, and the tokens SGLang's
+    /// `num_waiting_uncached_tokens` counts: each queued request's prompt less what the cache
+    /// holds of it now, plus what is left of the admitted prefills not done yet (the serial
+    /// prefill lane's backlog; SGLang's chunked request's remainder).
+    pub fn backlog(&self) -> Backlog {
+        let prompts: usize = self.queue.iter().map(|q| q.prompt.len()).sum();
+        let queued: usize = self
+            .queue
+            .iter()
+            .map(|q| q.prompt.len() - self.cache.cached_tokens(&q.prompt, q.salt.as_deref()))
+            .sum();
+        let booked: f64 = self
+            .running
+            .iter()
+            .filter(|r| r.out == 0 && r.prefill_end > self.now)
+            .map(|r| {
+                let total = r.prefill_end.saturating_sub(r.prefill_start).as_secs_f64();
+                let left = r.prefill_end.saturating_sub(self.now.max(r.prefill_start));
+                match total > 0.0 {
+                    true => r.uncached as f64 * left.as_secs_f64() / total,
+                    false => 0.0,
+                }
+            })
+            .sum();
+        Backlog {
+            queued_prompt_tokens: prompts as u64,
+            uncached_tokens: queued as u64 + booked.round() as u64,
+        }
+    }
+
     pub fn faults(&self) -> Faults {
         self.faults
     }
@@ -351,13 +397,16 @@ impl EngineCore {
             self.prompt_tokens_total += len as u64;
             let ms = time_model::prefill_ms(&self.spec, len - hit, hit);
             let duration = time_model::real(&self.spec, ms, self.faults.slow_factor);
-            self.prefill_busy_until = self.prefill_busy_until.max(self.now) + duration;
+            let prefill_start = self.prefill_busy_until.max(self.now);
+            self.prefill_busy_until = prefill_start + duration;
             self.running.push(Running {
                 id: q.id,
                 arrival: q.arrival,
                 output: q.output,
                 lease,
                 sequence: q.prompt,
+                uncached: len - hit,
+                prefill_start,
                 prefill_end: self.prefill_busy_until,
                 out: 0,
                 in_step: false,

@@ -13,7 +13,7 @@
 
 pub mod core;
 
-pub use self::core::{Emit, EngineCore, Faults, GenError, Happened, RequestId, Snapshot};
+pub use self::core::{Backlog, Emit, EngineCore, Faults, GenError, Happened, RequestId, Snapshot};
 
 use crate::bpe::Vocab;
 use crate::kv_events::Published;
@@ -266,6 +266,11 @@ impl Replica {
 
     pub fn snapshot(&self) -> Snapshot {
         self.shared.current().core.snapshot()
+    }
+
+    /// Its prefill work waiting (SGLang's `num_waiting_uncached_tokens`).
+    pub fn backlog(&self) -> Backlog {
+        self.shared.current().core.backlog()
     }
 }
 

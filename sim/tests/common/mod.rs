@@ -50,7 +50,7 @@ pub async fn call(method: Method, url: &str, body: Option<&str>) -> std::io::Res
     tokio::spawn(conn);
     let request = Request::builder()
         .method(method)
-        .uri(uri.path())
+        .uri(uri.path_and_query().map_or("/", |p| p.as_str()))
         .header("host", authority)
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.unwrap_or("").to_string())))
@@ -82,4 +82,36 @@ pub async fn post(url: &str, body: &str) -> Reply {
     call(Method::POST, url, Some(body))
         .await
         .expect("POST succeeds")
+}
+
+/// The token ids a replica at `base` gives `prompt` (its `/tokenize`).
+pub async fn tokens_of(base: &str, prompt: &str) -> Vec<u64> {
+    let body = serde_json::json!({ "prompt": prompt }).to_string();
+    let tokens = post(&format!("{base}/tokenize"), &body).await.json();
+    tokens["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .map(|t| t.as_u64().expect("a token id"))
+        .collect()
+}
+
+/// Every message the replay socket at `addr` answers a request from message 0 with, as the
+/// DEALER receives them (`["", topic, seq, payload]`), checked to end with the end marker.
+pub async fn replay_all(addr: std::net::SocketAddr) -> Vec<Vec<Vec<u8>>> {
+    use kvroute_sim::kv_events::END_SEQ;
+    let mut dealer = kvroute_sim::zmtp::DealerSocket::connect(addr)
+        .await
+        .unwrap();
+    dealer.send(&[b"", &0u64.to_be_bytes()]).await.unwrap();
+    let mut messages = Vec::new();
+    loop {
+        let next = tokio::time::timeout(std::time::Duration::from_secs(10), dealer.recv()).await;
+        let frames = next.expect("a replay message").unwrap();
+        if frames[2] == END_SEQ {
+            assert_eq!(frames, [b"".to_vec(), vec![], END_SEQ.to_vec(), vec![]]);
+            return messages;
+        }
+        messages.push(frames);
+    }
 }

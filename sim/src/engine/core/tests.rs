@@ -315,3 +315,34 @@ fn ties_run_prefill_ends_then_the_step_end_then_admissions_then_the_next_step() 
         .collect();
     assert_eq!(drain(&mut core), expected);
 }
+
+#[test]
+fn the_backlog_counts_queued_prompts_less_their_cached_prefix_and_the_prefills_left() {
+    let mut core = core_with(|s| s.max_num_seqs = 1);
+    let (a, b): (Vec<u32>, Vec<u32>) = ((0..1000).collect(), (5000..6000).collect());
+    core.submit(ms(0), 0, a.clone(), None, vec![1]).unwrap();
+    core.submit(ms(0), 1, b, None, vec![1]).unwrap();
+    // a's blocks are cached once it is admitted: its second copy waits for 8 tokens only
+    // (the last, partial block of 1000 = 62 x 16 + 8).
+    core.submit(ms(0), 2, a, None, vec![1]).unwrap();
+    let before = core.backlog();
+    assert_eq!(before.queued_prompt_tokens, 2000);
+    assert_eq!(before.uncached_tokens, 1000 + 1000 + 8);
+    // Halfway through a's prefill (50 + 1000 x 0.7 ms), half of its work is left.
+    let mut out = Vec::new();
+    core.advance(real(375.0), &mut out);
+    assert_eq!(core.backlog().uncached_tokens, 500 + 1008);
+    drain(&mut core);
+    assert_eq!(core.backlog(), Backlog::default());
+}
+
+#[test]
+fn an_sglang_replica_keeps_sglangs_ttft_buckets() {
+    let core = core_with(|s| s.engine_kind = crate::spec::EngineKinds::All(EngineKind::Sglang));
+    let mut page = String::new();
+    core.snapshot()
+        .ttft_seconds
+        .render(&mut page, "t", "a=\"b\"");
+    assert!(page.contains("le=\"400.0\""), "{page}");
+    assert!(!page.contains("le=\"0.001\""), "{page}");
+}
