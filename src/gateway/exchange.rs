@@ -41,15 +41,13 @@ pub struct Exchange {
     pub(super) complete: bool,
     /// The end-of-stream work ran (Envoy may report the end twice).
     pub(super) ended: bool,
-    /// The request's prefill, counted queued at its endpoint until its first response byte.
+    /// The request's prefill, counted queued at its endpoint (the one `counted` names) until its
+    /// first response byte.
     pub(super) prefill: Option<Prefilling>,
 }
 
-/// A routed request not yet at its first byte: where its prefill is counted, and what was
-/// expected of it.
+/// A routed request's prefill: what was expected of it, and when its first byte came.
 pub(super) struct Prefilling {
-    pub id: u32,
-    pub addr: String,
     pub expected: Expected,
     pub routed_ms: u64,
     /// Its first byte comes with its first token (a stream): the wait teaches the prefill rate.
@@ -225,17 +223,13 @@ impl<H: HostApi> Gateway<H> {
                 self.inflight.add(id, 1);
                 self.inflight.add_prefill(id, expected.uncached as i64);
                 self.prefill.routed(expected.uncached);
-                let streams = routed.streams;
-                let value = self.routed(ex, routed);
-                ex.prefill = ex.counted.as_ref().map(|(id, addr)| Prefilling {
-                    id: *id,
-                    addr: addr.clone(),
+                ex.prefill = Some(Prefilling {
                     expected,
                     routed_ms: now,
-                    streams,
+                    streams: routed.streams,
                     first_byte_ms: None,
                 });
-                Some(value)
+                Some(self.routed(ex, routed))
             }
             Err(reason) => {
                 self.fallback(ex, reason);

@@ -126,28 +126,30 @@ impl<H: HostApi> Gateway<H> {
             return;
         };
         p.first_byte_ms = Some(self.host.now_ms());
-        self.inflight
-            .add_prefill(p.id, -(p.expected.uncached as i64));
+        if let Some((id, _)) = &ex.counted {
+            self.inflight
+                .add_prefill(*id, -(p.expected.uncached as i64));
+        }
     }
 
     /// The stream is over (`ok`: it succeeded): a prefill still queued leaves the queue; a
     /// streamed success's wait for its first byte teaches its endpoint's prefill rate, and is
     /// set against what was expected of it.
     fn prefill_done(&mut self, ex: &mut Exchange, ok: bool) {
-        let Some(p) = ex.prefill.take() else {
+        let (Some(p), Some((id, addr))) = (ex.prefill.take(), &ex.counted) else {
             return;
         };
         let Some(at) = p.first_byte_ms else {
             self.inflight
-                .add_prefill(p.id, -(p.expected.uncached as i64));
+                .add_prefill(*id, -(p.expected.uncached as i64));
             return;
         };
         if ok && p.streams {
             let waited = at.saturating_sub(p.routed_ms);
             let work = p.expected.ahead + p.expected.uncached;
-            self.prefill.first_byte(p.id, work, waited);
+            self.prefill.first_byte(*id, work, waited);
             self.metrics
-                .ttft_estimate(&self.host, &p.addr, p.expected.ttft_ms, waited);
+                .ttft_estimate(&self.host, addr, p.expected.ttft_ms, waited);
         }
     }
 
@@ -180,12 +182,10 @@ impl<H: HostApi> Gateway<H> {
         let served_id = endpoint_id(served);
         self.inflight.add(served_id, 1);
         self.inflight.add(*id, -1);
-        if let Some(p) = ex.prefill.as_mut() {
+        if let Some(p) = ex.prefill.as_ref().filter(|p| p.first_byte_ms.is_none()) {
             let bytes = p.expected.uncached as i64;
             self.inflight.add_prefill(*id, -bytes);
             self.inflight.add_prefill(served_id, bytes);
-            p.id = served_id;
-            p.addr = served.clone();
         }
         self.metrics.count(&self.host, "kvroute.served_elsewhere");
         ex.counted = Some((served_id, served.clone()));
