@@ -148,6 +148,13 @@ impl Local {
         plus(self.table.inflight(id), delta)
     }
 
+    /// Endpoint `id`'s queued prefill bytes: the shared one as last read with this worker's
+    /// changes since.
+    pub fn prefill(&self, id: u32) -> u32 {
+        let delta = self.delta(id).map_or(0, |d| d.prefill);
+        plus(self.table.prefill(id), delta)
+    }
+
     /// Every endpoint's counts as [`Local::inflight`] gives them.
     pub fn view(&self) -> Table {
         let mut counts = self.table.counts.clone();

@@ -21,7 +21,18 @@ pub struct Metrics {
     pub completed: Option<f64>,
     /// Its KV cache: size, use and the tokens written into it, where it says.
     pub kv: KvMetrics,
+    /// The page is SGLang's: the engine also serves [`LOADS_PATH`].
+    pub serves_loads: bool,
+    /// Prompt tokens queued and not yet prefilled, minus what its cache holds of them, where the
+    /// engine says (SGLang's `num_waiting_uncached_tokens`, from [`LOADS_PATH`]).
+    pub waiting_uncached_tokens: Option<u64>,
 }
+
+/// SGLang's load snapshot in Prometheus text, its core fields only: the one page that gives the
+/// prefill work queued at the engine (`sglang_num_waiting_uncached_tokens{dp_rank="0"}`, a sample
+/// per data-parallel rank). Its `/metrics` does not.
+pub const LOADS_PATH: &str = "/v1/loads?include=core&format=prometheus";
+const WAITING_UNCACHED: &str = "sglang_num_waiting_uncached_tokens";
 
 /// vLLM's and SGLang's metric families for each number kvroute reads.
 const RUNNING: [&str; 2] = ["vllm:num_requests_running", "sglang:num_running_reqs"];
@@ -47,18 +58,11 @@ pub fn parse(text: &[u8]) -> Option<Metrics> {
     let text = String::from_utf8_lossy(text);
     let (mut running, mut waiting, mut completed) = (None, None, None);
     let mut kv = KvMetrics::default();
-    for line in text.lines() {
-        let Some(name_end) = line.find(['{', ' ']) else {
-            continue;
-        };
-        let name = &line[..name_end];
+    let mut serves_loads = false;
+    for (name, line) in samples(&text) {
+        serves_loads |= name.starts_with("sglang:");
         // Read only for the lines kept: most of a page is histograms kvroute skips.
-        let value = || {
-            line.rsplit(' ')
-                .next()
-                .and_then(|v| v.parse::<f64>().ok())
-                .filter(|v| v.is_finite() && *v >= 0.0)
-        };
+        let value = || sample_value(line);
         let slot = if RUNNING.contains(&name) {
             &mut running
         } else if WAITING.contains(&name) {
@@ -99,7 +103,32 @@ pub fn parse(text: &[u8]) -> Option<Metrics> {
         waiting: waiting.unwrap_or(0.0).round() as u64,
         completed,
         kv,
+        serves_loads,
+        waiting_uncached_tokens: None,
     })
+}
+
+/// The prefill work queued at an SGLang engine, from its [`LOADS_PATH`] page: uncached prompt
+/// tokens waiting, summed over its data-parallel ranks. `None` when the page does not say.
+pub fn parse_loads(text: &[u8]) -> Option<u64> {
+    let text = String::from_utf8_lossy(text);
+    let ranks = samples(&text).filter(|(name, _)| *name == WAITING_UNCACHED);
+    let values: Vec<f64> = ranks.filter_map(|(_, line)| sample_value(line)).collect();
+    (!values.is_empty()).then(|| values.iter().sum::<f64>().round() as u64)
+}
+
+/// A Prometheus page's sample lines with their metric names.
+fn samples(text: &str) -> impl Iterator<Item = (&str, &str)> {
+    text.lines()
+        .filter_map(|line| Some((&line[..line.find(['{', ' '])?], line)))
+}
+
+/// A sample line's value, when it is a finite count or gauge (not negative).
+fn sample_value(line: &str) -> Option<f64> {
+    line.rsplit(' ')
+        .next()
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|v| v.is_finite() && *v >= 0.0)
 }
 
 /// A numeric label's value in a Prometheus sample line (`name{a="1",b="2"} 1.0`).
@@ -109,6 +138,16 @@ fn label(line: &str, name: &str) -> Option<f64> {
         let (k, v) = pair.split_once('=')?;
         (k.trim() == name).then(|| v.trim().trim_matches('"').parse().ok())?
     })
+}
+
+/// What kvroute itself had at an endpoint when its engine answered: what it sends from then on
+/// comes on top of the engine's numbers.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Own {
+    /// Requests in flight.
+    pub inflight: u32,
+    /// Prompt bytes of those requests still to prefill.
+    pub prefill: u32,
 }
 
 /// An engine's load as kvroute keeps it between polls.
@@ -122,6 +161,13 @@ pub struct EngineLoad {
     /// kvroute's own in-flight count to it when the metrics were read: requests sent since
     /// then are on top of what it reported.
     pub own_at_poll: u32,
+    /// Uncached prompt tokens queued at the engine, where it says ([`Metrics`]).
+    #[serde(default)]
+    pub waiting_uncached_tokens: Option<u64>,
+    /// kvroute's own prefill bytes queued there when the engine said so: as `own_at_poll` is
+    /// to requests.
+    #[serde(default)]
+    pub prefill_at_poll: u32,
     /// Polls since the engine last answered: its numbers are that old. Past
     /// [`STALE_POLLS`](crate::freshness::STALE_POLLS) they are not trusted (an engine too busy
     /// to answer would otherwise look as idle as it last was).
@@ -139,7 +185,7 @@ impl EngineLoad {
     /// The engine's new report, learning its capacity from the previous ones: once it has
     /// queued, the most it was ever seen running. (A queue with nothing running is a stall, not
     /// a limit.)
-    pub fn observe(previous: Option<&EngineLoad>, m: &Metrics, own: u32, now_ms: u64) -> Self {
+    pub fn observe(previous: Option<&EngineLoad>, m: &Metrics, own: Own, now_ms: u64) -> Self {
         let known = previous.and_then(|p| p.capacity);
         let capacity = match known {
             Some(c) => Some(c.max(m.running)),
@@ -149,7 +195,9 @@ impl EngineLoad {
             running: m.running,
             waiting: m.waiting,
             capacity,
-            own_at_poll: own,
+            own_at_poll: own.inflight,
+            waiting_uncached_tokens: m.waiting_uncached_tokens,
+            prefill_at_poll: own.prefill,
             missed: 0,
             completed: m.completed,
             churn: Churn::observe(previous.and_then(|p| p.churn.as_ref()), &m.kv, now_ms),
@@ -177,6 +225,15 @@ impl EngineLoad {
         (reported + since).max(i64::from(own_now)).max(0) as u64
     }
 
+    /// Prompt bytes queued at the engine to prefill, where it reports its uncached tokens waiting
+    /// (at `bytes_per_token`): what it reported, corrected by kvroute's own queued prefill since,
+    /// as [`estimate`](Self::estimate) corrects the request count.
+    pub fn queued_prefill(&self, own_now: u32, bytes_per_token: f64) -> Option<u64> {
+        let reported = (self.waiting_uncached_tokens? as f64 * bytes_per_token) as i64;
+        let since = i64::from(own_now) - i64::from(self.prefill_at_poll);
+        Some((reported + since).max(i64::from(own_now)).max(0) as u64)
+    }
+
     /// Whether the engine queues new requests: it said so, or it has more than it can run, or it
     /// has stopped answering (taken as too busy to).
     pub fn queueing(&self, estimate: u64) -> bool {
@@ -187,6 +244,13 @@ impl EngineLoad {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn own(inflight: u32) -> Own {
+        Own {
+            inflight,
+            prefill: 0,
+        }
+    }
 
     fn metrics(running: u64, waiting: u64) -> Metrics {
         Metrics {
@@ -269,42 +333,115 @@ mod tests {
 
     #[test]
     fn an_engine_that_queues_teaches_its_capacity() {
-        let idle = EngineLoad::observe(None, &metrics(3, 0), 0, 0);
+        let idle = EngineLoad::observe(None, &metrics(3, 0), own(0), 0);
         assert_eq!(idle.capacity, None);
         assert!(!idle.queueing(idle.estimate(0)));
-        let full = EngineLoad::observe(Some(&idle), &metrics(16, 5), 2, 0);
+        let full = EngineLoad::observe(Some(&idle), &metrics(16, 5), own(2), 0);
         assert_eq!(full.capacity, Some(16));
         assert!(full.queueing(full.estimate(2)), "it reported a queue");
-        let drained = EngineLoad::observe(Some(&full), &metrics(10, 0), 0, 0);
+        let drained = EngineLoad::observe(Some(&full), &metrics(10, 0), own(0), 0);
         assert_eq!(drained.capacity, Some(16), "capacity is remembered");
         assert!(!drained.queueing(drained.estimate(0)));
         assert!(
             drained.queueing(drained.estimate(7)),
             "7 more sent since the poll make 17 > 16"
         );
-        let stall = EngineLoad::observe(None, &metrics(0, 9), 0, 0);
+        let stall = EngineLoad::observe(None, &metrics(0, 9), own(0), 0);
         assert_eq!(stall.capacity, None, "a stall");
     }
 
     #[test]
     fn an_engine_that_stops_answering_is_taken_as_queueing() {
-        let mut load = EngineLoad::observe(None, &metrics(0, 0), 0, 0);
+        let mut load = EngineLoad::observe(None, &metrics(0, 0), own(0), 0);
         for _ in 0..crate::freshness::STALE_POLLS {
             assert!(!load.queueing(0));
             load = load.missed_poll();
         }
         assert!(load.stale() && load.queueing(0));
-        let back = EngineLoad::observe(Some(&load), &metrics(1, 0), 0, 0);
+        let back = EngineLoad::observe(Some(&load), &metrics(1, 0), own(0), 0);
         assert!(!back.stale() && !back.queueing(1));
     }
 
     #[test]
     fn the_estimate_adds_what_kvroute_sent_since_the_poll() {
-        let load = EngineLoad::observe(None, &metrics(4, 2), 3, 0);
+        let load = EngineLoad::observe(None, &metrics(4, 2), own(3), 0);
         assert_eq!(load.estimate(3), 6);
         assert_eq!(load.estimate(5), 8, "two more sent");
         assert_eq!(load.estimate(0), 3, "three of ours finished");
-        let stale = EngineLoad::observe(None, &metrics(0, 0), 9, 0);
+        let stale = EngineLoad::observe(None, &metrics(0, 0), own(9), 0);
         assert_eq!(stale.estimate(2), 2, "never below our own count");
+    }
+
+    #[test]
+    fn sglangs_loads_page_gives_the_uncached_tokens_waiting_over_its_ranks() {
+        // SGLang's `/v1/loads?format=prometheus`: a gauge per core field, a sample per DP rank.
+        let page = "# TYPE sglang_num_waiting_reqs gauge\n\
+            sglang_num_waiting_reqs{dp_rank=\"0\"} 3\n\
+            sglang_num_waiting_reqs{dp_rank=\"1\"} 1\n\
+            # TYPE sglang_num_waiting_uncached_tokens gauge\n\
+            sglang_num_waiting_uncached_tokens{dp_rank=\"0\"} 1200\n\
+            sglang_num_waiting_uncached_tokens{dp_rank=\"1\"} 34.0\n";
+        assert_eq!(parse_loads(page.as_bytes()), Some(1234));
+        assert_eq!(
+            parse_loads(b"sglang_num_waiting_reqs{dp_rank=\"0\"} 3\n"),
+            None
+        );
+        assert_eq!(
+            parse_loads(b"sglang_num_waiting_uncached_tokens -1\n"),
+            None
+        );
+        assert_eq!(parse_loads(b"<html>not found</html>"), None);
+        let sglang = parse(b"sglang:num_running_reqs 1\n").unwrap();
+        assert!(sglang.serves_loads, "an SGLang page");
+        let vllm = parse(b"vllm:num_requests_running 1\n").unwrap();
+        assert!(!vllm.serves_loads);
+    }
+
+    #[test]
+    fn queued_prefill_is_the_engines_report_plus_kvroutes_own_since() {
+        let m = Metrics {
+            waiting_uncached_tokens: Some(1_000),
+            ..metrics(2, 3)
+        };
+        let load = EngineLoad::observe(
+            None,
+            &m,
+            Own {
+                inflight: 1,
+                prefill: 400,
+            },
+            0,
+        );
+        assert_eq!(load.queued_prefill(400, 4.0), Some(4_000));
+        assert_eq!(
+            load.queued_prefill(900, 4.0),
+            Some(4_500),
+            "500 bytes sent since"
+        );
+        assert_eq!(
+            load.queued_prefill(0, 4.0),
+            Some(3_600),
+            "ours reached their first byte"
+        );
+        let m = Metrics {
+            waiting_uncached_tokens: Some(0),
+            ..metrics(0, 0)
+        };
+        let idle = EngineLoad::observe(
+            None,
+            &m,
+            Own {
+                inflight: 0,
+                prefill: 800,
+            },
+            0,
+        );
+        assert_eq!(
+            idle.queued_prefill(300, 4.0),
+            Some(300),
+            "never below our own"
+        );
+        let silent = EngineLoad::observe(None, &metrics(2, 3), own(1), 0);
+        assert_eq!(silent.queued_prefill(300, 4.0), None, "vLLM does not say");
     }
 }

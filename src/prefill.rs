@@ -4,7 +4,8 @@
 //! ahead of it there plus its own uncached bytes, over that rate.
 //!
 //! Work is counted in bytes of the rendered prompt, the unit kvroute's keys cut it in: the rate is
-//! learnt in the same unit, so no tokenizer is needed and the ratio holds for any model.
+//! learnt in the same unit, so no tokenizer is needed and the ratio holds for any model. Where an
+//! engine counts its queue in tokens, bytes per token are learnt from the `usage` engines report.
 
 use hashbrown::HashMap;
 
@@ -16,12 +17,16 @@ const MEMORY: f64 = 64.0;
 const CLAMP: f64 = 16.0;
 /// Observations an endpoint needs before its own rate replaces the configured one.
 const SEEN: f64 = 8.0;
+/// Bytes per token until responses' usage has said: a BPE tokenizer's usual on English text.
+pub const BYTES_PER_TOKEN: f64 = 4.0;
 
-/// One endpoint's decayed sums of prefill work and of the time it took.
+/// Decayed sums of prompt bytes and of what they took: one endpoint's prefill time, or the
+/// tokens engines counted in them.
 #[derive(Debug, Clone, Copy, Default)]
 struct Sums {
     bytes: f64,
-    ms: f64,
+    /// Milliseconds, or tokens.
+    over: f64,
     seen: f64,
 }
 
@@ -33,6 +38,8 @@ pub struct PrefillModel {
     rates: HashMap<u32, Sums>,
     /// Decayed mean of the uncached bytes of the requests this worker routed.
     mean_uncached: f64,
+    /// Decayed sums of prompt bytes and the prompt tokens engines counted for them.
+    tokenized: Sums,
 }
 
 impl PrefillModel {
@@ -41,14 +48,32 @@ impl PrefillModel {
             default_rate: default_rate.max(f64::MIN_POSITIVE),
             rates: HashMap::new(),
             mean_uncached: 0.0,
+            tokenized: Sums::default(),
+        }
+    }
+
+    /// Rendered prompt bytes per token of the engines' tokenizer: what turns an engine's queue,
+    /// when it counts it in tokens, into kvroute's unit.
+    pub fn bytes_per_token(&self) -> f64 {
+        let t = &self.tokenized;
+        match t.seen >= SEEN && t.over > 0.0 {
+            true => (t.bytes / t.over).clamp(BYTES_PER_TOKEN / CLAMP, BYTES_PER_TOKEN * CLAMP),
+            false => BYTES_PER_TOKEN,
+        }
+    }
+
+    /// An engine reported `tokens` prompt tokens for a prompt of `bytes` rendered bytes.
+    pub fn tokenized(&mut self, bytes: u64, tokens: u64) {
+        if tokens > 0 {
+            self.tokenized.add(bytes as f64, tokens as f64);
         }
     }
 
     /// Endpoint `id`'s prefill rate, in bytes per millisecond.
     pub fn rate(&self, id: u32) -> f64 {
         match self.rates.get(&id) {
-            Some(s) if s.seen >= SEEN && s.ms > 0.0 => {
-                (s.bytes / s.ms).clamp(self.default_rate / CLAMP, self.default_rate * CLAMP)
+            Some(s) if s.seen >= SEEN && s.over > 0.0 => {
+                (s.bytes / s.over).clamp(self.default_rate / CLAMP, self.default_rate * CLAMP)
             }
             _ => self.default_rate,
         }
@@ -69,16 +94,25 @@ impl PrefillModel {
     /// `work` bytes to prefill for it (the work queued ahead and its own).
     pub fn first_byte(&mut self, id: u32, work: u64, waited_ms: u64) {
         let s = self.rates.entry(id).or_default();
+        s.add(work as f64, waited_ms.max(1) as f64);
+    }
+}
+
+impl Sums {
+    /// One more observation of `bytes` over `per` (milliseconds, or tokens).
+    fn add(&mut self, bytes: f64, per: f64) {
         let keep = 1.0 - 1.0 / MEMORY;
-        s.bytes = s.bytes * keep + work as f64;
-        s.ms = s.ms * keep + waited_ms.max(1) as f64;
-        s.seen += 1.0;
+        self.bytes = self.bytes * keep + bytes;
+        self.over = self.over * keep + per;
+        self.seen += 1.0;
     }
 }
 
 /// A routed request's prefill at its endpoint, as expected when it was routed.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Expected {
+    /// Bytes of its rendered prompt.
+    pub prompt: u64,
     /// Bytes of its prompt the endpoint is taken not to hold.
     pub uncached: u64,
     /// Bytes queued there to prefill before it.
@@ -139,5 +173,25 @@ mod tests {
     fn expected_ttft_is_the_work_ahead_and_its_own_over_the_rate() {
         assert_eq!(expected_ttft_ms(3_000, 1_000, 10.0), 400.0);
         assert!(expected_ttft_ms(1, 0, 0.0).is_finite());
+    }
+
+    #[test]
+    fn bytes_per_token_follow_the_engines_usage_once_seen_enough() {
+        let mut m = PrefillModel::new(1.0);
+        m.tokenized(3_000, 0);
+        for _ in 0..7 {
+            m.tokenized(3_000, 1_000);
+        }
+        assert_eq!(m.bytes_per_token(), BYTES_PER_TOKEN);
+        m.tokenized(3_000, 1_000);
+        assert!(
+            (m.bytes_per_token() - 3.0).abs() < 1e-9,
+            "{}",
+            m.bytes_per_token()
+        );
+        for _ in 0..400 {
+            m.tokenized(1, 1_000);
+        }
+        assert_eq!(m.bytes_per_token(), BYTES_PER_TOKEN / CLAMP, "clamped");
     }
 }

@@ -250,6 +250,7 @@ impl Router {
             .map_or((0, 0), |m| (m.depth, m.record.stamp_ms));
         let uncached = prompt.text.len().saturating_sub(pick.held_bytes) as u64;
         let prefill = Expected {
+            prompt: prompt.text.len() as u64,
             uncached,
             ahead: chosen.queued_prefill,
             ttft_ms: chosen.expected_ttft_ms(prompt.text.len(), pick.held_bytes),
@@ -310,8 +311,10 @@ pub fn finish(store: &dyn SharedStore, endpoint_id: u32) -> Option<u32> {
 /// them alike. With engine metrics, the load is what the engine reported (every gateway's
 /// traffic) plus kvroute's own requests since; without, the larger of kvroute's own count and
 /// Envoy's `rq_active` (which also sees requests kvroute did not route). The prefill queued is
-/// kvroute's own requests' not yet at their first byte, or, where more, the engine's waiting
-/// requests at the mean size of a request's uncached prompt (other gateways' requests among them).
+/// what the engine reports of its uncached prompt tokens waiting (SGLang's), plus kvroute's own
+/// since; where it does not say, kvroute's own requests' not yet at their first byte or, where
+/// more, the engine's waiting requests at the mean size of a request's uncached prompt (other
+/// gateways' requests among them).
 fn candidates<'h>(table: &Table, prefill: &PrefillModel, hosts: &'h [Host]) -> Vec<Candidate<'h>> {
     let mut out: Vec<Candidate> = hosts
         .iter()
@@ -326,7 +329,11 @@ fn candidates<'h>(table: &Table, prefill: &PrefillModel, hosts: &'h [Host]) -> V
                 }
                 None => (u64::from(own).max(h.rq_active), false),
             };
-            let waiting = h.engine.filter(|e| !e.stale()).map_or(0, |e| e.waiting);
+            let fresh = h.engine.filter(|e| !e.stale());
+            let own_prefill = table.prefill(id);
+            let reported =
+                fresh.and_then(|e| e.queued_prefill(own_prefill, prefill.bytes_per_token()));
+            let waiting = fresh.map_or(0, |e| e.waiting);
             let others = (waiting as f64 * prefill.mean_uncached()) as u64;
             Candidate {
                 addr: &h.addr,
@@ -334,7 +341,7 @@ fn candidates<'h>(table: &Table, prefill: &PrefillModel, hosts: &'h [Host]) -> V
                 load,
                 queueing,
                 retention_ms: h.engine.and_then(|e| e.churn?.retention_ms()),
-                queued_prefill: u64::from(table.prefill(id)).max(others),
+                queued_prefill: reported.unwrap_or(u64::from(own_prefill).max(others)),
                 prefill_rate: prefill.rate(id),
             }
         })
@@ -376,7 +383,7 @@ fn endpoint_list(
 mod tests {
     use super::*;
     use crate::config::PolicyKind;
-    use crate::engine::{EngineLoad, Metrics};
+    use crate::engine::{EngineLoad, Metrics, Own};
     use crate::policy::cache_aware::REFRESH_MS;
     use crate::store::MemoryStore;
 
@@ -655,8 +662,8 @@ mod tests {
             waiting,
             ..Metrics::default()
         };
-        hs[1].engine = Some(EngineLoad::observe(None, &report(16, 3), 0, 0));
-        hs[0].engine = Some(EngineLoad::observe(None, &report(2, 0), 0, 0));
+        hs[1].engine = Some(EngineLoad::observe(None, &report(16, 3), Own::default(), 0));
+        hs[0].engine = Some(EngineLoad::observe(None, &report(2, 0), Own::default(), 0));
         for g in 0..10 {
             let routed = send(&r, &store, &hs, &chat(&system(g), "q")).unwrap();
             assert_eq!(routed.endpoints[0], "127.0.0.1:8001");
@@ -664,10 +671,35 @@ mod tests {
     }
 
     #[test]
+    fn the_prefill_queued_at_an_engine_is_what_it_reports_where_it_does() {
+        let (r, store) = (router(PolicyKind::RoundRobin), MemoryStore::new());
+        let mut hs = hosts(1);
+        let reports = Metrics {
+            waiting_uncached_tokens: Some(500),
+            ..Metrics::default()
+        };
+        hs[0].engine = Some(EngineLoad::observe(None, &reports, Own::default(), 0));
+        let routed = send(&r, &store, &hs, &chat("s", "q")).unwrap();
+        let bytes = 500.0 * crate::prefill::BYTES_PER_TOKEN;
+        assert_eq!(routed.prefill.ahead, bytes as u64);
+        hs[0].engine = Some(EngineLoad::observe(
+            None,
+            &Metrics::default(),
+            Own::default(),
+            0,
+        ));
+        let routed = send(&r, &store, &hs, &chat("s", "q")).unwrap();
+        assert_eq!(
+            routed.prefill.ahead, 0,
+            "nothing queued and the engine does not say"
+        );
+    }
+
+    #[test]
     fn engines_that_stopped_answering_are_avoided_and_all_stale_falls_back() {
         let (r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
         let mut hs = hosts(2);
-        let fresh = EngineLoad::observe(None, &Metrics::default(), 0, 0);
+        let fresh = EngineLoad::observe(None, &Metrics::default(), Own::default(), 0);
         let mut stale = fresh;
         for _ in 0..crate::freshness::STALE_POLLS {
             stale = stale.missed_poll();

@@ -387,6 +387,7 @@ fn shared_data_and_admin_decoders_never_panic() {
                 endpoints::PolledClusters::new(&only, None),
             );
             let _ = engine::parse(&bytes);
+            let _ = engine::parse_loads(&bytes);
             let _ = body_access::body_received(&bytes, key);
             Ok(())
         },

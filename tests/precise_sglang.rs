@@ -1,14 +1,16 @@
 #![cfg(not(target_arch = "wasm32"))]
 //! Precise mode over a mixed fleet, every part real: two simulated vLLM replicas and two SGLang
 //! ones (SGLang's KV events, one per token: its default page size of 1), one kvroute-indexer
-//! reading each in its own dialect, and Envoy with kvroute polling it. A prompt any replica
-//! cached, vLLM or SGLang, draws the request there (decision `engine`).
+//! reading each in its own dialect, and Envoy with kvroute polling it and the engines' load. A
+//! prompt any replica cached, vLLM or SGLang, draws the request there (decision `engine`), and the
+//! SGLang replicas' load snapshots are read for the prefill queued there.
 
 mod common;
 
 use common::precise::{body, cached_then_decided, health, BpeFleet, CHATML};
 use kvroute_sim::spec::{EngineKind, EngineKinds};
 use serde_json::json;
+use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mixed_fleets_vllm_and_sglang_replicas_each_draw_the_prompts_they_cached() {
@@ -31,7 +33,8 @@ async fn a_mixed_fleets_vllm_and_sglang_replicas_each_draw_the_prompts_they_cach
         .collect();
     assert_eq!(kinds, ["vllm", "vllm", "sglang", "sglang"]);
     let config = json!({"debug_header": true, "stats_interval_ms": 200,
-                        "index_cluster": "kvroute_indexer", "chat_template": CHATML});
+                        "index_cluster": "kvroute_indexer", "chat_template": CHATML,
+                        "engine_metrics_cluster": "inference_pool"});
     let envoy = common::kvroute_with_indexer(fleet.backends(), indexer.addr, config).await;
 
     // Each replica caches a prompt of its own, sent there directly (not by kvroute): each
@@ -45,4 +48,14 @@ async fn a_mixed_fleets_vllm_and_sglang_replicas_each_draw_the_prompts_they_cach
             r.kind().name()
         );
     }
+
+    // Both SGLang replicas' load snapshots answered, in two poll rounds at least.
+    envoy
+        .wait_for_stat(
+            "kvroute.engine_poll.loads_ok",
+            |v| v >= 4,
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
 }

@@ -153,8 +153,13 @@ async fn sglang_replicas_serve_sglangs_metrics_and_loads_and_vllm_replicas_vllms
         text.contains("sglang_num_waiting_uncached_tokens{dp_rank=\"0\"} 0.0"),
         "{text}"
     );
+    // kvroute's filter asks an SGLang engine for the prefill queued there.
+    assert!(read.serves_loads);
+    let core = get(&format!("{sglang}{}", kvroute::engine::LOADS_PATH)).await;
+    assert_eq!(kvroute::engine::parse_loads(core.body.as_bytes()), Some(0));
 
     let vllm_page = get(&format!("{vllm}/metrics")).await.body;
     assert!(vllm_page.contains("vllm:num_requests_running{") && !vllm_page.contains("sglang:"));
+    assert!(!kvroute::engine::parse(vllm_page.as_bytes()).is_some_and(|m| m.serves_loads));
     assert_eq!(get(&format!("{vllm}/v1/loads")).await.status, 404);
 }

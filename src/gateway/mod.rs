@@ -46,11 +46,13 @@ const STARTUP_TICK_MS: u64 = 100;
 const MAX_TICK_MS: u64 = 100;
 
 /// Counters defined when the gateway starts, so dashboards see them at zero.
-const COUNTERS: [&str; 20] = [
+const COUNTERS: [&str; 22] = [
     "kvroute.stats_poll.ok",
     "kvroute.stats_poll.failed",
     "kvroute.engine_poll.ok",
     "kvroute.engine_poll.failed",
+    "kvroute.engine_poll.loads_ok",
+    "kvroute.engine_poll.loads_failed",
     "kvroute.suspect_marked",
     "kvroute.suspect_learned",
     "kvroute.inflight_corrected",

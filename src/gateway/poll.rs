@@ -1,6 +1,7 @@
 //! The poll, from one worker at a time: Envoy's admin `/clusters` (hosts, health, `rq_active`)
 //! and, when `engine_metrics_cluster` is set, each engine's own `/metrics` (requests running and
-//! waiting, which include other gateways' traffic). Once a round's answers are in, the snapshot
+//! waiting, which include other gateways' traffic) and, from an SGLang engine, its load snapshot
+//! (the prefill work it has queued). Once a round's answers are in, the snapshot
 //! goes to shared data for every worker. The admin's `rq_active` also corrects this gateway's
 //! in-flight counts where they stay above Envoy's.
 
@@ -8,9 +9,10 @@ use hashbrown::HashMap;
 
 use super::host::{HostApi, Level, MetricKind};
 use super::{Gateway, HOSTS_KEY};
+use crate::config::Config;
 use crate::counters;
 use crate::endpoints::{self, Snapshot};
-use crate::engine::{self, EngineLoad, EngineLoads, Metrics};
+use crate::engine::{self, EngineLoad, EngineLoads, Metrics, Own};
 use crate::engine_index::{EngineIndex, Feed, Status};
 use crate::rendezvous::endpoint_id;
 use crate::store::{self, SharedStore};
@@ -33,10 +35,13 @@ pub struct Poller {
     index: Option<u32>,
     /// Engine metrics calls: token → host address.
     engines: HashMap<u32, String>,
+    /// Calls for an SGLang engine's load snapshot, made once its metrics answered: token → host
+    /// address.
+    loads: HashMap<u32, String>,
     /// The admin answer, held until the engines' answers are in too.
     snapshot: Option<Snapshot>,
-    /// This round's engine answers, with kvroute's own count there when each came.
-    reports: HashMap<String, (Metrics, u32)>,
+    /// This round's engine answers, with what kvroute itself had there when each came.
+    reports: HashMap<String, (Metrics, Own)>,
     /// By endpoint id: the least that kvroute's in-flight count was above Envoy's `rq_active`
     /// over this worker's last consecutive admin answers, and how many answers in a row showed an
     /// excess. Only an excess seen [`EXCESS_POLLS`] times running is corrected: a request counted
@@ -66,8 +71,15 @@ impl<H: HostApi> Gateway<H> {
         if self.poller.index.take().is_some() {
             self.metrics.count(&self.host, "kvroute.index.poll_failed");
         }
+        if !self.poller.loads.is_empty() {
+            let late = self.poller.loads.len() as i64;
+            let name = "kvroute.engine_poll.loads_failed";
+            self.metrics
+                .add(&self.host, MetricKind::Counter, name, late);
+        }
         self.poller.reports.clear();
         self.poller.engines.clear();
+        self.poller.loads.clear();
         self.dispatch_index_poll();
         let Gateway {
             host,
@@ -99,19 +111,29 @@ impl<H: HostApi> Gateway<H> {
         let hosts = snapshot.get(cluster).map_or(&[][..], Vec::as_slice);
         // Unhealthy hosts are never candidates: their load does not matter, and a call would fail.
         for h in hosts.iter().filter(|h| h.healthy) {
-            // Through the engines' own cluster: the routing header picks the host, as for requests.
-            let headers = [
-                (":method", "GET"),
-                (":path", config.engine_metrics_path.as_str()),
-                (":authority", cluster),
-                (config.header.as_str(), h.addr.as_str()),
-            ];
-            match host.http_call(cluster, &headers, timeout_ms) {
+            let path = config.engine_metrics_path.as_str();
+            match engine_call(host, config, cluster, &h.addr, path) {
                 Some(token) => {
                     poller.engines.insert(token, h.addr.clone());
                 }
                 None => metrics.count(host, "kvroute.engine_poll.failed"),
             }
+        }
+    }
+
+    /// Asks an SGLang engine whose metrics just answered for its load snapshot.
+    fn dispatch_loads_poll(&mut self, addr: &str) {
+        let config = &self.router.config;
+        let Some(cluster) = config.engine_metrics_cluster.as_deref() else {
+            return;
+        };
+        match engine_call(&self.host, config, cluster, addr, engine::LOADS_PATH) {
+            Some(token) => {
+                self.poller.loads.insert(token, addr.to_string());
+            }
+            None => self
+                .metrics
+                .count(&self.host, "kvroute.engine_poll.loads_failed"),
         }
     }
 
@@ -201,16 +223,39 @@ impl<H: HostApi> Gateway<H> {
         } else if let Some(addr) = self.poller.engines.remove(&token) {
             match ok_body.as_deref().and_then(engine::parse) {
                 Some(metrics) => {
-                    // What kvroute itself has in flight there as the engine answers: what it
-                    // sends from now on comes on top of the engine's numbers.
-                    let own = self.inflight.inflight(endpoint_id(&addr));
+                    // What kvroute itself has there as the engine answers: what it sends from
+                    // now on comes on top of the engine's numbers.
+                    let id = endpoint_id(&addr);
+                    let own = Own {
+                        inflight: self.inflight.inflight(id),
+                        prefill: self.inflight.prefill(id),
+                    };
+                    if metrics.serves_loads {
+                        self.dispatch_loads_poll(&addr);
+                    }
                     self.poller.reports.insert(addr, (metrics, own));
                     self.metrics.count(&self.host, "kvroute.engine_poll.ok");
                 }
                 None => self.metrics.count(&self.host, "kvroute.engine_poll.failed"),
             }
+        } else if let Some(addr) = self.poller.loads.remove(&token) {
+            let tokens = ok_body.as_deref().and_then(engine::parse_loads);
+            let report = self.poller.reports.get_mut(&addr);
+            match tokens.zip(report) {
+                Some((tokens, (metrics, own))) => {
+                    metrics.waiting_uncached_tokens = Some(tokens);
+                    // The queue as the snapshot saw it, against kvroute's own prefill then.
+                    own.prefill = self.inflight.prefill(endpoint_id(&addr));
+                    self.metrics
+                        .count(&self.host, "kvroute.engine_poll.loads_ok");
+                }
+                None => self
+                    .metrics
+                    .count(&self.host, "kvroute.engine_poll.loads_failed"),
+            }
         }
-        if self.poller.admin.is_none() && self.poller.engines.is_empty() {
+        let answered = self.poller.engines.is_empty() && self.poller.loads.is_empty();
+        if self.poller.admin.is_none() && answered {
             if let Some(snapshot) = self.poller.snapshot.take() {
                 self.publish(snapshot);
             }
@@ -328,7 +373,7 @@ impl<H: HostApi> Gateway<H> {
 /// each engine's capacity, whichever worker polled it), kept only for hosts still in the snapshot.
 fn engine_loads(
     store: &dyn SharedStore,
-    reports: &HashMap<String, (Metrics, u32)>,
+    reports: &HashMap<String, (Metrics, Own)>,
     snapshot: &Snapshot,
     now_ms: u64,
 ) -> EngineLoads {
@@ -355,4 +400,22 @@ fn engine_loads(
         Some(store::versioned(ENGINE_VERSION, &json))
     });
     loads
+}
+
+/// Asks engine `addr` for `path` through the engines' own cluster: the routing header picks the
+/// host, as for requests.
+fn engine_call<H: HostApi>(
+    host: &H,
+    config: &Config,
+    cluster: &str,
+    addr: &str,
+    path: &str,
+) -> Option<u32> {
+    let headers = [
+        (":method", "GET"),
+        (":path", path),
+        (":authority", cluster),
+        (config.header.as_str(), addr),
+    ];
+    host.http_call(cluster, &headers, config.stats_interval_ms.max(1000))
 }

@@ -114,7 +114,7 @@ impl<H: HostApi> Gateway<H> {
         }
         let ok = succeeded(flags, status, usage);
         self.settle(ex, ok, usage);
-        self.prefill_done(ex, ok);
+        self.prefill_done(ex, ok, usage);
         if let Some((id, _)) = ex.counted.take() {
             self.inflight.add(id, -1);
         }
@@ -134,11 +134,14 @@ impl<H: HostApi> Gateway<H> {
 
     /// The stream is over (`ok`: it succeeded): a prefill still queued leaves the queue; a
     /// streamed success's wait for its first byte teaches its endpoint's prefill rate, and is
-    /// set against what was expected of it.
-    fn prefill_done(&mut self, ex: &mut Exchange, ok: bool) {
+    /// set against what was expected of it; the engine's `usage` teaches bytes per token.
+    fn prefill_done(&mut self, ex: &mut Exchange, ok: bool, usage: Option<Usage>) {
         let (Some(p), Some((id, addr))) = (ex.prefill.take(), &ex.counted) else {
             return;
         };
+        if let Some(u) = usage.filter(|_| ok) {
+            self.prefill.tokenized(p.expected.prompt, u.prompt_tokens);
+        }
         let Some(at) = p.first_byte_ms else {
             self.inflight
                 .add_prefill(*id, -(p.expected.uncached as i64));

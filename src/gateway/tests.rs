@@ -559,3 +559,47 @@ fn a_requests_uncached_prompt_is_queued_at_its_endpoint_until_its_first_byte_and
     assert_eq!(queued_prefill(&gw, &chosen), 0);
     assert_eq!(inflight(&gw, &chosen), 0);
 }
+
+/// An engine's `/metrics` page with nothing running, in vLLM's or SGLang's names.
+fn engine_page(sglang: bool) -> Vec<u8> {
+    match sglang {
+        true => b"sglang:num_running_reqs 0\nsglang:num_queue_reqs 0\n".to_vec(),
+        false => b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n".to_vec(),
+    }
+}
+
+#[test]
+fn an_sglang_engines_load_snapshot_gives_the_prefill_queued_there() {
+    let config = r#"{"admin_cluster":"admin","engine_metrics_cluster":"pool"}"#;
+    let mut gw = gateway(config, MemoryHost::at(1_000_000));
+    poll_round(&mut gw, &[0, 0, 0, 0]);
+    // The next round asks each engine for its metrics; the SGLang ones (the first two) are then
+    // asked for their load snapshot, and the round is shared once every answer is in.
+    let h = gw.host();
+    h.now.set(h.now.get() + 1000);
+    gw.tick(100);
+    let calls = gw.host().take_calls();
+    let (admin, engines) = calls.split_first().expect("a round");
+    assert_eq!(engines.len(), 4, "{calls:?}");
+    for (i, (token, cluster, path)) in engines.iter().enumerate() {
+        assert_eq!((cluster.as_str(), path.as_str()), ("pool", "/metrics"));
+        gw.on_poll_answer(*token, Some(200), Some(engine_page(i < 2)));
+    }
+    gw.on_poll_answer(admin.0, Some(200), Some(admin_answer(&[0, 0, 0, 0])));
+    let loads = gw.host().take_calls();
+    let paths: Vec<&str> = loads.iter().map(|c| c.2.as_str()).collect();
+    assert_eq!(paths, [crate::engine::LOADS_PATH; 2]);
+    let page = b"sglang_num_waiting_uncached_tokens{dp_rank=\"0\"} 5000\n";
+    gw.on_poll_answer(loads[0].0, Some(200), Some(page.to_vec()));
+    gw.on_poll_answer(loads[1].0, Some(404), None);
+    assert_eq!(gw.host().stat("kvroute.engine_poll.loads_ok"), 1);
+    assert_eq!(gw.host().stat("kvroute.engine_poll.loads_failed"), 1);
+    gw.tick(100);
+    // 5000 tokens at 4 bytes each are queued at the first SGLang engine.
+    let snapshot = gw.snapshot.get("pool").expect("the pool");
+    let queued: Vec<Option<u64>> = snapshot
+        .iter()
+        .map(|h| h.engine.and_then(|e| e.queued_prefill(0, 4.0)))
+        .collect();
+    assert_eq!(queued, [Some(20_000), None, None, None]);
+}
