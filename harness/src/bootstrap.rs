@@ -234,17 +234,24 @@ pub fn merge_plugin_config(shipped: &str, overrides: &Json) -> Result<String, Ha
     Ok(merged.to_string())
 }
 
+/// The most a host waits for its first health check with [`Patch::health_check_interval`] set.
+const FIRST_CHECK: Duration = Duration::from_millis(200);
+
 fn patch_pool(cluster: &mut Value, patch: &Patch) -> Result<(), HarnessError> {
     set_endpoints(cluster, patch.backends)?;
     if !patch.active_health_checks {
         map_mut(cluster)?.remove("health_checks");
     } else if let Some(every) = patch.health_check_interval {
-        let every = format!("{}s", every.as_secs_f64());
+        // A host not yet healthy and without traffic (every host at start) is checked every
+        // `no_traffic_interval`: soon, so that a long interval does not hold up the start. A
+        // healthy host is checked every `every`, with traffic or without (whose default is 60 s).
+        let first = every.min(FIRST_CHECK);
+        let [every, first] = [every, first].map(|d| format!("{}s", d.as_secs_f64()));
         for hc in seq_mut(get_mut(cluster, &["health_checks"])?)? {
             let hc = map_mut(hc)?;
             hc.insert("interval".into(), every.clone().into());
-            // Without traffic Envoy checks only every `no_traffic_interval` (60 s by default).
-            hc.insert("no_traffic_interval".into(), every.clone().into());
+            hc.insert("no_traffic_healthy_interval".into(), every.clone().into());
+            hc.insert("no_traffic_interval".into(), first.clone().into());
         }
     }
     let plain = match patch.lb {
@@ -420,6 +427,7 @@ mod tests {
         assert!(text.contains("override_host"));
         assert!(text.contains("interval: 0.2s"));
         assert!(text.contains("no_traffic_interval: 0.2s"));
+        assert!(text.contains("no_traffic_healthy_interval: 0.2s"));
         assert!(
             text.contains(r#"\"debug_header\":true"#) || text.contains(r#""debug_header":true"#)
         );
