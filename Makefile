@@ -32,7 +32,7 @@ export KVROUTE_SGLANG_PYTHON := $(abspath $(SGLANG_VENV))/bin/python
 # Unit tests compiled to wasm run under wasmtime (installed into the venv from PyPI).
 export CARGO_TARGET_WASM32_WASIP1_RUNNER := $(abspath $(VENV))/bin/python $(abspath tools/wasi-run.py)
 
-.PHONY: all build wasm bins epp image indexer-image test-indexer-image deps istio-deps template-deps sglang-deps test test-native test-wasm test-real vllm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
+.PHONY: all build wasm bins test-bins epp image indexer-image test-indexer-image deps istio-deps template-deps sglang-deps test test-native test-wasm test-real vllm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
 
 all: build
 
@@ -135,7 +135,11 @@ sglang-deps: $(SGLANG_VENV)/.installed
 
 deps: .work/wasm-target $(ENVOY) .work/skopeo istio-deps template-deps sglang-deps
 
-test: deps build image test-native test-wasm
+test: deps wasm test-bins image test-native test-wasm
+
+# The release binaries the tests start as processes (tests/common/precise.rs, bench's tests).
+test-bins:
+	$(CARGO) build --release -p kvroute-sim -p kvroute-indexer --bins
 
 test-native:
 	$(CARGO) test --workspace
