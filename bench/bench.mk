@@ -90,13 +90,15 @@ bench-placement: deps build peers
 # bench/src/precise_lines.rs; `precise-summary` refuses a line whose repeats.json is not its
 # workload, fleet and routers. PRECISE_REPEAT must be at least 2 (one run writes no repeats.json).
 PRECISE_DIR := bench/results/precise
-PRECISE_ALL := zipf-pressure grouped-pressure llm-d agentic tenants agentic-pressure
+PRECISE_ALL := zipf-pressure grouped-pressure llm-d llm-d-sglang agentic tenants agentic-pressure
 PRECISE_LINES ?= $(PRECISE_ALL)
 PRECISE_REPEAT ?= 3
 PRECISE_WORKLOAD.agentic-pressure := agentic
+PRECISE_WORKLOAD.llm-d-sglang := llm-d
 PRECISE_FLEET.zipf-pressure := pressure
 PRECISE_FLEET.grouped-pressure := pressure
 PRECISE_FLEET.agentic-pressure := pressure
+PRECISE_FLEET.llm-d-sglang := sglang
 PRECISE_ROUTERS := kvroute-precise,kvroute
 PRECISE_ROUTERS.zipf-pressure := kvroute-precise,smg
 PRECISE_ROUTERS.grouped-pressure := kvroute-precise,kvroute-precise@3,kvroute-precise@8

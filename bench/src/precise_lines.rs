@@ -124,6 +124,13 @@ pub const LINES: &[Line] = &[
         checks: AS_GOOD_AS_KVROUTE,
     },
     Line {
+        name: "llm-d-sglang",
+        workload: "llm-d-shared-prefix",
+        file: "llm-d",
+        fleet: "sglang",
+        checks: AS_GOOD_AS_KVROUTE,
+    },
+    Line {
         name: "agentic",
         workload: "agentic",
         file: "agentic",
