@@ -183,7 +183,7 @@ fn the_precise_envoy_bootstrap_is_the_shipped_one_plus_the_indexer() {
 
 /// `values.yaml`, the one file a user edits.
 fn values() -> Value {
-    documents("istio/base/values.yaml").remove(0)
+    documents("istio/values/values.yaml").remove(0)
 }
 
 /// Istio's name for the Service's cluster, from values.yaml.
@@ -410,7 +410,7 @@ fn values_yaml_sets_every_name_in_one_place() {
     let dir = std::env::temp_dir().join(format!("kvroute-istio-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     copy_dir(&root().join("istio"), &dir);
-    let path = dir.join("base/values.yaml");
+    let path = dir.join("values/values.yaml");
     let text = std::fs::read_to_string(&path).expect("values.yaml");
     let digest = "ab".repeat(32);
     let changed: String = text
