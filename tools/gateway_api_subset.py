@@ -16,7 +16,7 @@ from cloudcoil.apimachinery import ObjectMeta
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
 # Gateway API's own types, which the Inference Extension's reuse.
-from inference_pool import DNS_SUBDOMAIN, Group, Kind, ObjectName, PortNumber, Strict
+from inference_pool import DNS_SUBDOMAIN, Group, Kind, ObjectName, PortNumber, Strict, unique
 
 SectionName = Annotated[
     str, StringConstraints(min_length=1, max_length=253, pattern=rf"^{DNS_SUBDOMAIN}$")
@@ -54,10 +54,8 @@ class GatewaySpec(Strict):
     @field_validator("listeners")
     @classmethod
     def names_are_unique(cls, listeners):
-        names = [listener.name for listener in listeners]
-        if len(set(names)) != len(names):
-            raise ValueError(f"Listener name must be unique within the Gateway: {names}")
-        return listeners
+        message = "Listener name must be unique within the Gateway"
+        return unique(listeners, lambda listener: listener.name, message)
 
 
 class Gateway(Strict):

@@ -52,6 +52,14 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def unique(items, key, message):
+    """`items`, if no two have the same `key`; else the API's `message`, naming the keys."""
+    keys = [key(item) for item in items]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"{message}: {keys}")
+    return items
+
+
 class Port(Strict):
     """A port of the pool's pods, or the picker Service's port."""
 
@@ -93,10 +101,7 @@ class InferencePoolSpec(Strict):
     @field_validator("targetPorts")
     @classmethod
     def numbers_are_unique(cls, ports):
-        numbers = [p.number for p in ports]
-        if len(set(numbers)) != len(numbers):
-            raise ValueError(f"port number must be unique: {numbers}")
-        return ports
+        return unique(ports, lambda port: port.number, "port number must be unique")
 
 
 class InferencePool(Strict):
