@@ -4,11 +4,13 @@
 //! native host: one gateway per worker thread (`worker`), sharing a thread-safe store (`store`)
 //! and the process's stats (`stats`), its polls sent natively (`host`, `upstreams`). `extproc`
 //! translates one ext_proc stream into the gateway's calls, `service` serves it with gRPC health,
-//! `settings` reads the command line and the filter's config, `metrics_http` serves `/metrics`.
+//! `settings` reads the command line and the filter's config, `metrics_http` serves `/metrics`,
+//! `pool_watch` keeps the pool an InferencePool's pods.
 
 pub mod extproc;
 pub mod host;
 pub mod metrics_http;
+pub mod pool_watch;
 pub mod service;
 pub mod settings;
 pub mod stats;
