@@ -23,6 +23,8 @@ pub async fn start_epp(endpoints: &[SocketAddr], config: &str, single_address: b
         config: None,
         endpoints: endpoints.to_vec(),
         envoy_admin: None,
+        inference_pool: None,
+        namespace: None,
         pool: "inference_pool".into(),
         indexer: None,
         workers: Some(2),
