@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod driven;
+pub mod kube_api;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
