@@ -32,7 +32,7 @@ export KVROUTE_SGLANG_PYTHON := $(abspath $(SGLANG_VENV))/bin/python
 # Unit tests compiled to wasm run under wasmtime (installed into the venv from PyPI).
 export CARGO_TARGET_WASM32_WASIP1_RUNNER := $(abspath $(VENV))/bin/python $(abspath tools/wasi-run.py)
 
-.PHONY: all build wasm bins test-bins epp image indexer-image test-indexer-image deps istio-deps template-deps sglang-deps test test-native test-wasm test-real vllm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
+.PHONY: all build wasm bins test-bins epp image indexer-image test-indexer-image epp-image deps istio-deps template-deps sglang-deps test test-native test-wasm test-real vllm run bench bench-overhead bench-core bench-wasm-cost fuzz fmt lint clean
 
 all: build
 
@@ -69,6 +69,15 @@ indexer-image: .work/musl-target
 
 test-indexer-image: .work/skopeo indexer-image
 	$(CARGO) test -p oci-image --test skopeo -- --ignored
+
+# kvroute-epp as a container image, as the indexer's: static (musl), packed without Docker into an
+# OCI image layout under target/oci-epp (tag kvroute-epp); prints the manifest digest. The image
+# istio/inference-pool runs (values.yaml's epp_image, once pushed). Not part of `make test`.
+KVROUTE_EPP_STATIC := $(abspath target/$(INDEXER_TARGET)/release/kvroute-epp)
+
+epp-image: .work/musl-target
+	$(CARGO) build --release --target $(INDEXER_TARGET) -p kvroute-epp
+	$(CARGO) run --quiet --release -p oci-image -- --executable $(KVROUTE_EPP_STATIC) target/oci-epp kvroute-epp
 
 .work/musl-target:
 	rustup target add $(INDEXER_TARGET)

@@ -2,7 +2,9 @@
 //! The shipped Envoy and Istio configurations carry a kvroute config the filter accepts, and the
 //! Envoy settings kvroute depends on (header stop-iteration, override_host on the same header,
 //! an admin cluster under the configured name). The Istio manifests, rendered by kustomize as a
-//! user applies them, take every name from one file and pass Istio's own schemas.
+//! user applies them, take every name from one file and pass Istio's own schemas (and Kubernetes',
+//! Gateway API's and the InferencePool's); the inference-pool overlay's kvroute-epp serves the pool
+//! that names it, with no more rights than it needs.
 
 #[path = "common/istio.rs"]
 mod istio;
@@ -183,7 +185,7 @@ fn the_precise_envoy_bootstrap_is_the_shipped_one_plus_the_indexer() {
 
 /// `values.yaml`, the one file a user edits.
 fn values() -> Value {
-    documents("istio/base/values.yaml").remove(0)
+    documents("istio/values/values.yaml").remove(0)
 }
 
 /// Istio's name for the Service's cluster, from values.yaml.
@@ -391,6 +393,213 @@ fn the_precise_overlay_runs_the_indexer_in_the_gateway_pod_and_points_kvroute_at
         .starts_with(mount(indexer).expect("a mount")));
 }
 
+/// The item of `list` (containers, ports, volumes) whose `name` is `name`.
+fn named<'a>(list: &'a Value, name: &str) -> &'a Value {
+    list.as_sequence()
+        .and_then(|l| l.iter().find(|item| item["name"] == name))
+        .unwrap_or_else(|| panic!("nothing named {name} in {list:?}"))
+}
+
+/// kvroute-epp's `--flag=value` arguments in the inference-pool overlay, by flag.
+fn epp_args(docs: &[Value]) -> std::collections::BTreeMap<String, String> {
+    let pod = &istio::object(docs, "Deployment", "kvroute-epp")["spec"]["template"]["spec"];
+    named(&pod["containers"], "kvroute-epp")["args"]
+        .as_sequence()
+        .expect("args")
+        .iter()
+        .map(|a| {
+            let a = a.as_str().expect("a string");
+            let (flag, value) = a
+                .split_once('=')
+                .unwrap_or_else(|| panic!("{a}: --flag=value"));
+            (flag.to_string(), value.to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn the_inference_pool_asks_kvroute_epp_which_watches_that_pool() {
+    let docs = istio::rendered("inference-pool");
+    let values = values();
+    let pool = istio::object(&docs, "InferencePool", values["service"].as_str().unwrap());
+    let namespace = &values["namespace"];
+    assert!(
+        docs.iter()
+            .all(|d| &d["metadata"]["namespace"] == namespace),
+        "every object in values.yaml's namespace"
+    );
+
+    // The pool: the engines' pods on their port, kvroute-epp as its picker, failing open.
+    let spec = &pool["spec"];
+    assert_eq!(spec["selector"]["matchLabels"], values["pod_selector"]);
+    assert_eq!(spec["targetPorts"][0]["number"], values["port"]);
+    assert_eq!(spec["targetPorts"].as_sequence().map(Vec::len), Some(1));
+    let picker = &spec["endpointPickerRef"];
+    assert_eq!(
+        picker["failureMode"], "FailOpen",
+        "no picker: served anyway"
+    );
+    assert!(picker["kind"].is_null() || picker["kind"] == "Service");
+    let service = istio::object(&docs, "Service", picker["name"].as_str().unwrap());
+    let grpc = named(&service["spec"]["ports"], "grpc-ext-proc");
+    assert_eq!(picker["port"]["number"], grpc["port"]);
+    assert_eq!(grpc["appProtocol"], "kubernetes.io/h2c");
+    let grpc_target = grpc["targetPort"].as_u64().expect("a port number");
+
+    // The picker reads that pool in that namespace and listens where the Service sends.
+    let args = epp_args(&docs);
+    for flag in [
+        "--inference-pool",
+        "--namespace",
+        "--listen",
+        "--metrics",
+        "--config",
+    ] {
+        assert!(args.contains_key(flag), "{flag} in {args:?}");
+    }
+    assert_eq!(
+        Some(args["--inference-pool"].as_str()),
+        pool["metadata"]["name"].as_str()
+    );
+    assert_eq!(Some(args["--namespace"].as_str()), namespace.as_str());
+    let listen: std::net::SocketAddr = args["--listen"].parse().expect("--listen ip:port");
+    let metrics: std::net::SocketAddr = args["--metrics"].parse().expect("--metrics ip:port");
+    assert!(listen.ip().is_unspecified() && metrics.ip().is_unspecified());
+    assert_eq!(u64::from(listen.port()), grpc_target);
+    let metrics_port = &named(&service["spec"]["ports"], "http-metrics")["targetPort"];
+    assert_eq!(Some(u64::from(metrics.port())), metrics_port.as_u64());
+    let deployment = istio::object(&docs, "Deployment", "kvroute-epp");
+    let template = &deployment["spec"]["template"];
+    for (k, v) in service["spec"]["selector"].as_mapping().expect("selector") {
+        assert_eq!(
+            &template["metadata"]["labels"][k], v,
+            "the Service selects the picker"
+        );
+    }
+    let epp = named(&template["spec"]["containers"], "kvroute-epp");
+    assert_eq!(epp["image"], values["epp_image"]);
+    // gRPC health on the ext_proc port, under the names kvroute-epp serves.
+    for (probe, name) in [
+        ("readinessProbe", "readiness"),
+        ("livenessProbe", "liveness"),
+    ] {
+        assert_eq!(
+            epp[probe]["grpc"]["port"].as_u64(),
+            Some(grpc_target),
+            "{probe}"
+        );
+        assert_eq!(epp[probe]["grpc"]["service"], name, "{probe}");
+    }
+    let pod_security = &template["spec"]["securityContext"];
+    assert_eq!(pod_security["runAsNonRoot"], true);
+    assert_eq!(epp["securityContext"]["readOnlyRootFilesystem"], true);
+    assert_eq!(epp["securityContext"]["allowPrivilegeEscalation"], false);
+
+    // --config is the ConfigMap's file, mounted, and kvroute accepts it.
+    let config = std::path::Path::new(&args["--config"]);
+    let mount = &epp["volumeMounts"][0];
+    assert_eq!(
+        config.parent().and_then(|p| p.to_str()),
+        mount["mountPath"].as_str()
+    );
+    let volume = named(
+        &template["spec"]["volumes"],
+        mount["name"].as_str().unwrap(),
+    );
+    let map = istio::object(
+        &docs,
+        "ConfigMap",
+        volume["configMap"]["name"].as_str().unwrap(),
+    );
+    let file = config.file_name().and_then(|f| f.to_str()).unwrap();
+    let json = map["data"][file]
+        .as_str()
+        .expect("the config file in the ConfigMap");
+    let parsed = Config::parse(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        parsed.header, "x-gateway-destination-endpoint",
+        "the endpoint picker protocol's header"
+    );
+
+    // The Gateway API route: the Gateway's traffic goes to the pool.
+    let gateway = istio::object(&docs, "Gateway", "inference-gateway");
+    assert_eq!(gateway["apiVersion"], "gateway.networking.k8s.io/v1");
+    assert_eq!(gateway["spec"]["gatewayClassName"], "istio");
+    let route = &istio::object(&docs, "HTTPRoute", "inference-route")["spec"];
+    assert_eq!(route["parentRefs"][0]["name"], gateway["metadata"]["name"]);
+    let backend = &route["rules"][0]["backendRefs"][0];
+    assert_eq!(backend["group"], "inference.networking.k8s.io");
+    assert_eq!(backend["kind"], "InferencePool");
+    assert_eq!(backend["name"], pool["metadata"]["name"]);
+}
+
+#[test]
+fn kvroute_epp_may_read_inference_pools_and_watch_pods_in_its_namespace_and_nothing_else() {
+    let docs = istio::rendered("inference-pool");
+    let role = istio::object(&docs, "Role", "kvroute-epp");
+    let strings = |v: &Value| -> Vec<String> {
+        v.as_sequence()
+            .expect("a list")
+            .iter()
+            .map(|s| s.as_str().expect("a string").to_string())
+            .collect()
+    };
+    let mut granted: Vec<(String, String, Vec<String>)> = Vec::new();
+    for rule in role["rules"].as_sequence().expect("rules") {
+        let keys: Vec<&str> = rule
+            .as_mapping()
+            .expect("a rule")
+            .keys()
+            .filter_map(Value::as_str)
+            .collect();
+        assert!(
+            keys.iter()
+                .all(|k| ["apiGroups", "resources", "verbs"].contains(k)),
+            "no resourceNames or nonResourceURLs: {keys:?}"
+        );
+        for group in strings(&rule["apiGroups"]) {
+            for resource in strings(&rule["resources"]) {
+                let mut verbs = strings(&rule["verbs"]);
+                verbs.sort();
+                granted.push((group.clone(), resource, verbs));
+            }
+        }
+    }
+    granted.sort();
+    let verbs = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        granted,
+        vec![
+            ("".into(), "pods".into(), verbs(&["list", "watch"])),
+            (
+                "inference.networking.k8s.io".into(),
+                "inferencepools".into(),
+                verbs(&["get", "list", "watch"])
+            ),
+        ]
+    );
+    assert!(
+        docs.iter()
+            .all(|d| d["kind"] != "ClusterRole" && d["kind"] != "ClusterRoleBinding"),
+        "no rights outside the namespace"
+    );
+
+    // Bound to the picker's own ServiceAccount, in the pool's namespace.
+    let binding = istio::object(&docs, "RoleBinding", "kvroute-epp");
+    assert_eq!(binding["roleRef"]["kind"], "Role");
+    assert_eq!(binding["roleRef"]["name"], role["metadata"]["name"]);
+    let pod = &istio::object(&docs, "Deployment", "kvroute-epp")["spec"]["template"]["spec"];
+    let account = pod["serviceAccountName"]
+        .as_str()
+        .expect("a ServiceAccount");
+    istio::object(&docs, "ServiceAccount", account);
+    let subjects = binding["subjects"].as_sequence().expect("subjects");
+    assert_eq!(subjects.len(), 1);
+    assert_eq!(subjects[0]["kind"], "ServiceAccount");
+    assert_eq!(subjects[0]["name"], account);
+    assert_eq!(subjects[0]["namespace"], role["metadata"]["namespace"]);
+}
+
 /// Copies `from` to `to`, recursively.
 fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
     std::fs::create_dir_all(to).expect("mkdir");
@@ -410,7 +619,7 @@ fn values_yaml_sets_every_name_in_one_place() {
     let dir = std::env::temp_dir().join(format!("kvroute-istio-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     copy_dir(&root().join("istio"), &dir);
-    let path = dir.join("base/values.yaml");
+    let path = dir.join("values/values.yaml");
     let text = std::fs::read_to_string(&path).expect("values.yaml");
     let digest = "ab".repeat(32);
     let changed: String = text
@@ -429,6 +638,9 @@ fn values_yaml_sets_every_name_in_one_place() {
             Some("kv_events_port") => "kv_events_port: 6001".to_string(),
             Some("kv_events_topic") => "kv_events_topic: llama-events".to_string(),
             Some("kv_events_replay_port") => "kv_events_replay_port: 6002".to_string(),
+            Some("epp_image") => "epp_image: r.example/team/kvroute-epp:v9".to_string(),
+            // pod_selector's one label, replaced by two.
+            Some("  app") => "  app.kubernetes.io/name: qwen\n  tier: gpu".to_string(),
             _ => l.to_string(),
         })
         .collect::<Vec<_>>()
@@ -485,6 +697,35 @@ fn values_yaml_sets_every_name_in_one_place() {
             "{variant} with other names is still valid"
         );
     }
+
+    let text = istio::kustomize(&dir.join("inference-pool"));
+    for old in ["vllm", "namespace: llm", "8000", "registry.example"] {
+        assert!(
+            !text.contains(old),
+            "inference-pool: {old} left after changing values.yaml"
+        );
+    }
+    let docs = istio::documents(&text);
+    assert!(docs.iter().all(|d| d["metadata"]["namespace"] == "serving"));
+    let pool = &istio::object(&docs, "InferencePool", "qwen")["spec"];
+    assert_eq!(pool["targetPorts"][0]["number"], Value::from(8081));
+    let labels: Value = serde_yaml::from_str("{app.kubernetes.io/name: qwen, tier: gpu}").unwrap();
+    assert_eq!(pool["selector"]["matchLabels"], labels);
+    let route = &istio::object(&docs, "HTTPRoute", "inference-route")["spec"];
+    assert_eq!(route["rules"][0]["backendRefs"][0]["name"], "qwen");
+    let binding = istio::object(&docs, "RoleBinding", "kvroute-epp");
+    assert_eq!(binding["subjects"][0]["namespace"], "serving");
+    let args = epp_args(&docs);
+    assert_eq!(args["--inference-pool"], "qwen");
+    assert_eq!(args["--namespace"], "serving");
+    assert_eq!(
+        text.matches("image: r.example/team/kvroute-epp:v9").count(),
+        1
+    );
+    assert!(
+        istio::validate(&text).0,
+        "inference-pool with other names is still valid"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -521,7 +762,12 @@ fn map<'a>(v: &'a mut Value, path: &[&str]) -> &'a mut serde_yaml::Mapping {
 fn every_istio_object_passes_istio_schemas_and_unknown_fields_are_rejected() {
     // (what, YAML, whether valid, what the output must name)
     let mut cases: Vec<(String, String, bool, &str)> = Vec::new();
-    for variant in ["body-routing", "header-routing", "precise"] {
+    for variant in [
+        "body-routing",
+        "header-routing",
+        "precise",
+        "inference-pool",
+    ] {
         let docs = istio::rendered(variant);
         cases.push((
             variant.into(),
@@ -532,7 +778,7 @@ fn every_istio_object_passes_istio_schemas_and_unknown_fields_are_rejected() {
         // The validator can fail: an unknown field in any object's spec is an error.
         for (i, doc) in docs.iter().enumerate() {
             let kind = doc["kind"].as_str().unwrap_or_default();
-            // A ServiceAccount has no spec: at its top level.
+            // A ServiceAccount, ConfigMap, Role or RoleBinding has no spec: at its top level.
             let at: &[&str] = if doc["spec"].is_null() {
                 &[]
             } else {
@@ -551,7 +797,7 @@ fn every_istio_object_passes_istio_schemas_and_unknown_fields_are_rejected() {
     }
     let body = istio::rendered("body-routing");
     let header = istio::rendered("header-routing");
-    let wrong: Vec<(&str, String, &str)> = vec![
+    let mut wrong: Vec<(&str, String, &str)> = vec![
         (
             "a misspelt key deep in an EnvoyFilter match",
             mutated(&body, |d| {
@@ -603,6 +849,59 @@ fn every_istio_object_passes_istio_schemas_and_unknown_fields_are_rejected() {
             "sha256",
         ),
     ];
+    // The InferencePool's own rules.
+    let pool_docs = istio::rendered("inference-pool");
+    let pool = |change: &dyn Fn(&mut serde_yaml::Mapping)| {
+        mutated(&pool_docs, |d| {
+            let spec = at(d, "InferencePool").get_mut("spec").unwrap();
+            change(spec.as_mapping_mut().unwrap());
+        })
+    };
+    let ports = |numbers: &[u64]| -> Value {
+        let ports: Vec<Value> = numbers
+            .iter()
+            .map(|n| serde_yaml::from_str(&format!("{{number: {n}}}")).unwrap())
+            .collect();
+        Value::Sequence(ports)
+    };
+    fn picker(spec: &mut serde_yaml::Mapping) -> &mut serde_yaml::Mapping {
+        spec.get_mut("endpointPickerRef")
+            .and_then(Value::as_mapping_mut)
+            .expect("endpointPickerRef")
+    }
+    wrong.extend([
+        (
+            "an InferencePool failureMode outside the enum",
+            pool(&|spec| {
+                picker(spec).insert("failureMode".into(), "FailSometimes".into());
+            }),
+            "failureMode",
+        ),
+        (
+            "nine target ports (at most eight)",
+            pool(&|spec| {
+                let nine: Vec<u64> = (8000..8009).collect();
+                spec.insert("targetPorts".into(), ports(&nine));
+            }),
+            "at most 8 items",
+        ),
+        (
+            "a target port number twice",
+            pool(&|spec| {
+                spec.insert("targetPorts".into(), ports(&[8000, 8001, 8000]));
+            }),
+            "port number must be unique",
+        ),
+        (
+            "a picker Service without its port",
+            pool(&|spec| {
+                let picker = picker(spec);
+                picker.insert("kind".into(), "Service".into());
+                picker.remove("port");
+            }),
+            "port is required",
+        ),
+    ]);
     cases.extend(
         wrong
             .into_iter()

@@ -1,11 +1,15 @@
-"""Validates Kubernetes YAML (stdin, or each file given) against Istio's CRD schemas and Kubernetes' own
-(Deployment, Service, ServiceAccount), rejecting unknown fields.
+"""Validates Kubernetes YAML (stdin, or each file given) against Istio's CRD schemas, Kubernetes' own
+(Deployment, Service, ServiceAccount, ConfigMap, Role, RoleBinding), the Gateway API Inference
+Extension's InferencePool and the part of Gateway API the manifests use, rejecting unknown fields.
 
 The schemas are the Istio API models of PyPI's cloudcoil-models-istio (generated from Istio's CRDs)
 and the Kubernetes ones of cloudcoil-models-kubernetes (from Kubernetes' OpenAPI).
 As shipped they ignore unknown fields (pydantic's default) and accept snake_case spellings of
 camelCase fields; an API server with strict field validation rejects both, so this turns both off
 before the models are built, and validates in strict mode (no "8000" for 8000).
+No package has models of InferencePool or Gateway API: inference_pool.py is one written from the
+InferencePool API reference, whole; gateway_api_subset.py covers only the Gateway and HTTPRoute
+fields the manifests use (any other field is reported unknown).
 Prints one line per error; exits 1 if any document is invalid.
 """
 
@@ -27,6 +31,10 @@ from cloudcoil.models.istio.security import v1 as security_v1  # noqa: E402
 from cloudcoil.models.istio.telemetry import v1 as telemetry_v1  # noqa: E402
 from cloudcoil.models.kubernetes.apps import v1 as apps_v1  # noqa: E402
 from cloudcoil.models.kubernetes.core import v1 as core_v1  # noqa: E402
+from cloudcoil.models.kubernetes.rbac import v1 as rbac_v1  # noqa: E402
+
+import gateway_api_subset  # noqa: E402
+import inference_pool  # noqa: E402
 
 MODULES = {
     "extensions.istio.io/v1alpha1": extensions_v1alpha1,
@@ -37,6 +45,9 @@ MODULES = {
     "telemetry.istio.io/v1": telemetry_v1,
     "apps/v1": apps_v1,
     "v1": core_v1,
+    "rbac.authorization.k8s.io/v1": rbac_v1,
+    "inference.networking.k8s.io/v1": inference_pool,
+    "gateway.networking.k8s.io/v1": gateway_api_subset,
 }
 
 
