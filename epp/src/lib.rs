@@ -4,11 +4,13 @@
 //! native host: one gateway per worker thread (`worker`), sharing a thread-safe store (`store`)
 //! and the process's stats (`stats`), its polls sent natively (`host`, `upstreams`). `extproc`
 //! translates one ext_proc stream into the gateway's calls, `service` serves it with gRPC health,
-//! `settings` reads the command line and the filter's config, `metrics_http` serves `/metrics`.
+//! `settings` reads the command line and the filter's config, `metrics_http` serves `/metrics`,
+//! `pool_watch` keeps the pool an InferencePool's pods.
 
 pub mod extproc;
 pub mod host;
 pub mod metrics_http;
+pub mod pool_watch;
 pub mod service;
 pub mod settings;
 pub mod stats;
@@ -45,7 +47,7 @@ pub struct Running {
     pub metrics_addr: Option<SocketAddr>,
     pub stats: Arc<Stats>,
     pub store: Arc<SyncStore>,
-    /// The endpoints it picks from, when given as a list.
+    /// The endpoints it picks from, when given as a list or an InferencePool.
     pub pool: Option<Arc<Pool>>,
     stop: Option<oneshot::Sender<()>>,
     tasks: Vec<JoinHandle<()>>,
@@ -70,6 +72,7 @@ pub async fn start(settings: Settings) -> Result<Running, String> {
         config,
         upstreams,
         pool,
+        inference_pool,
         options,
     } = settings;
     let store = Arc::new(SyncStore::new());
@@ -94,6 +97,17 @@ pub async fn start(settings: Settings) -> Result<Running, String> {
         .map_err(|e| format!("cannot listen on --listen {}: {e}", args.listen))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let mut tasks = Vec::new();
+    if let (Some(source), Some(pool)) = (inference_pool, &pool) {
+        let api = match source.api.clone() {
+            Some(api) => api,
+            None => kube::Config::infer()
+                .await
+                .map_err(|e| format!("--inference-pool: no Kubernetes API to ask: {e}"))?,
+        };
+        let client = kube::Client::try_from(api)
+            .map_err(|e| format!("--inference-pool: the Kubernetes API client: {e}"))?;
+        tasks.push(tokio::spawn(pool_watch::run(client, source, pool.clone())));
+    }
     let metrics_addr = match args.metrics {
         Some(at) => {
             let listener = TcpListener::bind(at)
@@ -116,7 +130,9 @@ pub async fn start(settings: Settings) -> Result<Running, String> {
     health
         .set_not_serving::<ExternalProcessorServer<Picker>>()
         .await;
-    // Ready once the gateway knows its endpoints: a static list at once, else the first poll.
+    // Ready once the gateway knows its endpoints: a static list at once, else the first poll
+    // (with an InferencePool, the first after its pods are listed: a pool not yet listed
+    // answers no poll, `Upstreams::knows`).
     let static_endpoints = !config.endpoints.is_empty();
     let ready_store = store.clone();
     tasks.push(tokio::spawn(async move {

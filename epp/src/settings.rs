@@ -9,6 +9,7 @@ use clap::Parser;
 use kvroute::config::Config;
 
 use crate::extproc::{Options, DESTINATION_KEY};
+use crate::pool_watch::Source;
 use crate::upstreams::{Pool, Target, Upstreams};
 
 /// The filter's configuration as `envoy/kvroute.yaml` ships it: the picker's when `--config` is
@@ -44,6 +45,14 @@ pub struct Args {
     /// health checks and active requests, as the filter does.
     #[arg(long)]
     pub envoy_admin: Option<SocketAddr>,
+    /// Instead of `--endpoints`: the InferencePool (`inference.networking.k8s.io/v1`) whose
+    /// ready pods, at its target ports, are the endpoints; watched through the Kubernetes API.
+    #[arg(long)]
+    pub inference_pool: Option<String>,
+    /// The InferencePool's namespace. Default: the pod's own (its service account's), else
+    /// `default`.
+    #[arg(long, requires = "inference_pool")]
+    pub namespace: Option<String>,
     /// The name of the pool's cluster, the one every request is routed in.
     #[arg(long, default_value = "inference_pool")]
     pub pool: String,
@@ -69,6 +78,8 @@ pub struct Settings {
     pub config: Config,
     pub upstreams: Upstreams,
     pub pool: Option<Arc<Pool>>,
+    /// The InferencePool the pool's members come from, with `--inference-pool`.
+    pub inference_pool: Option<Source>,
     pub options: Options,
 }
 
@@ -94,34 +105,50 @@ impl Settings {
     pub fn with_config(args: Args, config: Config) -> Result<Settings, String> {
         let mut upstreams = Upstreams::new(&config.header);
         let mut pool = None;
-        if !args.endpoints.is_empty() && !config.endpoints.is_empty() {
-            return Err(
-                "--endpoints and the config's `endpoints` both list endpoints: keep one".into(),
-            );
+        let given: Vec<&str> = [
+            ("--endpoints", !args.endpoints.is_empty()),
+            ("--envoy-admin", args.envoy_admin.is_some()),
+            ("--inference-pool", args.inference_pool.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, given)| given.then_some(flag))
+        .collect();
+        if given.len() > 1 {
+            return Err(format!(
+                "give one of --endpoints, --envoy-admin and --inference-pool, not {}",
+                given.join(" and ")
+            ));
         }
+        let listing = given.iter().find(|flag| **flag != "--envoy-admin");
+        if let (Some(flag), false) = (listing, config.endpoints.is_empty()) {
+            return Err(format!(
+                "{flag} and the config's `endpoints` both list endpoints: keep one"
+            ));
+        }
+        let inference_pool = args
+            .inference_pool
+            .as_deref()
+            .map(|name| Source::new(name, args.namespace.as_deref()));
         if let Some(admin) = &config.admin_cluster {
-            let target = match (&args.envoy_admin, args.endpoints.is_empty()) {
-                (Some(_), false) => {
-                    return Err("give --endpoints or --envoy-admin, not both".into())
-                }
-                (Some(addr), true) => Target::Fixed(addr.to_string()),
-                (None, false) => {
-                    let p = Arc::new(Pool::new(&args.pool, args.endpoints.clone()));
-                    pool = Some(p.clone());
-                    Target::Pool(p)
-                }
-                (None, true) if !config.endpoints.is_empty() => {
-                    Target::Pool(Arc::new(Pool::new(&args.pool, Vec::new())))
-                }
-                (None, true) => {
-                    return Err(format!(
-                        "the config's `admin_cluster` ({admin}) needs --endpoints or --envoy-admin"
-                    ))
-                }
+            let target = if let Some(addr) = &args.envoy_admin {
+                Target::Fixed(addr.to_string())
+            } else if !args.endpoints.is_empty() || inference_pool.is_some() {
+                let p = Arc::new(match inference_pool {
+                    Some(_) => Pool::unlisted(&args.pool),
+                    None => Pool::new(&args.pool, args.endpoints.clone()),
+                });
+                pool = Some(p.clone());
+                Target::Pool(p)
+            } else if !config.endpoints.is_empty() {
+                Target::Pool(Arc::new(Pool::new(&args.pool, Vec::new())))
+            } else {
+                return Err(format!(
+                    "the config's `admin_cluster` ({admin}) needs --endpoints, --envoy-admin or --inference-pool"
+                ));
             };
             upstreams = upstreams.with(admin, target);
-        } else if !args.endpoints.is_empty() || args.envoy_admin.is_some() {
-            return Err("--endpoints and --envoy-admin need the config's `admin_cluster`".into());
+        } else if let Some(flag) = given.first() {
+            return Err(format!("{flag} needs the config's `admin_cluster`"));
         }
         if let Some(engines) = &config.engine_metrics_cluster {
             upstreams = upstreams.with(engines, Target::Named);
@@ -148,7 +175,51 @@ impl Settings {
             config,
             upstreams,
             pool,
+            inference_pool,
             options,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn resolve(flags: &[&str]) -> Result<Settings, String> {
+        let args = Args::parse_from([&["kvroute-epp"], flags].concat());
+        Settings::resolve(args)
+    }
+
+    #[test]
+    fn one_source_of_endpoints_is_given() {
+        let pool = ["--inference-pool", "p"];
+        for other in [
+            &["--endpoints", "127.0.0.1:8001"][..],
+            &["--envoy-admin", "127.0.0.1:9901"],
+        ] {
+            let Err(error) = resolve(&[&pool[..], other].concat()) else {
+                panic!("{other:?} with --inference-pool was taken");
+            };
+            assert!(
+                error.contains("--inference-pool") && error.contains(other[0]),
+                "{error}"
+            );
+        }
+        let Err(error) = resolve(&[]) else {
+            panic!("no endpoints was taken");
+        };
+        assert!(error.contains("--inference-pool"), "{error}");
+    }
+
+    #[test]
+    fn an_inference_pool_starts_unlisted_in_the_namespace_given() {
+        let settings = resolve(&["--inference-pool", "p", "--namespace", "models"]).unwrap();
+        let source = settings.inference_pool.unwrap();
+        assert_eq!(
+            (source.namespace.as_str(), source.name.as_str()),
+            ("models", "p")
+        );
+        assert!(!settings.pool.unwrap().listed());
+        assert!(Args::try_parse_from(["kvroute-epp", "--namespace", "models"]).is_err());
     }
 }

@@ -9,32 +9,58 @@ use std::time::Duration;
 
 use serde_json::json;
 
-/// The endpoints this process picks from: a static list now (an InferencePool's pods later),
-/// shown to the gateway as Envoy's admin would show a cluster of healthy hosts.
+/// The endpoints this process picks from (a static list, or an InferencePool's pods), shown to
+/// the gateway as Envoy's admin would show a cluster of healthy hosts.
 pub struct Pool {
     /// The cluster name the gateway knows the pool by (its requests' route cluster).
     pub cluster: String,
-    endpoints: RwLock<Vec<SocketAddr>>,
+    /// `None` until the members are first known.
+    endpoints: RwLock<Option<Vec<SocketAddr>>>,
 }
 
 impl Pool {
     pub fn new(cluster: &str, endpoints: Vec<SocketAddr>) -> Pool {
         Pool {
             cluster: cluster.to_string(),
-            endpoints: RwLock::new(endpoints),
+            endpoints: RwLock::new(Some(endpoints)),
+        }
+    }
+
+    /// A pool whose members are not known yet (an InferencePool's, before its pods are listed).
+    pub fn unlisted(cluster: &str) -> Pool {
+        Pool {
+            cluster: cluster.to_string(),
+            endpoints: RwLock::new(None),
         }
     }
 
     /// Replaces the pool's members.
     pub fn set(&self, endpoints: Vec<SocketAddr>) {
-        *self.endpoints.write().unwrap_or_else(|p| p.into_inner()) = endpoints;
+        *self.endpoints.write().unwrap_or_else(|p| p.into_inner()) = Some(endpoints);
+    }
+
+    /// The members, once known.
+    pub fn members(&self) -> Option<Vec<SocketAddr>> {
+        self.endpoints
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Whether the members are known.
+    pub fn listed(&self) -> bool {
+        self.endpoints
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
     }
 
     /// The pool as an Envoy admin `/clusters?format=json` document: each member healthy, with no
-    /// requests active (the gateway counts its own).
-    pub fn clusters_document(&self) -> Vec<u8> {
+    /// requests active (the gateway counts its own). A pool not yet listed has none.
+    pub fn clusters_document(&self) -> Option<Vec<u8>> {
         let endpoints = self.endpoints.read().unwrap_or_else(|p| p.into_inner());
         let hosts: Vec<_> = endpoints
+            .as_ref()?
             .iter()
             .map(|a| {
                 json!({
@@ -48,7 +74,7 @@ impl Pool {
         let document = json!({ "cluster_statuses": [
             { "name": self.cluster, "host_statuses": hosts }
         ] });
-        document.to_string().into_bytes()
+        Some(document.to_string().into_bytes())
     }
 }
 
@@ -87,9 +113,15 @@ impl Upstreams {
         self
     }
 
-    /// Whether a call to `cluster` can be sent.
+    /// Whether a call to `cluster` can be sent. A pool not yet listed cannot answer: the
+    /// gateway's poll then fails (counted, not logged) and it publishes no snapshot, which keeps
+    /// the picker from being ready on an empty pool it has not read.
     pub fn knows(&self, cluster: &str) -> bool {
-        self.targets.contains_key(cluster)
+        match self.targets.get(cluster) {
+            Some(Target::Pool(pool)) => pool.listed(),
+            Some(_) => true,
+            None => false,
+        }
     }
 
     /// `GET` of the call's `:path` from `cluster`'s target, with `headers` as the gateway gave
@@ -106,7 +138,10 @@ impl Upstreams {
         };
         let authority = match self.targets.get(cluster) {
             None => return (None, None),
-            Some(Target::Pool(pool)) => return (Some(200), Some(pool.clusters_document())),
+            Some(Target::Pool(pool)) => match pool.clusters_document() {
+                Some(document) => return (Some(200), Some(document)),
+                None => return (None, None),
+            },
             Some(Target::Fixed(addr)) => addr.as_str(),
             Some(Target::Named) => match header(&self.header) {
                 Some(addr) => addr,
@@ -140,14 +175,28 @@ mod tests {
             ],
         );
         let snapshot =
-            parse_admin_clusters(&pool.clusters_document(), PolledClusters::ALL).unwrap();
+            parse_admin_clusters(&pool.clusters_document().unwrap(), PolledClusters::ALL).unwrap();
         let hosts = &snapshot["inference_pool"];
         let addrs: Vec<_> = hosts.iter().map(|h| h.addr.as_str()).collect();
         assert_eq!(addrs, ["127.0.0.1:8001", "127.0.0.1:8002"]);
         assert!(hosts.iter().all(|h| h.healthy && h.rq_active == 0));
         pool.set(vec!["127.0.0.1:8003".parse().unwrap()]);
         let snapshot =
-            parse_admin_clusters(&pool.clusters_document(), PolledClusters::ALL).unwrap();
+            parse_admin_clusters(&pool.clusters_document().unwrap(), PolledClusters::ALL).unwrap();
         assert_eq!(snapshot["inference_pool"][0].addr, "127.0.0.1:8003");
+    }
+
+    #[test]
+    fn a_pool_not_yet_listed_cannot_be_called_until_it_is() {
+        let pool = std::sync::Arc::new(Pool::unlisted("inference_pool"));
+        let upstreams = Upstreams::new("x-gateway-destination-endpoint")
+            .with("kvroute_admin", Target::Pool(pool.clone()));
+        assert!(!upstreams.knows("kvroute_admin"));
+        assert_eq!(pool.clusters_document(), None);
+        pool.set(Vec::new());
+        assert!(upstreams.knows("kvroute_admin"));
+        let snapshot =
+            parse_admin_clusters(&pool.clusters_document().unwrap(), PolledClusters::ALL).unwrap();
+        assert!(snapshot["inference_pool"].is_empty());
     }
 }

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod driven;
+pub mod kube_api;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -23,6 +24,8 @@ pub async fn start_epp(endpoints: &[SocketAddr], config: &str, single_address: b
         config: None,
         endpoints: endpoints.to_vec(),
         envoy_admin: None,
+        inference_pool: None,
+        namespace: None,
         pool: "inference_pool".into(),
         indexer: None,
         workers: Some(2),
