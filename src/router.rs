@@ -626,10 +626,17 @@ mod tests {
             fallback_endpoints: 2,
             ..Config::default()
         });
-        let routed = send(&r, &MemoryStore::new(), &hosts(4), &chat("s", "q")).unwrap();
-        assert_eq!(routed.endpoints.len(), 3);
-        let unique: std::collections::HashSet<&String> = routed.endpoints.iter().collect();
-        assert_eq!(unique.len(), 3);
+        for g in 0..8 {
+            let routed = send(&r, &MemoryStore::new(), &hosts(4), &chat(&system(g), "q")).unwrap();
+            assert_eq!(routed.endpoints.len(), 3);
+            assert_eq!(
+                crate::rendezvous::endpoint_id(&routed.endpoints[0]),
+                routed.endpoint_id,
+                "the chosen endpoint first: {routed:?}"
+            );
+            let unique: std::collections::HashSet<&String> = routed.endpoints.iter().collect();
+            assert_eq!(unique.len(), 3);
+        }
     }
 
     /// The group of `system(g)` whose home is host `want` among `hosts`.
@@ -718,7 +725,7 @@ mod tests {
     }
 
     #[test]
-    fn round_robin_cycles_and_other_baselines_route() {
+    fn round_robin_cycles_least_request_takes_the_idlest_and_prefix_hash_keeps_each_group() {
         let (store, hosts) = (MemoryStore::new(), hosts(3));
         let rr = router(PolicyKind::RoundRobin);
         let firsts: Vec<String> = (0..6)
@@ -731,8 +738,28 @@ mod tests {
             .collect();
         assert_eq!(firsts[0..3], firsts[3..6]);
         assert_ne!(firsts[0], firsts[1]);
-        for policy in [PolicyKind::LeastRequest, PolicyKind::PrefixHash] {
-            assert!(send(&router(policy), &store, &hosts, &chat("s", "q")).is_ok());
-        }
+        let mut busy = hosts.clone();
+        busy[0].rq_active = 5;
+        busy[2].rq_active = 3;
+        let least = send(
+            &router(PolicyKind::LeastRequest),
+            &store,
+            &busy,
+            &chat("s", "q"),
+        );
+        assert_eq!(least.unwrap().endpoints[0], hosts[1].addr, "the idle one");
+        let hash = router(PolicyKind::PrefixHash);
+        let homes: std::collections::HashSet<String> = (0..16)
+            .map(|g| {
+                let first = send(&hash, &store, &hosts, &chat(&system(g), "q")).unwrap();
+                let again = send(&hash, &store, &hosts, &chat(&system(g), "other")).unwrap();
+                assert_eq!(
+                    first.endpoints[0], again.endpoints[0],
+                    "group {g} keeps its host"
+                );
+                first.endpoints[0].clone()
+            })
+            .collect();
+        assert!(homes.len() > 1, "16 groups all hashed to {homes:?}");
     }
 }

@@ -97,7 +97,7 @@ impl Load {
 /// Four backends behind kvroute (`debug_config`, health-checked every `health_check`), each
 /// taking 20 ms to answer so that streams overlap a failure as they would on a real engine, under
 /// `clients` clients streaming `groups` groups' requests; returns once backend `victim` has served
-/// some of them.
+/// some of them, a shared group's among them.
 pub async fn fleet_under_load(
     health_check: Duration,
     clients: usize,
@@ -115,10 +115,12 @@ pub async fn fleet_under_load(
     }
     let url = format!("{}/v1/chat/completions", fleet.envoy.url());
     let load = Load::start(url, clients, groups);
-    let victim = &fleet.backends[victim];
-    wait_until("the victim serves traffic", Duration::from_secs(60), || {
-        victim.completed() >= 20
-    })
+    let backend = &fleet.backends[victim];
+    wait_until(
+        "the victim serves a shared group",
+        Duration::from_secs(60),
+        || backend.completed() >= 20 && load.served_since(0).iter().any(|&(_, b)| b == victim),
+    )
     .await;
     (fleet, load)
 }
