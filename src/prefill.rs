@@ -55,11 +55,7 @@ impl PrefillModel {
     /// Rendered prompt bytes per token of the engines' tokenizer: what turns an engine's queue,
     /// when it counts it in tokens, into kvroute's unit.
     pub fn bytes_per_token(&self) -> f64 {
-        let t = &self.tokenized;
-        match t.seen >= SEEN && t.over > 0.0 {
-            true => (t.bytes / t.over).clamp(BYTES_PER_TOKEN / CLAMP, BYTES_PER_TOKEN * CLAMP),
-            false => BYTES_PER_TOKEN,
-        }
+        self.tokenized.ratio(BYTES_PER_TOKEN)
     }
 
     /// An engine reported `tokens` prompt tokens for a prompt of `bytes` rendered bytes.
@@ -71,12 +67,9 @@ impl PrefillModel {
 
     /// Endpoint `id`'s prefill rate, in bytes per millisecond.
     pub fn rate(&self, id: u32) -> f64 {
-        match self.rates.get(&id) {
-            Some(s) if s.seen >= SEEN && s.over > 0.0 => {
-                (s.bytes / s.over).clamp(self.default_rate / CLAMP, self.default_rate * CLAMP)
-            }
-            _ => self.default_rate,
-        }
+        self.rates
+            .get(&id)
+            .map_or(self.default_rate, |s| s.ratio(self.default_rate))
     }
 
     /// The mean uncached bytes of a request: what a request another gateway queued at an engine
@@ -105,6 +98,14 @@ impl Sums {
         self.bytes = self.bytes * keep + bytes;
         self.over = self.over * keep + per;
         self.seen += 1.0;
+    }
+
+    /// Bytes per unit once seen [`SEEN`] times, within [`CLAMP`]× of `default`; `default` until.
+    fn ratio(&self, default: f64) -> f64 {
+        match self.seen >= SEEN && self.over > 0.0 {
+            true => (self.bytes / self.over).clamp(default / CLAMP, default * CLAMP),
+            false => default,
+        }
     }
 }
 
