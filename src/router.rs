@@ -316,6 +316,7 @@ pub fn finish(store: &dyn SharedStore, endpoint_id: u32) -> Option<u32> {
 /// more, the engine's waiting requests at the mean size of a request's uncached prompt (other
 /// gateways' requests among them).
 fn candidates<'h>(table: &Table, prefill: &PrefillModel, hosts: &'h [Host]) -> Vec<Candidate<'h>> {
+    let bytes_per_token = prefill.bytes_per_token();
     let mut out: Vec<Candidate> = hosts
         .iter()
         .filter(|h| h.healthy)
@@ -331,8 +332,7 @@ fn candidates<'h>(table: &Table, prefill: &PrefillModel, hosts: &'h [Host]) -> V
             };
             let fresh = h.engine.filter(|e| !e.stale());
             let own_prefill = table.prefill(id);
-            let reported =
-                fresh.and_then(|e| e.queued_prefill(own_prefill, prefill.bytes_per_token()));
+            let reported = fresh.and_then(|e| e.queued_prefill(own_prefill, bytes_per_token));
             let waiting = fresh.map_or(0, |e| e.waiting);
             let others = (waiting as f64 * prefill.mean_uncached()) as u64;
             Candidate {
