@@ -62,20 +62,16 @@ impl<H: HostApi> Gateway<H> {
         if self.poller.admin.take().is_some() {
             self.metrics.count(&self.host, "kvroute.stats_poll.failed");
         }
-        if !self.poller.engines.is_empty() {
-            let late = self.poller.engines.len() as i64;
-            let name = "kvroute.engine_poll.failed";
+        let late = [
+            (self.poller.engines.len(), "kvroute.engine_poll.failed"),
+            (self.poller.loads.len(), "kvroute.engine_poll.loads_failed"),
+        ];
+        for (n, name) in late.into_iter().filter(|(n, _)| *n > 0) {
             self.metrics
-                .add(&self.host, MetricKind::Counter, name, late);
+                .add(&self.host, MetricKind::Counter, name, n as i64);
         }
         if self.poller.index.take().is_some() {
             self.metrics.count(&self.host, "kvroute.index.poll_failed");
-        }
-        if !self.poller.loads.is_empty() {
-            let late = self.poller.loads.len() as i64;
-            let name = "kvroute.engine_poll.loads_failed";
-            self.metrics
-                .add(&self.host, MetricKind::Counter, name, late);
         }
         self.poller.reports.clear();
         self.poller.engines.clear();
