@@ -1,8 +1,7 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! A flood of unique prompts cannot grow kvroute's shared-data affinity map past
 //! `affinity_capacity` slots: memory stays bounded however many prefixes it sees.
 
-mod common;
+use crate::common;
 
 use common::{kv_stat, Fleet};
 use serde_json::json;

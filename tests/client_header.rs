@@ -1,7 +1,6 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! A client cannot pick the upstream by sending kvroute's routing header itself.
 
-mod common;
+use crate::common;
 
 use common::{chat_body, debug_config, served_by, system_prompt, Fleet};
 

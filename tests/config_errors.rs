@@ -1,4 +1,3 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! A bad plugin configuration stops Envoy at load, with a log line that names the field.
 
 use kvroute_harness::{backend::Backend, Envoy, EnvoyOptions, HarnessError, Lb};

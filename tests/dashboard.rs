@@ -1,10 +1,9 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! The Grafana dashboard (`deploy/grafana/kvroute.json`) asks only for metrics that exist: every
 //! metric its queries name is one a real Envoy running the built filter exposes on
 //! `/stats/prometheus` after routing requests to a simulated vLLM fleet, or one the simulator's
 //! `/metrics` exposes (it mirrors vLLM's names). A misspelled name in the dashboard fails here.
 
-mod common;
+use crate::common;
 
 use kvroute_sim::spec::FleetSpec;
 use serde_json::{json, Value};

@@ -1,11 +1,10 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! A replica that answers 500 to every request while eight clients stream chat completions through
 //! kvroute costs no request: Envoy retries each 500 once on kvroute's fallback address, and kvroute
 //! marks the replica suspect, so its groups go to their next choice while it keeps failing. Once it
 //! answers again its groups come back. Whether its health check fails too (a replica that is down)
 //! or still says 200 (a vLLM whose engine died under a live API server) makes no difference.
 
-mod common;
+use crate::common;
 
 use common::load::{assert_none_failed, fleet_under_load, wait_until};
 use common::{kv_stat, pool_stat, Fleet};
@@ -16,9 +15,6 @@ use std::time::{Duration, Instant};
 const CLIENTS: usize = 8;
 const GROUPS: usize = 12;
 const VICTIM: usize = 1;
-
-/// The two tests each load the machine: one at a time.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 #[derive(Clone, Copy)]
 enum Failure {
@@ -39,7 +35,6 @@ impl Failure {
 }
 
 async fn a_replica_answering_500_under_streamed_load_fails_no_request(failure: Failure) {
-    let _serial = SERIAL.lock().await;
     // The shipped health check's pace (1 s), and a quick kvroute poll.
     let (fleet, load) = fleet_under_load(Duration::from_secs(1), CLIENTS, GROUPS, VICTIM).await;
     let victim = &fleet.backends[VICTIM];

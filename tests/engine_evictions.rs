@@ -1,4 +1,3 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! The closed loop, through a real Envoy over a simulated vLLM fleet: when a replica's engine
 //! reports that it no longer caches a conversation kvroute sent there, kvroute stops sending that
 //! replica's other old conversations there by affinity, and follows again what it recomputed.
@@ -6,7 +5,7 @@
 //! `src/eviction.rs`; the sim, like vLLM, caches blocks once scheduled, so a burst here finds
 //! them.)
 
-mod common;
+use crate::common;
 
 use kvroute_sim::fleet::Fleet;
 use kvroute_sim::spec::FleetSpec;

@@ -1,9 +1,8 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! An engine that reports a queue in its own `/metrics` (traffic from other gateways, which this
 //! Envoy cannot see) is full: the groups homed on it go to their next replica until it drains,
 //! then come back, and no other group moves.
 
-mod common;
+use crate::common;
 
 use common::{
     chat_body, debug_config, served_by, system_prompt, wait_for_fresh_poll, warm_up, Fleet,

@@ -1,9 +1,8 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! What the engines say they cached reaches Envoy's stats: kvroute reads `usage` from streamed
 //! and plain responses of a simulated vLLM fleet, and its per-endpoint prompt and cached token
 //! counters agree with the fleet's own prefix-cache counters.
 
-mod common;
+use crate::common;
 
 use kvroute_sim::spec::FleetSpec;
 use serde_json::json;

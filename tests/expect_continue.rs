@@ -1,8 +1,7 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! A client that asks `expect: 100-continue` (curl does for a body over 1 KB) gets its 100 at once,
 //! though kvroute holds the request's headers until the body is in, and is routed on that body.
 
-mod common;
+use crate::common;
 
 use common::{chat_body, debug_config, system_prompt, Fleet};
 use std::time::Duration;

@@ -1,9 +1,8 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! The shipped failure policy: a kvroute VM that traps is reloaded and routes again, instead of
 //! being left disabled for good (what `FAIL_OPEN` does). The trap is made on purpose through the
 //! test-only `unsafe_trap_path_for_tests` config field, which the shipped config never sets.
 
-mod common;
+use crate::common;
 
 use common::{
     ask, chat_body, debug_config, inflight_gauges, kv_stat, served_by, system_prompt,

@@ -1,9 +1,8 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! A backend that dies is routed around: retries cover the moment of death (a refused connection,
 //! or a reset on a pooled connection to it), and once Envoy marks it unhealthy kvroute no longer
 //! names it at all, not even as a fallback address.
 
-mod common;
+use crate::common;
 
 use common::{
     ask, debug_config, first_homes, served_by, take_routing_headers, wait_for_fresh_poll, Fleet,

@@ -1,4 +1,3 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! kvroute never routes on a picture of the fleet that has stopped updating: when Envoy's admin
 //! stops answering its poll, requests go to Envoy's own load balancer (`fallback.stale_hosts`)
 //! until it answers again; an engine whose `/metrics` stops answering is avoided
@@ -6,7 +5,7 @@
 //! (`fallback.stale_engine_loads`). No request is lost or hangs meanwhile, and kvroute routes
 //! again once the answers are back.
 
-mod common;
+use crate::common;
 
 use common::{
     ask, client_per_request, debug_config, kv_stat, served_by, wait_for_fresh_poll, warm_up, Fleet,

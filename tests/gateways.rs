@@ -1,10 +1,9 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! Three gateways, each an Envoy with kvroute and nothing shared between them, act as one: once
 //! they have seen the groups, each group has one home whichever gateway a request reaches and the
 //! homes are balanced; a restarted gateway, once it has seen them again, uses the same homes; a
 //! hot group spills along the same path at every gateway and comes back when its home drains.
 
-mod common;
+use crate::common;
 
 use common::{
     chat_body, debug_config, served_by, system_prompt, wait_for_fresh_poll, warm_up, Fleet,

@@ -1,8 +1,7 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! The harness itself, without kvroute: Envoy starts from the shipped bootstrap with a plain LB
 //! policy, and the test backends answer, record and die as documented.
 
-mod common;
+use crate::common;
 
 use common::{chat_body, Fleet};
 use kvroute_harness::backend::{self, Backend};

@@ -1,8 +1,7 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! kvroute's per-backend in-flight counts return to zero after a burst, including requests the
 //! client gave up on mid-flight; a leak here would slowly steer traffic away from a backend.
 
-mod common;
+use crate::common;
 
 use common::{
     chat_body, debug_config, inflight_gauge_name, inflight_gauges, kv_stat, system_prompt, Fleet,

@@ -1,4 +1,3 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! The gateway config istiod and istio-agent would hand Envoy from `istio/body-routing` (and from
 //! `istio/precise`, with kvroute-indexer), assembled from the rendered manifests (every value read
 //! from them) and run with real traffic.
@@ -8,9 +7,8 @@
 //! istio-agent rewrites it after the pull; the Service's endpoints are the test backends (STATIC
 //! instead of EDS); `prometheus_stats` is the cluster Istio's bootstrap has, on the admin port.
 
-mod common;
-#[path = "common/istio.rs"]
-mod istio;
+use crate::common;
+use crate::common::istio;
 
 use common::{ask, chat_body, client, reached_since, received, served_by, system_prompt};
 use common::{warm_up, Fleet};

@@ -1,10 +1,9 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! On a large mesh the gateway's admin `/clusters` lists every cluster (here 2,000 clusters, 10
 //! hosts each): kvroute keeps only the cluster it routes, its decisions stay right, and requests
 //! keep answering while polls of that document run. (The poll asks Envoy to filter the clusters;
 //! this admin, like an Envoy without that parameter, sends all of them.)
 
-mod common;
+use crate::common;
 
 use common::{ask, client, debug_config, kv_stat, served_by, warm_up, Fleet};
 use kvroute_harness::backend::Backend;

@@ -1,9 +1,8 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! An overloaded backend sheds new requests of its own prefix to others, and gets them back once
 //! its load drops: affinity yields to balance only while the thresholds are exceeded. (The test
 //! follows one conversation: a lone group's conversations split between replicas.)
 
-mod common;
+use crate::common;
 
 use common::{chat_body, served_by, system_prompt, wait_for_fresh_poll, warm_up, Fleet};
 use serde_json::json;

@@ -1,4 +1,3 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! The shipped Envoy and Istio configurations carry a kvroute config the filter accepts, and the
 //! Envoy settings kvroute depends on (header stop-iteration, override_host on the same header,
 //! an admin cluster under the configured name). The Istio manifests, rendered by kustomize as a
@@ -6,8 +5,7 @@
 //! Gateway API's and the InferencePool's); the inference-pool overlay's kvroute-epp serves the pool
 //! that names it, with no more rights than it needs.
 
-#[path = "common/istio.rs"]
-mod istio;
+use crate::common::istio;
 
 use kvroute::config::Config;
 use serde::Deserialize;

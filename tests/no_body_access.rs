@@ -1,9 +1,8 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! Loaded the way Istio's WasmPlugin loads it (no `allow_on_headers_stop_iteration`, no vm_id),
 //! kvroute never hangs a request: it notices once that Envoy withholds bodies, logs it, and routes
 //! from headers. With the flag, a client that sends its body late is still routed on its body.
 
-mod common;
+use crate::common;
 
 use common::{chat_body, debug_config, kv_stat, served_by, system_prompt, Fleet};
 use std::collections::{HashMap, HashSet};

@@ -1,9 +1,8 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! A routed request's outcome settles the affinity it recorded: a success keeps it, whether its
 //! engine reported usage (a whole answer) or not (a stream that did not ask, whose status is read
 //! at its end), and a failed answer withdraws it.
 
-mod common;
+use crate::common;
 
 use kvroute_sim::engine::Faults;
 use kvroute_sim::spec::FleetSpec;

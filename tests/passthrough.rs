@@ -1,8 +1,7 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! Requests kvroute cannot route still reach a backend byte for byte, the client gets the whole
 //! response, and the matching fallback counter moves; streamed responses are not disturbed.
 
-mod common;
+use crate::common;
 
 use common::{chat_body, debug_config, kv_stat, served_by, system_prompt, Fleet};
 use kvroute_harness::backend;

@@ -1,4 +1,3 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! Precise mode end to end, every part real: a simulated fleet tokenizing with a byte-level BPE
 //! and publishing vLLM's KV events, kvroute-indexer subscribed to it, and Envoy with kvroute
 //! rendering prompts with the engines' chat template and polling the indexer. A prompt a replica
@@ -6,7 +5,7 @@
 //! to; once that replica's cache is reset, the request is placed by its group again. A prompt
 //! cached under vLLM's `cache_salt` draws the same tenant's next request, and only its.
 
-mod common;
+use crate::common;
 
 use common::precise::{body, cached_then_decided, eventually, keys_held, post, BpeFleet, CHATML};
 use kvroute_harness::Envoy;

@@ -1,4 +1,3 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! Precise mode as shipped (`envoy/kvroute-precise.yaml`), several gateways over one simulated
 //! fleet that tokenizes with the repository's byte-level BPE and publishes vLLM's KV events: three
 //! Envoys sharing one kvroute-indexer, and three each with its own. Every gateway sees the same
@@ -7,7 +6,7 @@
 //! others follow. With its indexer killed, a gateway routes as it does without one: every request
 //! answered, none failed.
 
-mod common;
+use crate::common;
 
 use common::precise::{body, eventually, keys_held, post, BpeFleet, IndexerProcess};
 use kvroute_harness::paths::precise_bootstrap;

@@ -1,10 +1,9 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! Precise mode through a real Envoy over a simulated fleet: what the indexer's change feed says
 //! the engines hold sends a request to the holder, ahead of its group's home; a dropped prefix
 //! sends it home again; an indexer that stops answering leaves routing as it is without one. The
 //! indexer here is an HTTP server on 127.0.0.1 serving the feed's documents.
 
-mod common;
+use crate::common;
 
 use kvroute::prefix::{PrefixKeys, Shape};
 use kvroute::request::{self, Api};

@@ -1,11 +1,10 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! Precise mode over a mixed fleet, every part real: two simulated vLLM replicas and two SGLang
 //! ones (SGLang's KV events, one per token: its default page size of 1), one kvroute-indexer
 //! reading each in its own dialect, and Envoy with kvroute polling it and the engines' load. A
 //! prompt any replica cached, vLLM or SGLang, draws the request there (decision `engine`), and the
 //! SGLang replicas' load snapshots are read for the prefill queued there.
 
-mod common;
+use crate::common;
 
 use common::precise::{body, cached_then_decided, health, BpeFleet, CHATML};
 use kvroute_sim::spec::{EngineKind, EngineKinds};

@@ -1,8 +1,7 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! Requests sharing a long prompt prefix land on one backend, and a gateway that has seen the
 //! groups spreads them evenly: four groups on four backends, one each.
 
-mod common;
+use crate::common;
 
 use common::{chat_body, debug_config, served_by, system_prompt, warm_up, Fleet};
 use std::collections::{HashMap, HashSet};

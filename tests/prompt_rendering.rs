@@ -1,10 +1,9 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! Rules of the engine's rendering that change where a real Envoy with kvroute sends requests:
 //! tenants (`cache_salt`) never share a group or a history, apps that share a tool list but not
 //! a system prompt are different groups, and a turn sent as content parts follows the history it
 //! continues.
 
-mod common;
+use crate::common;
 
 use common::{debug_config, served_by, Fleet, Reply};
 use serde_json::{json, Value};

@@ -1,4 +1,3 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! Every figure in the precise-mode table of README.md and bench/README.md comes from a
 //! `repeats.json`: each mean, each figure it is held against and its ratio, each met or missed and
 //! each build stamp is recomputed here from `bench/results/precise/<line>/repeats.json`, the files

@@ -1,4 +1,3 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! Every figure in README.md's results table comes from a results file: each cell (prefix hit
 //! rate · TTFT p90), each ceiling and each build stamp is read back from
 //! `bench/results/<workload>/results.json`, the files `make bench-results` writes.

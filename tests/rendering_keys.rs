@@ -1,4 +1,3 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! kvroute's prefix keys against the engine's rendering: requests that share a prefix the engine
 //! caches (the sim's Qwen-style template, tokenizer and chained block hashes, as vLLM's prefix
 //! cache) share kvroute keys, about as much of the prompt, and requests that don't, don't.

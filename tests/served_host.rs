@@ -1,9 +1,8 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! The host that served a request is the one kvroute settles on: when the chosen replica refuses
 //! the connection and Envoy retries on the fallback address, the in-flight count moves to the
 //! fallback while the response streams, and the mismatch is counted.
 
-mod common;
+use crate::common;
 
 use kvroute_sim::engine::Faults;
 use kvroute_sim::spec::FleetSpec;

@@ -1,11 +1,10 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! A replica that answers 5xx costs no request: Envoy retries a 500, 502 or 504 from the first
 //! attempt once, on the next address kvroute listed. A request that makes every replica fail (a
 //! poison prompt) so reaches two of them, never more, whatever retry headers its client sent; a
 //! client's own error (4xx) goes back as it is, unretried, and blames no replica; a server error
 //! the retry does not replay marks the replica that answered it suspect.
 
-mod common;
+use crate::common;
 
 use common::{
     ask, chat_body, debug_config, kv_stat, served_by, system_prompt, take_routing_headers,

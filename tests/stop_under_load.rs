@@ -1,9 +1,8 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! A replica that stops while eight clients stream chat completions through kvroute costs no
 //! request: the ones that reach it before anything knows are retried on another replica before
 //! any response byte reaches the client. When it comes back it gets traffic again.
 
-mod common;
+use crate::common;
 
 use common::load::{assert_none_failed, fleet_under_load, wait_until};
 use common::{kv_stat, pool_stat};

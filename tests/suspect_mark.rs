@@ -1,10 +1,9 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! A replica that fails a request kvroute routed to it is avoided from the next request on, before
 //! any poll of Envoy's `/clusters` could report it unhealthy: kvroute polls only every 2 s here
 //! (10× the other tests), and Envoy health-checks every 30 s, so Envoy itself still reports the
 //! replica healthy at the end: no poll can have told kvroute. Only the suspect mark explains it.
 
-mod common;
+use crate::common;
 
 use common::{
     ask, client_per_request, first_homes, first_named, kv_stat, served_by, take_routing_headers,

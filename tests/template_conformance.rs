@@ -1,4 +1,3 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! The filter's chat template rendering against transformers': a corpus of chat requests rendered
 //! by kvroute (`kvroute::template`) and by `apply_chat_template(tokenize=False)` after vLLM's
 //! message preparation (tools/hf-render.py), under the templates of current models that PyPI
@@ -6,7 +5,7 @@
 //! for what those lack. Byte for byte: a request both render must render alike, and one that
 //! either refuses the other must refuse too.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

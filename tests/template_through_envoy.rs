@@ -1,4 +1,3 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! A chat template through a real Envoy: under Qwen3's template, which drops a turn's reasoning
 //! once a later user turn follows it, a conversation's next turn matches its previous turn's keys
 //! exactly as far as the engine's prompt is the same, and no further.
@@ -10,7 +9,7 @@
 //! follows a match covering just under the expected depth (`affinity`), the other needs just
 //! over it and so does not.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 

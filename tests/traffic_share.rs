@@ -1,9 +1,8 @@
-#![cfg(not(target_arch = "wasm32"))]
 //! Three gateways over one simulated vLLM fleet, each seeing a third of the traffic: each learns
 //! its share from the engines' own finished-request counters and counts a group from a third of
 //! the requests a lone gateway needs, so all three place the same groups as early as one would.
 
-mod common;
+use crate::common;
 
 use kvroute_sim::spec::FleetSpec;
 use serde_json::{json, Value};

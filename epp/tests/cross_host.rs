@@ -4,7 +4,7 @@
 //! worker's gateway, native host and shared store) gives the same pick, fallbacks included, for
 //! every policy.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -7,7 +7,7 @@
 //! The pods' addresses are data only: no call goes to them (the picker's config here polls no
 //! engine metrics).
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

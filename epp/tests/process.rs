@@ -2,7 +2,7 @@
 //! default config is the one the filter ships, and it answers gRPC health (liveness, readiness,
 //! the ext_proc service) and serves its stats on `/metrics`.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 

@@ -2,7 +2,7 @@
 //! header replaced, and Envoy's full-duplex body mode, where the headers' answer waits for the
 //! body and the body goes back through the answers.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;

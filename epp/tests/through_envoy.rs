@@ -3,7 +3,7 @@
 //! pick refuses, Envoy's failure mode when the picker is down, and a body the core cannot read
 //! left to Envoy's balancer as the filter leaves it.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;

@@ -2,7 +2,7 @@
 //! `kvroute::prefix`'s over its bytes, whole chunks only, however the chain arrives; removals,
 //! clears, salts, LoRA, multimodal blocks, media and groups.
 
-mod common;
+use crate::common;
 
 use common::whole_chunk_keys;
 use kvroute_indexer::chains::{self, Stream};

@@ -4,7 +4,7 @@
 //! batch, no `medium` or a host tier's, `cache_salt`, EAGLE's token pairs and the content hashes
 //! of SGLang up to 0.5.5. `sglang_conformance.rs` checks the same against SGLang's own classes.
 
-mod common;
+use crate::common;
 
 use common::{msgpack_map as map, whole_chunk_keys};
 use kvroute_indexer::chains::{self, Stream};

@@ -9,7 +9,7 @@
 //! `make test` installs the package (`make sglang-deps`) and points $KVROUTE_SGLANG_PYTHON at
 //! it. Without it the tests say why and pass, except in CI ($CI set), where they fail.
 
-mod common;
+use crate::common;
 
 use common::{config, tokenizer_file, whole_chunk_keys, Deadline, FeedClient};
 use kvroute_indexer::chains::{self, Stream};

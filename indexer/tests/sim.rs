@@ -7,7 +7,7 @@
 //! and stays fresh (stale while stopped: its replay socket no longer answers), and a message its
 //! stream dropped is filled from the replay socket.
 
-mod common;
+use crate::common;
 
 use common::{
     default_stale_after, get_json, indexer, post_json, tokenizer_file, whole_chunk_keys, Deadline,

@@ -5,7 +5,7 @@
 //! after a silence: it stays fresh while the probes are answered, goes stale when they are not
 //! or when it is gone, gets what its stream lost, and shows a restart it did not publish.
 
-mod common;
+use crate::common;
 
 use bytes::Bytes;
 use common::{get_json, indexer, tokenizer_file, Deadline, FeedClient};

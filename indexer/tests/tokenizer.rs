@@ -1,7 +1,7 @@
 //! Loading a tokenizer.json: a byte-level BPE decodes every token to its exact bytes; anything
 //! else is refused at start with the reason.
 
-mod common;
+use crate::common;
 
 use kvroute_indexer::token_bytes::TokenBytes;
 use std::path::PathBuf;

@@ -2,7 +2,7 @@
 //! batches with the fields current vLLM adds (extra keys, LoRA, groups, byte hashes, a map
 //! batch).
 
-mod common;
+use crate::common;
 
 use common::msgpack_map as map;
 use kvroute_indexer::wire::{self, Event, ExtraKey, Removed, Stored};

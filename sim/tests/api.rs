@@ -1,6 +1,6 @@
 //! End-to-end: a replica's OpenAI API, served on 127.0.0.1, as a client sees it.
 
-mod common;
+use crate::common;
 
 use common::{fast_fleet, get, post};
 use hyper::StatusCode;

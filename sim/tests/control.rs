@@ -1,6 +1,6 @@
 //! End-to-end: the control API (state, oracle matches, fault knobs) and the binary's contract.
 
-mod common;
+use crate::common;
 
 use common::{call, fast_fleet, get, post};
 use hyper::{Method, StatusCode};

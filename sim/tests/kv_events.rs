@@ -3,7 +3,7 @@
 //! against vLLM's own classes when the vLLM venv `make vllm` installs is there); a message the
 //! stream dropped is resent by the replica's replay socket.
 
-mod common;
+use crate::common;
 
 use common::{fast_fleet, post, replay_all, tokens_of};
 use kvroute_sim::fleet::ReplicaHandle;

@@ -3,7 +3,7 @@
 //! metric names (read by kvroute's metrics parser as load) and its `/v1/loads`, with
 //! `num_waiting_uncached_tokens`; the vLLM replicas keep vLLM's.
 
-mod common;
+use crate::common;
 
 use common::{get, post, replay_all, tokens_of};
 use kvroute_sim::fleet::Fleet;

@@ -1,6 +1,5 @@
 //! The Istio manifests as a user applies them: rendered by kubectl's kustomize from `istio/`, then
-//! looked up by kind, name and patch. Included with `#[path]` by the tests that need it.
-#![allow(dead_code)] // each test file uses a different subset
+//! looked up by kind, name and patch.
 
 use serde::Deserialize;
 use serde_yaml::Value;

@@ -1,6 +1,5 @@
 //! Streamed chat load for the failover tests: clients that send chat completions through Envoy
 //! until stopped, and a tally of what came back (which backend served which group, what failed).
-#![allow(dead_code)] // each test file uses a different subset
 
 use super::{chat_body, client, debug_config, system_prompt, Fleet};
 use kvroute_harness::backend::STREAM_CHUNKS;
@@ -23,7 +22,12 @@ pub struct Load {
     pub tally: Arc<Tally>,
     done: Arc<AtomicBool>,
     clients: Vec<JoinHandle<()>>,
+    /// Held by a load from `fleet_under_load` for its whole life: such loads run one at a time.
+    _exclusive: Option<tokio::sync::MutexGuard<'static, ()>>,
 }
+
+/// Each load from `fleet_under_load` loads the machine: one at a time.
+static EXCLUSIVE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 impl Load {
     /// Starts `clients` clients posting to `url` (Envoy's `/v1/chat/completions`).
@@ -63,6 +67,7 @@ impl Load {
             tally,
             done,
             clients,
+            _exclusive: None,
         }
     }
 
@@ -104,6 +109,7 @@ pub async fn fleet_under_load(
     groups: usize,
     victim: usize,
 ) -> (Arc<Fleet>, Load) {
+    let exclusive = EXCLUSIVE.lock().await;
     let fleet = Arc::new(
         Fleet::kvroute(4, debug_config(), |o| {
             o.health_check_interval = Some(health_check)
@@ -114,7 +120,8 @@ pub async fn fleet_under_load(
         b.set_delay(Duration::from_millis(20));
     }
     let url = format!("{}/v1/chat/completions", fleet.envoy.url());
-    let load = Load::start(url, clients, groups);
+    let mut load = Load::start(url, clients, groups);
+    load._exclusive = Some(exclusive);
     let backend = &fleet.backends[victim];
     wait_until(
         "the victim serves a shared group",

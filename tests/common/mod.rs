@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: fleets, OpenAI-style bodies, and a client that
 //! reports which backend answered.
-#![allow(dead_code)] // each test file uses a different subset
+#![allow(dead_code)] // real_vllm.rs uses a subset
+
+pub mod istio;
 
 pub mod load;
 pub mod precise;

@@ -1,0 +1,5 @@
+//! The bench's tests, one module per subject, built as one test binary.
+
+mod compare_e2e;
+mod lab;
+mod precise_routers;

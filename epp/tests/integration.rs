@@ -1,0 +1,9 @@
+//! kvroute-epp's tests, one module per subject, built as one test binary.
+
+mod common;
+
+mod cross_host;
+mod pool_watch;
+mod process;
+mod stream;
+mod through_envoy;
