@@ -345,28 +345,28 @@ fn the_precise_overlay_runs_the_indexer_in_the_gateway_pod_and_points_kvroute_at
         .unwrap_or_else(|e| panic!("{args:?}: {e}"));
     assert_eq!(parsed.listen.to_string(), indexer_at);
     assert_eq!(
-        parsed.envoy_admin.as_deref(),
+        parsed.discovery.envoy_admin.as_deref(),
         Some("http://127.0.0.1:15000"),
         "Istio's admin port"
     );
-    assert_eq!(parsed.cluster.as_deref(), Some(pool.as_str()));
-    assert_eq!(Some(parsed.model.as_str()), values["model"].as_str());
+    assert_eq!(parsed.discovery.cluster.as_deref(), Some(pool.as_str()));
+    assert_eq!(Some(parsed.events.model.as_str()), values["model"].as_str());
     assert_eq!(
-        Some(u64::from(parsed.kv_events_port.expect("a port"))),
+        Some(u64::from(parsed.discovery.kv_events_port.expect("a port"))),
         values["kv_events_port"].as_u64()
     );
     assert_eq!(
-        Some(parsed.topic.as_str()),
+        Some(parsed.events.topic.as_str()),
         values["kv_events_topic"].as_str()
     );
     // Every engine's replay socket: an idle engine is probed there after the default silence
     // and stays fresh while it answers (without one it would be stale after 30 s).
-    let replay_port = parsed.replay_port.expect("a replay port");
+    let replay_port = parsed.discovery.replay_port.expect("a replay port");
     assert_eq!(
         Some(u64::from(replay_port)),
         values["kv_events_replay_port"].as_u64()
     );
-    assert_ne!(Some(replay_port), parsed.kv_events_port);
+    assert_ne!(Some(replay_port), parsed.discovery.kv_events_port);
     assert!(
         args.iter().all(|a| !a.starts_with("--stale-after")),
         "the default silence: {args:?}"
@@ -379,7 +379,7 @@ fn the_precise_overlay_runs_the_indexer_in_the_gateway_pod_and_points_kvroute_at
     );
     let fetched = fetch["args"].as_sequence().expect("args");
     let out = fetched.iter().position(|a| a == "-o").expect("curl -o");
-    assert_eq!(fetched[out + 1].as_str(), parsed.tokenizer.to_str());
+    assert_eq!(fetched[out + 1].as_str(), parsed.events.tokenizer.to_str());
     let mount = |c: &Value| {
         c["volumeMounts"][0]["mountPath"]
             .as_str()
@@ -387,6 +387,7 @@ fn the_precise_overlay_runs_the_indexer_in_the_gateway_pod_and_points_kvroute_at
     };
     assert_eq!(mount(indexer), mount(fetch));
     assert!(parsed
+        .events
         .tokenizer
         .starts_with(mount(indexer).expect("a mount")));
 }

@@ -73,6 +73,7 @@ pub async fn start(settings: Settings) -> Result<Running, String> {
         upstreams,
         pool,
         inference_pool,
+        index,
         options,
     } = settings;
     let store = Arc::new(SyncStore::new());
@@ -97,6 +98,9 @@ pub async fn start(settings: Settings) -> Result<Running, String> {
         .map_err(|e| format!("cannot listen on --listen {}: {e}", args.listen))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let mut tasks = Vec::new();
+    if let Some((index, events)) = &index {
+        kvroute_indexer::subscribe(index, events)?;
+    }
     if let (Some(source), Some(pool)) = (inference_pool, &pool) {
         let api = match source.api.clone() {
             Some(api) => api,
@@ -114,7 +118,12 @@ pub async fn start(settings: Settings) -> Result<Running, String> {
                 .await
                 .map_err(|e| format!("cannot listen on --metrics {at}: {e}"))?;
             let local = listener.local_addr().map_err(|e| e.to_string())?;
-            tasks.push(tokio::spawn(metrics_http::serve(listener, stats.clone())));
+            let index = index.as_ref().map(|(index, _)| index.clone());
+            tasks.push(tokio::spawn(metrics_http::serve(
+                listener,
+                stats.clone(),
+                index,
+            )));
             Some(local)
         }
         None => None,

@@ -7,6 +7,8 @@ use std::sync::Arc;
 
 use clap::Parser;
 use kvroute::config::Config;
+use kvroute_indexer::config::Events;
+use kvroute_indexer::state::Shared as Index;
 
 use crate::extproc::{Options, DESTINATION_KEY};
 use crate::pool_watch::Source;
@@ -26,6 +28,8 @@ pub const DEFAULT_CONFIG: &str = r#"{
 /// gRPC, picking with the same routing core as the kvroute filter.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "kvroute-epp", version)]
+// The indexer requires these two; here they are asked for only with the rest of its flags.
+#[command(mut_arg("tokenizer", |a| a.required(false)), mut_arg("model", |a| a.required(false)))]
 pub struct Args {
     /// Address of the gRPC server (ext_proc and health).
     #[arg(long, default_value = "127.0.0.1:9002")]
@@ -70,6 +74,14 @@ pub struct Args {
     /// gateway must set it and keep clients from sending it.
     #[arg(long)]
     pub subset_from_header: bool,
+    /// Instead of `--indexer`, precise mode in this process: the engines' KV events followed and
+    /// keyed as kvroute-indexer does it, with its flags (`--engine`, `--tokenizer`, `--model`,
+    /// ...); the key chunk is the config's `chunk_size`.
+    #[command(
+        flatten,
+        next_help_heading = "Precise mode in process (kvroute-indexer's flags)"
+    )]
+    pub events: Option<Events>,
 }
 
 /// What the picker runs with, once the command line and the config agree.
@@ -80,6 +92,8 @@ pub struct Settings {
     pub pool: Option<Arc<Pool>>,
     /// The InferencePool the pool's members come from, with `--inference-pool`.
     pub inference_pool: Option<Source>,
+    /// Precise mode's index, kept in process, and the engines whose events fill it.
+    pub index: Option<(Arc<Index>, Events)>,
     pub options: Options,
 }
 
@@ -153,11 +167,29 @@ impl Settings {
         if let Some(engines) = &config.engine_metrics_cluster {
             upstreams = upstreams.with(engines, Target::Named);
         }
-        if let Some(index) = &config.index_cluster {
-            let addr = args
-                .indexer
-                .ok_or_else(|| format!("the config's `index_cluster` ({index}) needs --indexer"))?;
-            upstreams = upstreams.with(index, Target::Fixed(addr.to_string()));
+        let mut index = None;
+        match (&config.index_cluster, args.indexer, &args.events) {
+            (Some(_), Some(_), Some(_)) => {
+                return Err("give --indexer or --engine (precise mode in process), not both".into())
+            }
+            (Some(cluster), Some(addr), None) => {
+                upstreams = upstreams.with(cluster, Target::Fixed(addr.to_string()));
+            }
+            (Some(cluster), None, Some(events)) => {
+                let shared = kvroute_indexer::index(events, config.chunk_size)?;
+                upstreams = upstreams.with(cluster, Target::Index(shared.clone()));
+                index = Some((shared, events.clone()));
+            }
+            (Some(cluster), None, None) => {
+                return Err(format!(
+                    "the config's `index_cluster` ({cluster}) needs --indexer or --engine"
+                ))
+            }
+            (None, Some(_), _) => return Err("--indexer needs the config's `index_cluster`".into()),
+            (None, None, Some(_)) => {
+                return Err("--engine needs the config's `index_cluster` (precise mode)".into())
+            }
+            (None, None, None) => {}
         }
         let options = Options {
             header: config.header.clone(),
@@ -176,6 +208,7 @@ impl Settings {
             upstreams,
             pool,
             inference_pool,
+            index,
             options,
         })
     }

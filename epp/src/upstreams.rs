@@ -1,12 +1,14 @@
 //! Where the gateway's HTTP calls go in this process, by the cluster it names: the endpoint pool
-//! answers its own `/clusters` document, an Envoy admin or kvroute-indexer is called at its
-//! address, and the engines' metrics cluster at the address the call's routing header names.
+//! answers its own `/clusters` document, precise mode's index in process answers as
+//! kvroute-indexer would, an Envoy admin or kvroute-indexer is called at its address, and the
+//! engines' metrics cluster at the address the call's routing header names.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::RwLock;
 use std::time::Duration;
 
+use kvroute_indexer::api;
 use serde_json::json;
 
 /// The endpoints this process picks from (a static list, or an InferencePool's pods), shown to
@@ -84,6 +86,8 @@ pub enum Target {
     Pool(std::sync::Arc<Pool>),
     /// A server at this `host:port` (an Envoy admin, kvroute-indexer).
     Fixed(String),
+    /// Precise mode's index, answered in process as kvroute-indexer's API answers.
+    Index(std::sync::Arc<kvroute_indexer::state::Shared>),
     /// The host the call's routing header names (the engines' metrics cluster).
     Named,
 }
@@ -136,19 +140,25 @@ impl Upstreams {
             let found = headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name));
             found.map(|(_, v)| v.as_str())
         };
+        let path = header(":path").unwrap_or("/");
         let authority = match self.targets.get(cluster) {
             None => return (None, None),
             Some(Target::Pool(pool)) => match pool.clusters_document() {
                 Some(document) => return (Some(200), Some(document)),
                 None => return (None, None),
             },
+            Some(Target::Index(index)) => {
+                let (path, query) = path.split_once('?').unwrap_or((path, ""));
+                let (status, _, body) =
+                    api::get(|| index.lock(), index.serving(), path, query, index.now());
+                return (Some(status.as_u16()), Some(body.into_bytes()));
+            }
             Some(Target::Fixed(addr)) => addr.as_str(),
             Some(Target::Named) => match header(&self.header) {
                 Some(addr) => addr,
                 None => return (None, None),
             },
         };
-        let path = header(":path").unwrap_or("/");
         let url = format!("http://{authority}{path}");
         let sent = self.client.get(url).timeout(timeout).send().await;
         let Ok(response) = sent else {

@@ -4,6 +4,7 @@ mod common;
 
 mod cross_host;
 mod pool_watch;
+mod precise;
 mod process;
 mod stream;
 mod through_envoy;

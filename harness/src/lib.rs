@@ -26,6 +26,7 @@ mod error;
 pub mod gate;
 pub mod mesh;
 pub mod paths;
+pub mod precise;
 pub mod vllm;
 
 pub use envoy::{Envoy, EnvoyOptions, Lb};

@@ -2,7 +2,7 @@
 
 use crate::dialect::Dialect;
 use crate::index::Staleness;
-use clap::Parser;
+use clap::{Args, Parser};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -128,15 +128,25 @@ pub struct Config {
     /// Address of the HTTP API.
     #[arg(long, default_value = "127.0.0.1:9400")]
     pub listen: SocketAddr,
+    /// Bytes per key chunk: must equal the filter's `chunk_size`.
+    #[arg(long, default_value_t = 512)]
+    pub chunk_size: usize,
+    #[command(flatten)]
+    pub events: Events,
+    #[command(flatten)]
+    pub discovery: Discovery,
+}
+
+/// Whose KV events to follow and how to key them: what the indexer and kvroute-epp's precise
+/// mode take alike.
+#[derive(Debug, Clone, Args)]
+pub struct Events {
     /// The model's tokenizer.json (a byte-level BPE).
     #[arg(long)]
     pub tokenizer: PathBuf,
     /// The served model name (seeds the keys, as the request's `model` does in the filter).
     #[arg(long)]
     pub model: String,
-    /// Bytes per key chunk: must equal the filter's `chunk_size`.
-    #[arg(long, default_value_t = 512)]
-    pub chunk_size: usize,
     /// An engine: ADDR=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,model=NAME]
     /// [,kind=vllm|sglang][,dp=N] (or ipc://PATH for an engine on this host: vLLM binds only
     /// wildcard and ipc endpoints); repeat for each engine. `dp=N`: N data-parallel ranks on
@@ -149,6 +159,23 @@ pub struct Config {
     /// ZMQ topic to subscribe to (vLLM's `kv_events_config.topic`; empty: everything).
     #[arg(long, default_value = "")]
     pub topic: String,
+    /// Seconds without a message after which an engine is probed: its replay socket is asked
+    /// for what followed the last message (an answer keeps it fresh and fills what was missed;
+    /// none within 3 s makes it stale until heard again). An engine without a replay socket is
+    /// stale after this silence instead (vLLM sends no heartbeat, so an idle one too).
+    #[arg(long, default_value_t = 30.0)]
+    pub stale_after: f64,
+    /// Seconds an engine stays stale after a gap it could not fill.
+    #[arg(long, default_value_t = 60.0)]
+    pub gap_hold: f64,
+    /// Changes the feed keeps for clients that poll behind.
+    #[arg(long, default_value_t = 1 << 18)]
+    pub feed_capacity: usize,
+}
+
+/// Engines found in an Envoy cluster rather than listed.
+#[derive(Debug, Clone, Args)]
+pub struct Discovery {
     /// Envoy's admin address (http://127.0.0.1:PORT): find the engines in `--cluster`.
     #[arg(long, requires_all = ["cluster", "kv_events_port"])]
     pub envoy_admin: Option<String>,
@@ -164,21 +191,9 @@ pub struct Config {
     /// Data-parallel ranks of every discovered engine, each on the ports plus its rank.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
     pub dp_size: u16,
-    /// Seconds without a message after which an engine is probed: its replay socket is asked
-    /// for what followed the last message (an answer keeps it fresh and fills what was missed;
-    /// none within 3 s makes it stale until heard again). An engine without a replay socket is
-    /// stale after this silence instead (vLLM sends no heartbeat, so an idle one too).
-    #[arg(long, default_value_t = 30.0)]
-    pub stale_after: f64,
-    /// Seconds an engine stays stale after a gap it could not fill.
-    #[arg(long, default_value_t = 60.0)]
-    pub gap_hold: f64,
-    /// Changes the feed keeps for clients that poll behind.
-    #[arg(long, default_value_t = 1 << 18)]
-    pub feed_capacity: usize,
 }
 
-impl Config {
+impl Events {
     /// When streams count as stale: `--stale-after` and `--gap-hold`.
     pub fn staleness(&self) -> Result<Staleness, String> {
         let seconds = |s: f64, name: &str| {
@@ -263,9 +278,12 @@ mod tests {
             "a:1=tcp://127.0.0.1:3",
         ])
         .unwrap();
-        assert_eq!(c.engines.len(), 2);
+        assert_eq!(c.events.engines.len(), 2);
         assert_eq!(c.chunk_size, 512);
-        assert_eq!((c.engine_kind, c.dp_size), (Dialect::Vllm, 1));
+        assert_eq!(
+            (c.events.engine_kind, c.discovery.dp_size),
+            (Dialect::Vllm, 1)
+        );
         assert!(Config::try_parse_from(["kvroute-indexer", "--model", "m"]).is_err());
     }
 }

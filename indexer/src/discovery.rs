@@ -1,7 +1,7 @@
 //! Finding the engines from Envoy's admin: the hosts of one cluster, polled, each host's
 //! KV-event socket on a fixed port.
 
-use crate::config::{Config, EngineSpec};
+use crate::config::{Discovery, EngineSpec, Events};
 use crate::state::Shared;
 use crate::subscriber::Source;
 use bytes::Bytes;
@@ -17,11 +17,11 @@ use std::time::Duration;
 const POLL: Duration = Duration::from_secs(5);
 
 /// Subscribes to every host `cluster` gains, for as long as the process runs.
-pub async fn run(shared: Arc<Shared>, config: Config, admin: String) {
-    let (Some(cluster), Some(port)) = (config.cluster.clone(), config.kv_events_port) else {
+pub async fn run(shared: Arc<Shared>, events: Events, discovery: Discovery, admin: String) {
+    let (Some(cluster), Some(port)) = (discovery.cluster.clone(), discovery.kv_events_port) else {
         return;
     };
-    let mut known: HashSet<String> = config.engines.iter().map(|e| e.endpoint.clone()).collect();
+    let mut known: HashSet<String> = events.engines.iter().map(|e| e.endpoint.clone()).collect();
     loop {
         match get(&format!(
             "{}/clusters?format=json",
@@ -32,7 +32,9 @@ pub async fn run(shared: Arc<Shared>, config: Config, admin: String) {
             Ok(body) => {
                 for (host, endpoint) in hosts(&body, &cluster) {
                     if known.insert(endpoint.clone()) {
-                        subscribe(&shared, &config, &cluster, &host, &endpoint, port);
+                        subscribe(
+                            &shared, &events, &discovery, &cluster, &host, &endpoint, port,
+                        );
                     }
                 }
             }
@@ -45,7 +47,8 @@ pub async fn run(shared: Arc<Shared>, config: Config, admin: String) {
 /// Subscribes to every data-parallel rank of a new engine at `host`.
 fn subscribe(
     shared: &Arc<Shared>,
-    config: &Config,
+    events: &Events,
+    discovery: &Discovery,
     cluster: &str,
     host: &str,
     endpoint: &str,
@@ -54,9 +57,9 @@ fn subscribe(
     let spec = EngineSpec {
         endpoint: endpoint.to_owned(),
         events: format!("tcp://{host}:{port}"),
-        replay: config.replay_port.map(|p| format!("tcp://{host}:{p}")),
-        kind: Some(config.engine_kind),
-        dp_size: config.dp_size,
+        replay: discovery.replay_port.map(|p| format!("tcp://{host}:{p}")),
+        kind: Some(events.engine_kind),
+        dp_size: discovery.dp_size,
         ..EngineSpec::default()
     };
     let ranks = match spec.ranks() {
@@ -66,16 +69,16 @@ fn subscribe(
             return;
         }
     };
-    for (events, replay) in ranks {
-        log::info!("{cluster}: new endpoint {endpoint}, events at {events}");
+    for (url, replay) in ranks {
+        log::info!("{cluster}: new endpoint {endpoint}, events at {url}");
         let source = Source {
             endpoint,
-            model: &config.model,
-            url: &events,
+            model: &events.model,
+            url: &url,
             replay: replay.as_deref(),
-            dialect: config.engine_kind,
+            dialect: events.engine_kind,
         };
-        crate::subscriber::spawn(shared, source, &config.topic);
+        crate::subscriber::spawn(shared, source, &events.topic);
     }
 }
 

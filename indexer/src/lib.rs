@@ -18,7 +18,7 @@ pub mod subscriber;
 pub mod token_bytes;
 pub mod wire;
 
-use config::Config;
+use config::{Config, Events};
 use index::Index;
 use state::Shared;
 use std::net::SocketAddr;
@@ -35,36 +35,50 @@ pub struct Running {
 /// Loads the tokenizer, subscribes to every engine and serves the API (on the current tokio
 /// runtime).
 pub async fn start(config: Config) -> Result<Running, String> {
-    if config.chunk_size == 0 {
-        return Err("--chunk-size must be at least 1".into());
-    }
-    let tokens = TokenBytes::load(&config.tokenizer)?;
-    let staleness = config.staleness()?;
-    let index = Index::new(config.chunk_size, config.feed_capacity);
-    let shared = Arc::new(Shared::new(index, tokens, staleness));
+    let shared = index(&config.events, config.chunk_size)?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    for engine in &config.engines {
-        for (events, replay) in engine.ranks()? {
-            let source = subscriber::Source {
-                endpoint: &engine.endpoint,
-                model: engine.model.as_deref().unwrap_or(&config.model),
-                url: &events,
-                replay: replay.as_deref(),
-                dialect: engine.kind.unwrap_or(config.engine_kind),
-            };
-            subscriber::spawn(&shared, source, &config.topic);
-        }
-    }
-    if let Some(admin) = &config.envoy_admin {
+    subscribe(&shared, &config.events)?;
+    if let Some(admin) = &config.discovery.envoy_admin {
         tokio::spawn(discovery::run(
             shared.clone(),
-            config.clone(),
+            config.events.clone(),
+            config.discovery.clone(),
             admin.clone(),
         ));
     }
     tokio::spawn(api::serve(listener, shared.clone()));
     Ok(Running { addr, shared })
+}
+
+/// An empty index of `chunk_size`-byte keys with the tokenizer `events` names loaded: what
+/// [`subscribe`] fills and [`api::get`] answers from.
+pub fn index(events: &Events, chunk_size: usize) -> Result<Arc<Shared>, String> {
+    if chunk_size == 0 {
+        return Err("--chunk-size must be at least 1".into());
+    }
+    let tokens = TokenBytes::load(&events.tokenizer)?;
+    let staleness = events.staleness()?;
+    let index = Index::new(chunk_size, events.feed_capacity);
+    Ok(Arc::new(Shared::new(index, tokens, staleness)))
+}
+
+/// Subscribes `shared` to every rank of every engine `events` lists (on the current tokio
+/// runtime, for as long as it runs).
+pub fn subscribe(shared: &Arc<Shared>, events: &Events) -> Result<(), String> {
+    for engine in &events.engines {
+        for (url, replay) in engine.ranks()? {
+            let source = subscriber::Source {
+                endpoint: &engine.endpoint,
+                model: engine.model.as_deref().unwrap_or(&events.model),
+                url: &url,
+                replay: replay.as_deref(),
+                dialect: engine.kind.unwrap_or(events.engine_kind),
+            };
+            subscriber::spawn(shared, source, &events.topic);
+        }
+    }
+    Ok(())
 }

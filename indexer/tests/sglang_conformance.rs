@@ -271,8 +271,8 @@ async fn sglangs_publisher_feeds_an_indexer_from_two_ranks_and_its_replay_socket
     // One engine, two data-parallel ranks: its events and replay ports, plus the rank.
     let endpoint = "127.0.0.1:30000";
     let mut indexer_config = config(&[], CHUNK, 0.5);
-    indexer_config.topic = "kv".into();
-    indexer_config.engines = vec![EngineSpec {
+    indexer_config.events.topic = "kv".into();
+    indexer_config.events.engines = vec![EngineSpec {
         endpoint: endpoint.into(),
         events: rank(0, "endpoint"),
         replay: Some(rank(0, "replay_endpoint")),
@@ -281,7 +281,7 @@ async fn sglangs_publisher_feeds_an_indexer_from_two_ranks_and_its_replay_socket
         ..EngineSpec::default()
     }];
     assert_eq!(
-        indexer_config.engines[0].ranks().unwrap()[1],
+        indexer_config.events.engines[0].ranks().unwrap()[1],
         (rank(1, "endpoint"), Some(rank(1, "replay_endpoint"))),
         "SGLang's rank 1 is on the ports the indexer derives"
     );

@@ -372,10 +372,10 @@ async fn engines_found_in_envoys_admin_are_indexed() {
     let replica = &fleet.replicas[0];
     let admin = fake_envoy_admin("vllm", vec![replica.addr]).await;
     let mut config = common::config(&[], CHUNK, default_stale_after());
-    config.envoy_admin = Some(admin);
-    config.cluster = Some("vllm".into());
-    config.kv_events_port = Some(replica.kv_events_addr.port());
-    config.replay_port = replica.kv_events_replay_addr.map(|a| a.port());
+    config.discovery.envoy_admin = Some(admin);
+    config.discovery.cluster = Some("vllm".into());
+    config.discovery.kv_events_port = Some(replica.kv_events_addr.port());
+    config.discovery.replay_port = replica.kv_events_replay_addr.map(|a| a.port());
     let idx = kvroute_indexer::start(config).await.unwrap();
     let base = format!("http://{}", idx.addr);
     let deadline = Deadline::start();

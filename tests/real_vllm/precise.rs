@@ -135,7 +135,7 @@ async fn start_indexer(fleet: &VllmFleet) -> kvroute_indexer::Running {
     let tokenizer = vllm_model().join("tokenizer.json");
     let mut config =
         common::precise::following(tokenizer, SERVED_MODEL, engines.collect(), 1 << 18);
-    config.stale_after = 2.0;
+    config.events.stale_after = 2.0;
     kvroute_indexer::start(config)
         .await
         .expect("indexer starts")

@@ -92,7 +92,7 @@ impl LabIndex {
             format: Format::from_name(&fleet.kv_events_format),
             buffer_steps: fleet.kv_events_buffer_steps,
         };
-        let mut index = Index::new(config.chunk_size, config.feed_capacity);
+        let mut index = Index::new(config.chunk_size, config.events.feed_capacity);
         let sglang = |r: usize| kinds.get(r) == Some(&EngineKind::Sglang);
         for (r, endpoint) in endpoints.iter().enumerate() {
             let events = format!("lab://{endpoint}/events");
@@ -112,7 +112,7 @@ impl LabIndex {
         Ok(LabIndex {
             index,
             tokens,
-            staleness: config.staleness()?,
+            staleness: config.events.staleness()?,
             publishing,
             replay: fleet.kv_events_replay,
             replicas: (0..endpoints.len())

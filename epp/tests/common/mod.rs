@@ -18,7 +18,19 @@ use serde_yaml::Value;
 
 /// The picker over `endpoints`, on free ports of 127.0.0.1, with the filter's `config` (JSON).
 pub async fn start_epp(endpoints: &[SocketAddr], config: &str, single_address: bool) -> Running {
-    let args = Args {
+    start_epp_with(endpoints, config, |args| {
+        args.single_address = single_address
+    })
+    .await
+}
+
+/// [`start_epp`] with `change` made to its command line.
+pub async fn start_epp_with(
+    endpoints: &[SocketAddr],
+    config: &str,
+    change: impl FnOnce(&mut Args),
+) -> Running {
+    let mut args = Args {
         listen: "127.0.0.1:0".parse().unwrap(),
         metrics: Some("127.0.0.1:0".parse().unwrap()),
         config: None,
@@ -29,9 +41,11 @@ pub async fn start_epp(endpoints: &[SocketAddr], config: &str, single_address: b
         pool: "inference_pool".into(),
         indexer: None,
         workers: Some(2),
-        single_address,
+        single_address: false,
         subset_from_header: false,
+        events: None,
     };
+    change(&mut args);
     let config = Config::parse(config.as_bytes()).expect("config");
     let settings = Settings::with_config(args, config).expect("settings");
     kvroute_epp::start(settings)
@@ -126,6 +140,11 @@ fn missing(what: &str) -> HarnessError {
 /// Envoy over `backends`, asking the picker at `epp`.
 pub async fn start_envoy(backends: &[Backend], epp: SocketAddr, shape: Shape) -> Envoy {
     let addrs: Vec<SocketAddr> = backends.iter().map(Backend::addr).collect();
+    start_envoy_over(addrs, epp, shape).await
+}
+
+/// Envoy over the servers at `addrs`, asking the picker at `epp`.
+pub async fn start_envoy_over(addrs: Vec<SocketAddr>, epp: SocketAddr, shape: Shape) -> Envoy {
     let opts = EnvoyOptions {
         backends: addrs.clone(),
         ..EnvoyOptions::default()

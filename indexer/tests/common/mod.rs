@@ -9,7 +9,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request};
 use hyper_util::rt::TokioIo;
 use kvroute::prefix::{PrefixKeys, Shape};
-use kvroute_indexer::config::{Config, EngineSpec};
+use kvroute_indexer::config::{Config, Discovery, EngineSpec, Events};
 use kvroute_indexer::Running;
 use serde_json::Value;
 use std::collections::{BTreeSet, HashMap};
@@ -40,7 +40,7 @@ pub fn tokenizer_file() -> PathBuf {
 pub fn default_stale_after() -> f64 {
     use clap::Parser;
     let args = ["kvroute-indexer", "--tokenizer", "t.json", "--model", "m"];
-    Config::try_parse_from(args).unwrap().stale_after
+    Config::try_parse_from(args).unwrap().events.stale_after
 }
 
 /// An indexer on a free port for `engines` (`(endpoint, events url, replay url)`).
@@ -63,28 +63,32 @@ pub fn config(
 ) -> Config {
     Config {
         listen: "127.0.0.1:0".parse().unwrap(),
-        tokenizer: tokenizer_file(),
-        model: "m".into(),
         chunk_size,
-        engines: engines
-            .iter()
-            .map(|(endpoint, events, replay)| EngineSpec {
-                endpoint: endpoint.clone(),
-                events: events.clone(),
-                replay: replay.clone(),
-                ..EngineSpec::default()
-            })
-            .collect(),
-        engine_kind: Default::default(),
-        topic: String::new(),
-        envoy_admin: None,
-        cluster: None,
-        kv_events_port: None,
-        replay_port: None,
-        dp_size: 1,
-        stale_after,
-        gap_hold: 3600.0,
-        feed_capacity: 1 << 16,
+        events: Events {
+            tokenizer: tokenizer_file(),
+            model: "m".into(),
+            engines: engines
+                .iter()
+                .map(|(endpoint, events, replay)| EngineSpec {
+                    endpoint: endpoint.clone(),
+                    events: events.clone(),
+                    replay: replay.clone(),
+                    ..EngineSpec::default()
+                })
+                .collect(),
+            engine_kind: Default::default(),
+            topic: String::new(),
+            stale_after,
+            gap_hold: 3600.0,
+            feed_capacity: 1 << 16,
+        },
+        discovery: Discovery {
+            envoy_admin: None,
+            cluster: None,
+            kv_events_port: None,
+            replay_port: None,
+            dp_size: 1,
+        },
     }
 }
 
