@@ -255,4 +255,42 @@ mod tests {
         assert!(!settings.pool.unwrap().listed());
         assert!(Args::try_parse_from(["kvroute-epp", "--namespace", "models"]).is_err());
     }
+
+    #[test]
+    fn precise_mode_takes_an_indexer_or_engines_and_needs_the_index_cluster() {
+        let with = |flags: &[&str], index_cluster: bool| {
+            let endpoints = ["kvroute-epp", "--endpoints", "127.0.0.1:8001"];
+            let args = Args::parse_from([&endpoints[..], flags].concat());
+            let mut config: serde_json::Value = serde_json::from_str(DEFAULT_CONFIG).unwrap();
+            if index_cluster {
+                config["index_cluster"] = "kvroute_indexer".into();
+            }
+            let config = Config::parse(config.to_string().as_bytes()).unwrap();
+            match Settings::with_config(args, config) {
+                Ok(_) => String::from("taken"),
+                Err(e) => e,
+            }
+        };
+        let engine = [
+            "--engine",
+            "127.0.0.1:8001=tcp://127.0.0.1:5557",
+            "--model",
+            "m",
+            "--tokenizer",
+            "no-such-tokenizer.json",
+        ];
+        let indexer = ["--indexer", "127.0.0.1:9400"];
+        let error = with(&engine, false);
+        assert!(error.contains("--engine") && error.contains("index_cluster"), "{error}");
+        let error = with(&indexer, false);
+        assert!(error.contains("--indexer") && error.contains("index_cluster"), "{error}");
+        let error = with(&[], true);
+        assert!(error.contains("--indexer or --engine"), "{error}");
+        let error = with(&[&engine[..], &indexer].concat(), true);
+        assert!(error.contains("not both"), "{error}");
+        // The index is made at load: a tokenizer it cannot read stops it, named.
+        let error = with(&engine, true);
+        assert!(error.contains("no-such-tokenizer.json"), "{error}");
+        assert_eq!(with(&indexer, true), "taken");
+    }
 }
