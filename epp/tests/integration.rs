@@ -7,4 +7,5 @@ mod pool_watch;
 mod precise;
 mod process;
 mod stream;
+mod three_pickers;
 mod through_envoy;
