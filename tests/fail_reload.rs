@@ -6,8 +6,9 @@ use crate::common;
 
 use common::{
     ask, chat_body, debug_config, inflight_gauges, kv_stat, served_by, system_prompt,
-    wait_for_fresh_poll, Fleet,
+    wait_for_fresh_poll, wait_for_polls, Fleet,
 };
+use kvroute::policy::cache_aware::HOLD_POLLS;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -188,9 +189,10 @@ async fn a_reloaded_vm_sends_each_group_where_the_gateway_did() {
             .envoy
             .wait_for_stat("kvroute.groups_placed", |v| v == 8, Duration::from_secs(30));
     placed.await.unwrap_or_else(|e| panic!("{e}"));
+    // Then until the homes stay put for longer than a home holds before a group moves there.
     let mut before = homes().await;
     loop {
-        tokio::time::sleep(Duration::from_millis(1000)).await;
+        wait_for_polls(&fleet.envoy, HOLD_POLLS + 1).await;
         let now = homes().await;
         if now == before {
             break;

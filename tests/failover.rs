@@ -5,7 +5,8 @@
 use crate::common;
 
 use common::{
-    ask, debug_config, first_homes, served_by, take_routing_headers, wait_for_fresh_poll, Fleet,
+    ask, debug_config, first_homes, served_by, take_routing_headers, wait_for_fresh_poll,
+    wait_for_polls, Fleet,
 };
 use kvroute::policy::cache_aware::HOLD_POLLS;
 use std::time::Duration;
@@ -49,8 +50,8 @@ async fn killed_backend_is_avoided_once_unhealthy_and_no_request_fails() {
             .envoy
             .wait_for_stat("kvroute.groups_placed", |v| v >= 4, Duration::from_secs(30));
     placed.await.unwrap_or_else(|e| panic!("{e}"));
-    // (debug_config polls every 200 ms; a tick more for the margin.)
-    tokio::time::sleep(Duration::from_millis(HOLD_POLLS * 200 + 300)).await;
+    // (A poll more for the margin.)
+    wait_for_polls(&fleet.envoy, HOLD_POLLS + 1).await;
     // kvroute reads the new health flags on its next poll of Envoy's /clusters.
     wait_for_fresh_poll(&fleet).await;
     // What kvroute names from here on: the routing header each served request carried. (Envoy's

@@ -281,9 +281,15 @@ mod tests {
         ];
         let indexer = ["--indexer", "127.0.0.1:9400"];
         let error = with(&engine, false);
-        assert!(error.contains("--engine") && error.contains("index_cluster"), "{error}");
+        assert!(
+            error.contains("--engine") && error.contains("index_cluster"),
+            "{error}"
+        );
         let error = with(&indexer, false);
-        assert!(error.contains("--indexer") && error.contains("index_cluster"), "{error}");
+        assert!(
+            error.contains("--indexer") && error.contains("index_cluster"),
+            "{error}"
+        );
         let error = with(&[], true);
         assert!(error.contains("--indexer or --engine"), "{error}");
         let error = with(&[&engine[..], &indexer].concat(), true);

@@ -286,6 +286,11 @@ pub async fn wait_for_fresh_poll(fleet: &Fleet) {
 
 /// [`wait_for_fresh_poll`] of this Envoy.
 pub async fn wait_for_fresh_poll_of(envoy: &Envoy) {
+    wait_for_polls(envoy, 2).await;
+}
+
+/// Waits until kvroute has finished `n` more polls of Envoy's `/clusters`.
+pub async fn wait_for_polls(envoy: &Envoy, n: u64) {
     let now = envoy
         .stat("kvroute.stats_poll.ok")
         .await
@@ -294,7 +299,7 @@ pub async fn wait_for_fresh_poll_of(envoy: &Envoy) {
         .unwrap_or(0);
     let polled = envoy.wait_for_stat(
         "kvroute.stats_poll.ok",
-        |v| v >= now + 2,
+        |v| v >= now + n,
         Duration::from_secs(30),
     );
     polled.await.unwrap_or_else(|e| panic!("{e}"));
