@@ -34,12 +34,9 @@ use crate::freshness::{self, Age, MonoClock, RoundLease};
 use crate::prefill::PrefillModel;
 use crate::rendezvous::endpoint_id;
 use crate::router::Router;
+use crate::shared_keys;
 use crate::suspects::{self, Suspects};
 
-/// The shared-data key of the host snapshot one worker's poll writes for every worker.
-pub const HOSTS_KEY: &str = "kvroute.hosts";
-/// Endpoints that just failed a request, marked by any worker (see `suspects`).
-const SUSPECTS_KEY: &str = "kvroute.suspects";
 /// Tick and poll period until the first host snapshot: requests fall back to Envoy until then.
 const STARTUP_TICK_MS: u64 = 100;
 /// Longest tick, whatever `stats_interval_ms` says: how late another worker's suspect marks and
@@ -129,7 +126,10 @@ impl<H: HostApi> Gateway<H> {
             } else {
                 STARTUP_TICK_MS.min(config.stats_interval_ms)
             };
-            if self.lease.take(&self.host, poll::LEASE_KEY, mono, lease) {
+            if self
+                .lease
+                .take(&self.host, shared_keys::POLL_ROUND, mono, lease)
+            {
                 self.dispatch_polls(&admin);
             }
         }
@@ -234,7 +234,7 @@ impl<H: HostApi> Gateway<H> {
         if !self.suspects.mark(addr, now_ms) {
             return;
         }
-        suspects::mark_shared(&self.host, SUSPECTS_KEY, addr, now_ms);
+        suspects::mark_shared(&self.host, shared_keys::SUSPECTS, addr, now_ms);
         self.metrics.count(&self.host, Counter::SuspectMarked);
         self.host.log(
             Level::Info,
@@ -247,7 +247,7 @@ impl<H: HostApi> Gateway<H> {
 
     /// Takes in the marks other workers wrote since the last tick and forgets expired ones.
     fn refresh_suspects(&mut self, now_ms: u64) {
-        let (shared, cas) = suspects::read_shared(&self.host, SUSPECTS_KEY);
+        let (shared, cas) = suspects::read_shared(&self.host, shared_keys::SUSPECTS);
         if cas != self.suspects_cas {
             let learned = shared.map_or(0, |shared| self.suspects.merge(&shared, now_ms));
             if learned > 0 {
@@ -271,7 +271,7 @@ impl<H: HostApi> Gateway<H> {
     /// Re-reads the snapshot another worker's poll wrote, if it changed. Done on each tick rather
     /// than per request: requests then cost no host call for it.
     fn refresh_snapshot(&mut self) {
-        let (value, cas) = self.host.get(HOSTS_KEY);
+        let (value, cas) = self.host.get(shared_keys::HOSTS);
         if cas == self.snapshot_cas {
             return;
         }

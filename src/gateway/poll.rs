@@ -9,20 +9,18 @@ use hashbrown::HashMap;
 
 use super::host::{HostApi, Level};
 use super::stat_names::{Counter, Gauge};
-use super::{Gateway, HOSTS_KEY};
+use super::Gateway;
 use crate::config::Config;
 use crate::counters;
 use crate::endpoints::{self, Snapshot};
 use crate::engine::{self, EngineLoad, EngineLoads, Metrics, Own};
 use crate::engine_index::{EngineIndex, Feed, Status};
 use crate::rendezvous::endpoint_id;
+use crate::shared_keys;
 use crate::store::{self, SharedStore};
 
-/// The poll round (see `freshness::RoundLease`).
-pub const LEASE_KEY: &str = "kvroute.poll_round";
-const ENGINE_KEY: &str = "kvroute.engine";
-/// Format of the value under `ENGINE_KEY` (a version byte, then JSON): another version reads as
-/// nothing.
+/// Format of the value under [`shared_keys::ENGINE_LOADS`] (a version byte, then JSON): another
+/// version reads as nothing.
 const ENGINE_VERSION: u8 = 1;
 
 /// Admin answers in a row that must show kvroute's count above Envoy's before it is lowered.
@@ -301,9 +299,11 @@ impl<H: HostApi> Gateway<H> {
             }
             endpoints::apply_engine_loads(&mut snapshot, &loads);
         }
-        let _ = self
-            .host
-            .set(HOSTS_KEY, &endpoints::encode_snapshot(&snapshot), None);
+        let _ = self.host.set(
+            shared_keys::HOSTS,
+            &endpoints::encode_snapshot(&snapshot),
+            None,
+        );
         self.refresh_snapshot();
     }
 
@@ -351,7 +351,7 @@ fn engine_loads(
     now_ms: u64,
 ) -> EngineLoads {
     let mut loads = EngineLoads::default();
-    store::update(store, ENGINE_KEY, |current| {
+    store::update(store, shared_keys::ENGINE_LOADS, |current| {
         let known: EngineLoads = current
             .and_then(|v| store::unversioned(ENGINE_VERSION, v))
             .and_then(|v| serde_json::from_slice(v).ok())
