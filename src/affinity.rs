@@ -11,6 +11,7 @@
 //! galloping back from its last key (the newest keys of a conversation are the ones its next turn
 //! finds), then bisecting: about 2·log2(new chunks) reads. Older keys of a conversation are never
 //! refreshed and age out of their slots first, which a search from the end does not mind.
+use crate::shared_keys;
 use crate::slots;
 use crate::store::{self, SharedStore, Update};
 
@@ -56,7 +57,7 @@ impl<'s, S: SharedStore + ?Sized> AffinityMap<'s, S> {
 
     /// The shared-data key of the slot holding `key`.
     pub fn slot_key(&self, key: u64) -> String {
-        format!("kvroute.affinity.{}", key % u64::from(self.capacity))
+        shared_keys::affinity_slot(key % u64::from(self.capacity))
     }
 
     /// The record for `key`, if its slot still holds it.

@@ -3,29 +3,22 @@
 use std::net::SocketAddr;
 
 use serde_json::{Map, Value};
+use strum::{EnumString, VariantNames};
 
 use crate::prefix::Shape;
 use crate::request::ToolsAt;
 use crate::template::Templates;
 
-/// Which policy picks the endpoint. `CacheAware` is kvroute's; the others are baselines to compare.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which policy picks the endpoint (config `policy`, by its snake_case name). `CacheAware` is
+/// kvroute's; the others are baselines to compare.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, EnumString, VariantNames)]
+#[strum(serialize_all = "snake_case")]
 pub enum PolicyKind {
     CacheAware,
     RoundRobin,
     LeastRequest,
     Session,
     PrefixHash,
-}
-
-impl PolicyKind {
-    pub const ALL: [(&'static str, PolicyKind); 5] = [
-        ("cache_aware", PolicyKind::CacheAware),
-        ("round_robin", PolicyKind::RoundRobin),
-        ("least_request", PolicyKind::LeastRequest),
-        ("session", PolicyKind::Session),
-        ("prefix_hash", PolicyKind::PrefixHash),
-    ];
 }
 
 /// kvroute's configuration, read from the Wasm plugin's `configuration` (a JSON object).
@@ -200,17 +193,10 @@ impl Config {
             match f {
                 "policy" => {
                     let name = string(f, v)?;
-                    c.policy = PolicyKind::ALL
-                        .iter()
-                        .find(|(n, _)| *n == name)
-                        .map(|(_, p)| *p)
-                        .ok_or_else(|| {
-                            let names: Vec<_> = PolicyKind::ALL.iter().map(|(n, _)| *n).collect();
-                            err(
-                                f,
-                                format!("unknown policy {name:?}; one of {}", names.join(", ")),
-                            )
-                        })?;
+                    c.policy = name.parse().map_err(|_| {
+                        let names = PolicyKind::VARIANTS.join(", ");
+                        err(f, format!("unknown policy {name:?}; one of {names}"))
+                    })?;
                 }
                 "header" => c.header = header_name(f, v)?,
                 "session_header" => c.session_header = header_name(f, v)?,
@@ -240,14 +226,10 @@ impl Config {
                 "unsafe_trap_path_for_tests" => c.unsafe_trap_path_for_tests = Some(path(f, v)?),
                 "tools_position" => {
                     let name = string(f, v)?;
-                    c.tools_position = ToolsAt::ALL
-                        .iter()
-                        .find(|(n, _)| *n == name)
-                        .map(|(_, t)| *t)
-                        .ok_or_else(|| {
-                            let names: Vec<_> = ToolsAt::ALL.iter().map(|(n, _)| *n).collect();
-                            err(f, format!("unknown {name:?}; one of {}", names.join(", ")))
-                        })?;
+                    c.tools_position = name.parse().map_err(|_| {
+                        let names = ToolsAt::VARIANTS.join(", ");
+                        err(f, format!("unknown {name:?}; one of {names}"))
+                    })?;
                 }
                 "chat_template" => c.templates.set_default(v).map_err(|e| err(f, e))?,
                 "models" => c.templates.set_models(v).map_err(|e| err(f, e))?,
@@ -449,6 +431,37 @@ mod tests {
             assert_eq!(e.field, field, "{json}");
             assert!(e.to_string().contains(field));
         }
+    }
+
+    #[test]
+    fn policy_and_tools_position_names_stay_the_config_values_in_use() {
+        let policies = [
+            ("cache_aware", PolicyKind::CacheAware),
+            ("round_robin", PolicyKind::RoundRobin),
+            ("least_request", PolicyKind::LeastRequest),
+            ("session", PolicyKind::Session),
+            ("prefix_hash", PolicyKind::PrefixHash),
+        ];
+        assert_eq!(PolicyKind::VARIANTS, policies.map(|(n, _)| n));
+        for (name, policy) in policies {
+            let c = Config::parse(format!(r#"{{"policy":"{name}"}}"#).as_bytes()).unwrap();
+            assert_eq!(c.policy, policy);
+        }
+        let positions = [
+            ("after_system", ToolsAt::AfterSystem),
+            ("before_system", ToolsAt::BeforeSystem),
+            ("before_last_user", ToolsAt::BeforeLastUser),
+        ];
+        assert_eq!(ToolsAt::VARIANTS, positions.map(|(n, _)| n));
+        for (name, at) in positions {
+            let json = format!(r#"{{"tools_position":"{name}"}}"#);
+            assert_eq!(Config::parse(json.as_bytes()).unwrap().tools_position, at);
+        }
+        let e = Config::parse(br#"{"policy":"Session"}"#).unwrap_err();
+        assert!(
+            e.to_string().contains("one of cache_aware, round_robin,"),
+            "{e}"
+        );
     }
 
     #[test]

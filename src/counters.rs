@@ -10,9 +10,9 @@
 //! compare-and-swap as it is routed, again as it ends), each swap racing every other worker's
 //! requests for the one key.
 
+use crate::shared_keys;
 use crate::store::{self, SharedStore, Update};
 
-const KEY: &str = "kvroute.load";
 /// Format of the value; another version (an older kvroute in the same VM) reads as empty.
 const VERSION: u8 = 3;
 const ENTRY_LEN: usize = 12;
@@ -70,7 +70,7 @@ pub struct Read(Option<Vec<u8>>, Option<u32>);
 /// Every endpoint's current counts, and the read itself: an [`add_after`] that follows needs no
 /// second read unless another request wrote the table in between.
 pub fn read_for_update<S: SharedStore + ?Sized>(store: &S) -> (Table, Read) {
-    let (value, cas) = store.get(KEY);
+    let (value, cas) = store.get(shared_keys::LOAD);
     let counts = value.as_deref().map(decode).unwrap_or_default();
     (Table { counts }, Read(value, cas))
 }
@@ -118,7 +118,7 @@ fn add_all_from<S: SharedStore + ?Sized>(
     deltas: &[Delta],
 ) -> Option<Table> {
     let mut result = None;
-    let outcome = store::update_from(store, KEY, read, |current| {
+    let outcome = store::update_from(store, shared_keys::LOAD, read, |current| {
         let mut counts = current.map(decode).unwrap_or_default();
         for d in deltas {
             apply(&mut counts, d);
@@ -224,7 +224,7 @@ impl Local {
 /// removed in all.
 pub fn correct<S: SharedStore + ?Sized>(store: &S, caps: &[(u32, u64)]) -> u64 {
     let mut removed = 0;
-    store::update(store, KEY, |current| {
+    store::update(store, shared_keys::LOAD, |current| {
         removed = 0;
         let mut counts = current.map(decode)?;
         for c in counts.iter_mut() {

@@ -18,6 +18,7 @@ use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::rendezvous::endpoint_id;
+use crate::shared_keys;
 use crate::slots;
 use crate::store::{self, SharedStore, Update};
 
@@ -26,8 +27,6 @@ pub const WAYS: usize = 4;
 /// Endpoints kept per key; a prefix held by more is held nearly everywhere, and the first ones
 /// kept are the ones that held it longest.
 pub const MAX_HOLDERS: usize = 8;
-/// Where the index's [`Status`] lives.
-pub const STATUS_KEY: &str = "kvroute.engine_index.status";
 
 const VERSION: u8 = 1;
 const RECORD_LEN: usize = 8 + 4 + 4 + 1 + 4 * MAX_HOLDERS;
@@ -50,14 +49,15 @@ pub struct Status {
 impl Status {
     /// The index as the last poll left it, `None` if no poll has succeeded.
     pub fn read<S: SharedStore + ?Sized>(store: &S) -> Option<Status> {
-        let (value, _) = store.get(STATUS_KEY);
+        let (value, _) = store.get(shared_keys::ENGINE_INDEX_STATUS);
         let body = store::unversioned(VERSION, value.as_deref()?)?;
         serde_json::from_slice(body).ok()
     }
 
     fn write<S: SharedStore + ?Sized>(&self, store: &S) {
         if let Ok(json) = serde_json::to_vec(self) {
-            let _ = store.set(STATUS_KEY, &store::versioned(VERSION, &json), None);
+            let key = shared_keys::ENGINE_INDEX_STATUS;
+            let _ = store.set(key, &store::versioned(VERSION, &json), None);
         }
     }
 
@@ -137,7 +137,7 @@ impl<'s, S: SharedStore + ?Sized> EngineIndex<'s, S> {
     }
 
     fn slot_key(slot: u64) -> String {
-        format!("kvroute.engine_index.{slot}")
+        shared_keys::engine_index_slot(slot)
     }
 
     /// The endpoints that hold `key`, by `status` (its generation, its stale endpoints); `None`

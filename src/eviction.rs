@@ -13,11 +13,10 @@
 
 use hashbrown::HashMap;
 
+use crate::shared_keys;
 use crate::store::{self, versioned, SharedStore, Update};
 use crate::usage::Usage;
 
-/// The shared-data key of the horizons.
-pub const KEY: &str = "kvroute.evictions";
 /// Endpoints with a horizon, at most: beyond it the oldest horizon is forgotten (its endpoint's
 /// records then count again, as they did before anything was learnt).
 pub const MAX_ENDPOINTS: usize = 1024;
@@ -72,13 +71,13 @@ pub fn horizon(predicted: &Predicted, usage: Usage, grace_ms: u64) -> Option<u64
 
 /// Every endpoint's horizon.
 pub fn read(store: &dyn SharedStore) -> HashMap<u32, u64> {
-    let (value, _) = store.get(KEY);
+    let (value, _) = store.get(shared_keys::EVICTIONS);
     value.as_deref().map(decode).unwrap_or_default()
 }
 
 /// Raises `endpoint`'s horizon to `stamp_ms` (horizons never go back). Returns whether it moved.
 pub fn raise(store: &dyn SharedStore, endpoint: u32, stamp_ms: u64) -> bool {
-    let update = store::update(store, KEY, |current| {
+    let update = store::update(store, shared_keys::EVICTIONS, |current| {
         let mut horizons = current.map(decode).unwrap_or_default();
         let h = horizons.entry(endpoint).or_default();
         if *h >= stamp_ms {
@@ -231,7 +230,7 @@ mod tests {
     fn a_value_of_another_version_or_torn_reads_as_no_horizons() {
         let store = MemoryStore::new();
         raise(&store, 7, 100);
-        let (value, _) = store.get(KEY);
+        let (value, _) = store.get(shared_keys::EVICTIONS);
         let mut value = value.unwrap();
         value[0] = VERSION + 1;
         assert!(decode(&value).is_empty());

@@ -29,6 +29,7 @@ pub mod rendezvous;
 pub mod request;
 pub mod retention;
 pub mod router;
+pub mod shared_keys;
 pub mod slots;
 pub mod store;
 pub mod suspects;

@@ -21,6 +21,7 @@ use std::marker::PhantomData;
 use serde::de::{self, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 use serde_json::value::RawValue;
+use strum::{EnumString, VariantNames};
 use xxhash_rust::xxh3::xxh3_64;
 
 /// The two APIs kvroute routes.
@@ -41,9 +42,11 @@ impl Api {
     }
 }
 
-/// Where the model's chat template renders the tool list (config `tools_position`). The rest of
-/// the order is common to the templates in use: system prompt first, then the turns in order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Where the model's chat template renders the tool list (config `tools_position`, by its
+/// snake_case name). The rest of the order is common to the templates in use: system prompt
+/// first, then the turns in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, EnumString, VariantNames)]
+#[strum(serialize_all = "snake_case")]
 pub enum ToolsAt {
     /// After the system prompt, before the first turn: Qwen 2.5/3 (tools appended to the system
     /// message), Llama 3.1–3.3 (tools in the first user turn, after the system message),
@@ -56,14 +59,6 @@ pub enum ToolsAt {
     /// Just before the last user message: Mistral's templates (`[AVAILABLE_TOOLS]`). Tools then
     /// move with every turn, so they are never part of a request's head.
     BeforeLastUser,
-}
-
-impl ToolsAt {
-    pub const ALL: [(&'static str, ToolsAt); 3] = [
-        ("after_system", ToolsAt::AfterSystem),
-        ("before_system", ToolsAt::BeforeSystem),
-        ("before_last_user", ToolsAt::BeforeLastUser),
-    ];
 }
 
 /// What kvroute needs from a request: the model (namespaces all keys) and the prompt text.

@@ -4,6 +4,7 @@
 //! and gets back either the endpoints to write into the routing header or the reason it leaves the
 //! request to Envoy's fallback policy.
 
+use strum::{EnumCount, IntoStaticStr, VariantArray};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::config::Config;
@@ -13,11 +14,14 @@ use crate::eviction::Predicted;
 use crate::policy::{self, Answer, Candidate, Decision, Input, Needs, Policy, Settled};
 use crate::prefill::{Expected, PrefillModel};
 use crate::prefix::PrefixKeys;
-use crate::request::{Api, ParseError};
+use crate::request::{Api, ParseError, Prompt};
 use crate::store::SharedStore;
+use crate::template::Outcome;
 
-/// Why a request is left to Envoy's fallback policy. Each is a counter; names are stable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Why a request is left to Envoy's fallback policy. Each is a counter
+/// (`kvroute.fallback.<name>`) and a debug-header value (`fallback:<name>`); names are stable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, IntoStaticStr, VariantArray, EnumCount)]
+#[strum(serialize_all = "snake_case")]
 pub enum Fallback {
     Method,
     Path,
@@ -39,39 +43,8 @@ pub enum Fallback {
 }
 
 impl Fallback {
-    /// Every reason, so each counter exists (at zero) before it first moves.
-    pub const ALL: [Fallback; 13] = [
-        Fallback::Method,
-        Fallback::Path,
-        Fallback::EmptyBody,
-        Fallback::BodyTooLarge,
-        Fallback::BadJson,
-        Fallback::NoModel,
-        Fallback::NoPrompt,
-        Fallback::NoCluster,
-        Fallback::NoHealthyEndpoint,
-        Fallback::NoSession,
-        Fallback::NoBodyAccess,
-        Fallback::StaleHosts,
-        Fallback::StaleEngineLoads,
-    ];
-
     pub fn name(self) -> &'static str {
-        match self {
-            Fallback::Method => "method",
-            Fallback::Path => "path",
-            Fallback::EmptyBody => "empty_body",
-            Fallback::BodyTooLarge => "body_too_large",
-            Fallback::BadJson => "bad_json",
-            Fallback::NoModel => "no_model",
-            Fallback::NoPrompt => "no_prompt",
-            Fallback::NoCluster => "no_cluster",
-            Fallback::NoHealthyEndpoint => "no_healthy_endpoint",
-            Fallback::NoSession => "no_session",
-            Fallback::NoBodyAccess => "no_body_access",
-            Fallback::StaleHosts => "stale_hosts",
-            Fallback::StaleEngineLoads => "stale_engine_loads",
-        }
+        self.into()
     }
 }
 
@@ -167,6 +140,14 @@ pub struct Routed {
     pub prefill: Expected,
 }
 
+/// What routing one request gave: where it goes or why it is left to Envoy, and what became of
+/// its prompt under the chat templates (for the caller to count).
+#[derive(Debug)]
+pub struct Routing {
+    pub result: Result<Routed, Fallback>,
+    pub template: Option<Outcome>,
+}
+
 /// The configured pipeline: built once per VM, then used for every request.
 pub struct Router {
     pub config: Config,
@@ -190,7 +171,8 @@ impl Router {
     ) -> Result<Routed, Fallback> {
         let (table, read) = counters::read_for_update(store);
         let model = PrefillModel::new(self.config.prefill_bytes_per_ms);
-        let mut routed = self.route_with(store, &table, &model, hosts, req, now_ms)?;
+        let routing = self.route_with(store, &table, &model, hosts, req, now_ms);
+        let mut routed = routing.result?;
         routed.inflight = counters::add_after(store, read, routed.endpoint_id, 1).unwrap_or(0);
         Ok(routed)
     }
@@ -206,23 +188,47 @@ impl Router {
         hosts: &[Host],
         req: &RequestInfo,
         now_ms: u64,
-    ) -> Result<Routed, Fallback> {
+    ) -> Routing {
         let config = &self.config;
         if req.body.len() > config.max_body_bytes {
-            return Err(Fallback::BodyTooLarge);
+            return Routing {
+                result: Err(Fallback::BodyTooLarge),
+                template: None,
+            };
         }
-        let prompt = config
+        let parsed = config
             .templates
-            .parse(req.api, req.body, config.tools_position)?;
-        let keys = PrefixKeys::of(&prompt, config.shape())
+            .parse(req.api, req.body, config.tools_position);
+        let result = parsed.prompt.map_err(Fallback::from).and_then(|prompt| {
+            let candidates = candidates(inflight, prefill, hosts);
+            if candidates.is_empty() {
+                return Err(Fallback::NoHealthyEndpoint);
+            }
+            if all_engines_stale(hosts) {
+                return Err(Fallback::StaleEngineLoads);
+            }
+            self.route_among(store, inflight, &candidates, req, &prompt, now_ms)
+        });
+        Routing {
+            result,
+            template: parsed.outcome,
+        }
+    }
+
+    /// The rest of [`route_with`](Self::route_with), once the request's prompt is rendered and
+    /// its `candidates` known: the policy picks, and what the request expects there is noted.
+    fn route_among(
+        &self,
+        store: &dyn SharedStore,
+        inflight: &Table,
+        candidates: &[Candidate],
+        req: &RequestInfo,
+        prompt: &Prompt,
+        now_ms: u64,
+    ) -> Result<Routed, Fallback> {
+        let config = &self.config;
+        let keys = PrefixKeys::of(prompt, config.shape())
             .opened_by(prompt.text.get(prompt.opener.clone()).unwrap_or_default());
-        let candidates = candidates(inflight, prefill, hosts);
-        if candidates.is_empty() {
-            return Err(Fallback::NoHealthyEndpoint);
-        }
-        if all_engines_stale(hosts) {
-            return Err(Fallback::StaleEngineLoads);
-        }
         let input = Input {
             keys: &keys,
             session: req.session.map(|s| xxh3_64(s.as_bytes())),
@@ -234,11 +240,11 @@ impl Router {
         };
         let pick = self
             .policy
-            .pick(&candidates, &input)
+            .pick(candidates, &input)
             .ok_or(Fallback::NoSession)?;
         let chosen = &candidates[pick.index];
         let inflight = inflight.inflight(chosen.id).saturating_add(1);
-        let slots_created = self.policy.routed(&candidates, &input, &pick);
+        let slots_created = self.policy.routed(candidates, &input, &pick);
         let match_fraction = pick
             .matched
             .as_ref()
@@ -264,7 +270,7 @@ impl Router {
         };
         Ok(Routed {
             endpoints: endpoint_list(
-                &candidates,
+                candidates,
                 pick.index,
                 keys.group,
                 config.fallback_endpoints,
@@ -596,16 +602,6 @@ mod tests {
             counters::read(&store).counts.is_empty(),
             "nothing counted for unrouted requests"
         );
-    }
-
-    #[test]
-    fn every_parse_failure_has_a_listed_reason() {
-        use crate::request::ParseError::*;
-        for e in [Empty, BadJson, NoModel, NoPrompt] {
-            assert!(Fallback::ALL.contains(&Fallback::from(e)), "{e:?}");
-        }
-        let names: std::collections::HashSet<_> = Fallback::ALL.iter().map(|f| f.name()).collect();
-        assert_eq!(names.len(), Fallback::ALL.len(), "names are distinct");
     }
 
     #[test]

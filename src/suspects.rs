@@ -342,7 +342,7 @@ mod tests {
     #[test]
     fn shared_marks_accumulate_across_writers_and_drop_expired_ones() {
         let store = MemoryStore::new();
-        let key = "kvroute.suspects";
+        let key = crate::shared_keys::SUSPECTS;
         assert!(mark_shared(&store, key, A, 1_000));
         assert!(mark_shared(&store, key, B, 2_000));
         let (s, cas) = read_shared(&store, key);

@@ -17,7 +17,7 @@ use kvroute::request::{self, Api};
 use kvroute::router::{self, RequestInfo, Router};
 use kvroute::store::{MemoryStore, SharedStore};
 use kvroute::suspects::Suspects;
-use kvroute::{body_access, counters, engine, eviction, placement};
+use kvroute::{body_access, counters, engine, eviction, placement, shared_keys};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
 
@@ -256,11 +256,11 @@ fn any_plugin_config_parses_or_says_which_field_is_wrong() {
 /// key the request path and the tick read.
 fn corrupted_store() -> impl Strategy<Value = Vec<(String, Vec<u8>)>> {
     let key = prop_oneof![
-        Just("kvroute.load".to_string()),
-        Just("kvroute.ticket".to_string()),
-        Just(eviction::KEY.to_string()),
-        (0..16usize).prop_map(|s| format!("kvroute.groups.{s}")),
-        (0..8u32).prop_map(|s| format!("kvroute.affinity.{s}")),
+        Just(shared_keys::LOAD.to_string()),
+        Just(shared_keys::TICKET.to_string()),
+        Just(shared_keys::EVICTIONS.to_string()),
+        (0..16usize).prop_map(shared_keys::groups_shard),
+        (0..8u64).prop_map(shared_keys::affinity_slot),
     ];
     let value = prop_oneof![
         prop::collection::vec(any::<u8>(), 0..64),
@@ -368,14 +368,14 @@ fn shared_data_and_admin_decoders_never_panic() {
             let _ = map.get(key);
             let _ = map.longest_match(&[key, key ^ 1, key], 0);
             map.record(&[key], 1, 2);
-            let _ = store.set("kvroute.load", &bytes, None);
+            let _ = store.set(shared_keys::LOAD, &bytes, None);
             let _ = counters::read(&store);
             let _ = counters::add(&store, 3, -1);
             for shard in 0..placement::SHARDS {
-                let _ = store.set(&format!("kvroute.groups.{shard}"), &bytes, None);
+                let _ = store.set(&shared_keys::groups_shard(shard), &bytes, None);
             }
             let _ = placement::read(&store);
-            let _ = store.set(eviction::KEY, &bytes, None);
+            let _ = store.set(shared_keys::EVICTIONS, &bytes, None);
             let _ = eviction::read(&store);
             eviction::raise(&store, 1, key);
             let _ = Suspects::decode(&bytes);

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
-use kvroute::gateway::HOSTS_KEY;
+use kvroute::shared_keys;
 use kvroute::store::SharedStore;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -145,7 +145,7 @@ pub async fn start(settings: Settings) -> Result<Running, String> {
     let static_endpoints = !config.endpoints.is_empty();
     let ready_store = store.clone();
     tasks.push(tokio::spawn(async move {
-        while !static_endpoints && ready_store.get(HOSTS_KEY).1.is_none() {
+        while !static_endpoints && ready_store.get(shared_keys::HOSTS).1.is_none() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         health

@@ -13,6 +13,7 @@ use common::driven::Picker;
 use kvroute::config::{Config, PolicyKind};
 use kvroute::gateway::testing::{MemoryHost, MemoryStream};
 use kvroute::gateway::{Body, Exchange, Gateway};
+use strum::VariantNames;
 
 const POOL: [&str; 4] = [
     "127.0.0.1:8001",
@@ -110,7 +111,7 @@ impl Filter {
 
 #[test]
 fn the_filter_and_the_picker_pick_alike_for_every_policy() {
-    for (name, _) in PolicyKind::ALL {
+    for name in PolicyKind::VARIANTS {
         let endpoints: Vec<String> = POOL.iter().map(|a| format!("\"{a}\"")).collect();
         let json = format!(
             r#"{{"policy":"{name}","endpoints":[{}],"fallback_endpoints":2,"stats_interval_ms":100}}"#,

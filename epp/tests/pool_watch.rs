@@ -21,7 +21,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request, HttpBody, HttpHeaders,
 };
 use kvroute::config::Config;
-use kvroute::gateway::HOSTS_KEY;
+use kvroute::shared_keys;
 use kvroute::store::SharedStore;
 use kvroute_epp::pool_watch::{self, Source};
 use kvroute_epp::settings::{Args, Settings};
@@ -307,7 +307,7 @@ async fn the_picker_is_not_ready_until_the_pods_are_listed() {
         polls() >= before + 2
     })
     .await;
-    assert_eq!(epp.store.get(HOSTS_KEY).0, None);
+    assert_eq!(epp.store.get(shared_keys::HOSTS).0, None);
     assert_eq!(readiness(&epp).await, ServingStatus::NotServing);
 
     api.open_pod_lists();

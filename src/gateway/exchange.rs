@@ -213,11 +213,14 @@ impl<H: HostApi> Gateway<H> {
             request_id: request_id.as_deref(),
         };
         let inflight = self.inflight.view();
-        let result =
+        let routing =
             self.router
                 .route_with(&self.host, &inflight, &self.prefill, &hosts, &req, now);
         drop(hosts);
-        match result {
+        if let Some(outcome) = routing.template {
+            self.metrics.template(outcome);
+        }
+        match routing.result {
             Ok(routed) => {
                 let (id, expected) = (routed.endpoint_id, routed.prefill);
                 self.inflight.add(id, 1);

@@ -7,17 +7,21 @@
 //! request: [`Metrics::flush`] writes them.
 
 use hashbrown::HashMap;
+use strum::{EnumCount, VariantArray};
 
 use super::host::{HostApi, MetricKind};
+use super::stat_names::{self, Counter, Gauge};
 use crate::policy::Decision;
 use crate::router::Fallback;
+use crate::template::Outcome;
 use crate::usage::{self, Usage};
 
 #[derive(Default)]
 pub struct Metrics {
     ids: HashMap<String, u32>,
-    routed: [Option<u32>; Decision::ALL.len()],
-    fallback: [Option<u32>; Fallback::ALL.len()],
+    routed: [Option<u32>; Decision::COUNT],
+    fallback: [Option<u32>; Fallback::COUNT],
+    template: [Option<u32>; Outcome::COUNT],
     match_percent: Option<u32>,
     slots_used: Option<u32>,
     /// The in-flight gauge of each endpoint address seen.
@@ -31,7 +35,9 @@ pub struct Metrics {
     /// Usage reported since the last flush.
     unwritten: Unwritten,
     /// Requests routed with each decision since the last flush.
-    decided: [i64; Decision::ALL.len()],
+    decided: [i64; Decision::COUNT],
+    /// Chat requests of each template outcome since the last flush.
+    templated: [i64; Outcome::COUNT],
 }
 
 /// Usage reported since the last flush: responses, prompt and cached tokens, in all and of each
@@ -44,28 +50,23 @@ struct Unwritten {
 }
 
 impl Metrics {
-    /// Defines the per-request metrics and `counters` (all at zero, so dashboards see them
+    /// Defines the per-request metrics and the counters (all at zero, so dashboards see them
     /// before they move).
-    pub fn new<H: HostApi + ?Sized>(h: &H, counters: &[&str]) -> Metrics {
+    pub fn new<H: HostApi + ?Sized>(h: &H) -> Metrics {
         let mut m = Metrics::default();
-        for (i, d) in Decision::ALL.iter().enumerate() {
-            m.routed[i] = m.id(
-                h,
-                MetricKind::Counter,
-                &format!("kvroute.routed.{}", d.name()),
-            );
+        for &d in Decision::VARIANTS {
+            m.routed[d as usize] = m.id(h, MetricKind::Counter, &stat_names::routed(d));
         }
-        for (i, f) in Fallback::ALL.iter().enumerate() {
-            m.fallback[i] = m.id(
-                h,
-                MetricKind::Counter,
-                &format!("kvroute.fallback.{}", f.name()),
-            );
+        for &f in Fallback::VARIANTS {
+            m.fallback[f as usize] = m.id(h, MetricKind::Counter, &stat_names::fallback(f));
         }
-        m.match_percent = m.id(h, MetricKind::Histogram, "kvroute.match_percent");
-        m.slots_used = m.id(h, MetricKind::Gauge, "kvroute.affinity.slots_used");
-        for name in counters {
-            m.id(h, MetricKind::Counter, name);
+        m.match_percent = m.id(h, MetricKind::Histogram, stat_names::MATCH_PERCENT);
+        m.slots_used = m.id(h, MetricKind::Gauge, Gauge::SlotsUsed.name());
+        for c in Counter::VARIANTS {
+            m.id(h, MetricKind::Counter, c.name());
+        }
+        for &o in Outcome::VARIANTS {
+            m.template[o as usize] = m.id(h, MetricKind::Counter, &stat_names::template(o));
         }
         m
     }
@@ -74,33 +75,35 @@ impl Metrics {
         define(h, &mut self.ids, kind, name)
     }
 
-    pub fn count<H: HostApi + ?Sized>(&mut self, h: &H, name: &str) {
-        self.add(h, MetricKind::Counter, name, 1);
+    pub fn count<H: HostApi + ?Sized>(&mut self, h: &H, counter: Counter) {
+        self.add(h, counter, 1);
     }
 
-    pub fn add<H: HostApi + ?Sized>(&mut self, h: &H, kind: MetricKind, name: &str, delta: i64) {
-        if let Some(id) = self.id(h, kind, name) {
+    pub fn add<H: HostApi + ?Sized>(&mut self, h: &H, counter: Counter, delta: i64) {
+        if let Some(id) = self.id(h, MetricKind::Counter, counter.name()) {
             h.increment_metric(id, delta);
         }
     }
 
-    pub fn gauge<H: HostApi + ?Sized>(&mut self, h: &H, name: &str, value: u64) {
-        if let Some(id) = self.id(h, MetricKind::Gauge, name) {
+    pub fn gauge<H: HostApi + ?Sized>(&mut self, h: &H, gauge: Gauge, value: u64) {
+        if let Some(id) = self.id(h, MetricKind::Gauge, gauge.name()) {
             h.record_metric(id, value);
         }
     }
 
     /// `kvroute.routed.<decision>`: counted now, written on the next [`flush`](Self::flush).
     pub fn routed(&mut self, decision: Decision) {
-        if let Some(i) = Decision::ALL.iter().position(|d| *d == decision) {
-            self.decided[i] += 1;
-        }
+        self.decided[decision as usize] += 1;
+    }
+
+    /// `kvroute.template.<outcome>`: counted now, written on the next [`flush`](Self::flush).
+    pub fn template(&mut self, outcome: Outcome) {
+        self.templated[outcome as usize] += 1;
     }
 
     /// `kvroute.fallback.<reason>`.
     pub fn fallback<H: HostApi + ?Sized>(&mut self, h: &H, reason: Fallback) {
-        let at = Fallback::ALL.iter().position(|f| *f == reason);
-        increment(h, at.and_then(|i| self.fallback[i]), 1);
+        increment(h, self.fallback[reason as usize], 1);
     }
 
     pub fn match_percent<H: HostApi + ?Sized>(&mut self, h: &H, percent: u64) {
@@ -126,7 +129,7 @@ impl Metrics {
             ..
         } = self;
         let resolved = per_endpoint(h, ids, inflight, addr, |seg| {
-            [(MetricKind::Gauge, format!("kvroute.inflight.{seg}"))]
+            [(MetricKind::Gauge, stat_names::inflight(seg))]
         });
         if let Some([id]) = resolved {
             if h.record_metric(id, value) {
@@ -175,10 +178,7 @@ impl Metrics {
             ids, ttft_estimate, ..
         } = self;
         let resolved = per_endpoint(h, ids, ttft_estimate, addr, |seg| {
-            [(
-                MetricKind::Histogram,
-                format!("kvroute.ttft_estimate_percent.{seg}"),
-            )]
+            [(MetricKind::Histogram, stat_names::ttft_estimate(seg))]
         });
         if let Some([id]) = resolved {
             let percent = measured_ms as f64 * 100.0 / expected_ms.max(1.0);
@@ -198,12 +198,13 @@ impl Metrics {
         }
     }
 
-    /// Writes what was counted since the last flush: the decisions (`kvroute.routed.*`), then
-    /// `kvroute.usage.{prompt,cached}_tokens`, the same per endpoint (`.<endpoint>`), and
-    /// `kvroute.usage.responses` last, so a reader that sees the responses counted sees their
-    /// tokens too.
+    /// Writes what was counted since the last flush: the decisions (`kvroute.routed.*`) and
+    /// template outcomes (`kvroute.template.*`), then `kvroute.usage.{prompt,cached}_tokens`, the
+    /// same per endpoint (`.<endpoint>`), and `kvroute.usage.responses` last, so a reader that
+    /// sees the responses counted sees their tokens too.
     pub fn flush<H: HostApi + ?Sized>(&mut self, h: &H) {
-        for (id, n) in self.routed.iter().zip(&mut self.decided) {
+        let routed = self.routed.iter().zip(&mut self.decided);
+        for (id, n) in routed.chain(self.template.iter().zip(&mut self.templated)) {
             if *n != 0 {
                 increment(h, *id, std::mem::take(n));
             }
@@ -223,8 +224,8 @@ impl Metrics {
             .filter(|(_, s)| **s != [0; 2])
         {
             let resolved = per_endpoint(h, ids, usage, addr, |seg| {
-                ["prompt_tokens", "cached_tokens"]
-                    .map(|n| (MetricKind::Counter, format!("kvroute.usage.{n}.{seg}")))
+                [Counter::UsagePromptTokens, Counter::UsageCachedTokens]
+                    .map(|c| (MetricKind::Counter, c.of_endpoint(seg)))
             });
             for (id, n) in resolved.into_iter().flatten().zip(std::mem::take(sum)) {
                 increment(h, Some(id), n);
@@ -232,19 +233,9 @@ impl Metrics {
         }
         let [prompt, cached] = std::mem::take(&mut unwritten.tokens);
         let responses = std::mem::take(&mut unwritten.responses);
-        self.add(
-            h,
-            MetricKind::Counter,
-            "kvroute.usage.prompt_tokens",
-            prompt,
-        );
-        self.add(
-            h,
-            MetricKind::Counter,
-            "kvroute.usage.cached_tokens",
-            cached,
-        );
-        self.add(h, MetricKind::Counter, "kvroute.usage.responses", responses);
+        self.add(h, Counter::UsagePromptTokens, prompt);
+        self.add(h, Counter::UsageCachedTokens, cached);
+        self.add(h, Counter::UsageResponses, responses);
     }
 }
 

@@ -14,6 +14,7 @@ mod host;
 mod metrics;
 mod poll;
 mod settle;
+pub mod stat_names;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 #[cfg(test)]
@@ -22,6 +23,7 @@ mod tests;
 pub use exchange::{Body, Exchange, RequestHeaders};
 pub use host::{HostApi, Level, MetricKind, StreamApi};
 pub use metrics::Metrics;
+pub use stat_names::{Counter, Gauge};
 
 use std::borrow::Cow;
 
@@ -32,44 +34,15 @@ use crate::freshness::{self, Age, MonoClock, RoundLease};
 use crate::prefill::PrefillModel;
 use crate::rendezvous::endpoint_id;
 use crate::router::Router;
+use crate::shared_keys;
 use crate::suspects::{self, Suspects};
 
-/// The shared-data key of the host snapshot one worker's poll writes for every worker.
-pub const HOSTS_KEY: &str = "kvroute.hosts";
-/// Endpoints that just failed a request, marked by any worker (see `suspects`).
-const SUSPECTS_KEY: &str = "kvroute.suspects";
 /// Tick and poll period until the first host snapshot: requests fall back to Envoy until then.
 const STARTUP_TICK_MS: u64 = 100;
 /// Longest tick, whatever `stats_interval_ms` says: how late another worker's suspect marks and
 /// requests in flight reach this one. The poll itself still runs once per interval (the lease
 /// decides).
 const MAX_TICK_MS: u64 = 100;
-
-/// Counters defined when the gateway starts, so dashboards see them at zero.
-const COUNTERS: [&str; 22] = [
-    "kvroute.stats_poll.ok",
-    "kvroute.stats_poll.failed",
-    "kvroute.engine_poll.ok",
-    "kvroute.engine_poll.failed",
-    "kvroute.engine_poll.loads_ok",
-    "kvroute.engine_poll.loads_failed",
-    "kvroute.suspect_marked",
-    "kvroute.suspect_learned",
-    "kvroute.inflight_corrected",
-    "kvroute.engine_poll.stale",
-    "kvroute.index.poll_ok",
-    "kvroute.index.poll_failed",
-    "kvroute.index.resyncs",
-    "kvroute.index.held",
-    "kvroute.index.dropped",
-    "kvroute.index.overflowed",
-    "kvroute.served_elsewhere",
-    "kvroute.affinity.withdrawn",
-    "kvroute.affinity.evictions_seen",
-    "kvroute.usage.responses",
-    "kvroute.usage.prompt_tokens",
-    "kvroute.usage.cached_tokens",
-];
 
 /// One worker's routing core (see the module doc).
 pub struct Gateway<H: HostApi> {
@@ -96,9 +69,7 @@ pub struct Gateway<H: HostApi> {
 impl<H: HostApi> Gateway<H> {
     /// A gateway for `config`, its stats defined.
     pub fn new(config: Config, host: H) -> Gateway<H> {
-        let templates = crate::template::Outcome::ALL.map(|o| o.counter());
-        let counters: Vec<&str> = COUNTERS.iter().copied().chain(templates).collect();
-        let metrics = Metrics::new(&host, &counters);
+        let metrics = Metrics::new(&host);
         Gateway {
             host,
             prefill: PrefillModel::new(config.prefill_bytes_per_ms),
@@ -142,17 +113,12 @@ impl<H: HostApi> Gateway<H> {
         self.refresh_snapshot();
         self.flush_inflight();
         self.metrics.flush(&self.host);
-        for (name, n) in self.router.config.templates.take_counts() {
-            if n > 0 {
-                (self.metrics).add(&self.host, MetricKind::Counter, name, n as i64);
-            }
-        }
         self.snapshot_age.observe(self.snapshot_cas, mono);
         self.refresh_suspects(now);
         let completed = endpoints::completed(&self.snapshot);
         let placed = self.router.tick(&self.host, now, &completed);
         self.metrics
-            .gauge(&self.host, "kvroute.groups_placed", placed as u64);
+            .gauge(&self.host, Gauge::GroupsPlaced, placed as u64);
         let config = &self.router.config;
         if let Some(admin) = config.admin_cluster.clone() {
             let lease = if self.snapshot_cas.is_some() {
@@ -160,7 +126,10 @@ impl<H: HostApi> Gateway<H> {
             } else {
                 STARTUP_TICK_MS.min(config.stats_interval_ms)
             };
-            if self.lease.take(&self.host, poll::LEASE_KEY, mono, lease) {
+            if self
+                .lease
+                .take(&self.host, shared_keys::POLL_ROUND, mono, lease)
+            {
                 self.dispatch_polls(&admin);
             }
         }
@@ -265,8 +234,8 @@ impl<H: HostApi> Gateway<H> {
         if !self.suspects.mark(addr, now_ms) {
             return;
         }
-        suspects::mark_shared(&self.host, SUSPECTS_KEY, addr, now_ms);
-        self.metrics.count(&self.host, "kvroute.suspect_marked");
+        suspects::mark_shared(&self.host, shared_keys::SUSPECTS, addr, now_ms);
+        self.metrics.count(&self.host, Counter::SuspectMarked);
         self.host.log(
             Level::Info,
             &format!(
@@ -278,16 +247,13 @@ impl<H: HostApi> Gateway<H> {
 
     /// Takes in the marks other workers wrote since the last tick and forgets expired ones.
     fn refresh_suspects(&mut self, now_ms: u64) {
-        let (shared, cas) = suspects::read_shared(&self.host, SUSPECTS_KEY);
+        let (shared, cas) = suspects::read_shared(&self.host, shared_keys::SUSPECTS);
         if cas != self.suspects_cas {
             let learned = shared.map_or(0, |shared| self.suspects.merge(&shared, now_ms));
             if learned > 0 {
-                self.metrics.add(
-                    &self.host,
-                    MetricKind::Counter,
-                    "kvroute.suspect_learned",
-                    learned as i64,
-                );
+                let learned = learned as i64;
+                self.metrics
+                    .add(&self.host, Counter::SuspectLearned, learned);
             }
             self.suspects_cas = cas;
         }
@@ -305,7 +271,7 @@ impl<H: HostApi> Gateway<H> {
     /// Re-reads the snapshot another worker's poll wrote, if it changed. Done on each tick rather
     /// than per request: requests then cost no host call for it.
     fn refresh_snapshot(&mut self) {
-        let (value, cas) = self.host.get(HOSTS_KEY);
+        let (value, cas) = self.host.get(shared_keys::HOSTS);
         if cas == self.snapshot_cas {
             return;
         }

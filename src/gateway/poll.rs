@@ -7,21 +7,20 @@
 
 use hashbrown::HashMap;
 
-use super::host::{HostApi, Level, MetricKind};
-use super::{Gateway, HOSTS_KEY};
+use super::host::{HostApi, Level};
+use super::stat_names::{Counter, Gauge};
+use super::Gateway;
 use crate::config::Config;
 use crate::counters;
 use crate::endpoints::{self, Snapshot};
 use crate::engine::{self, EngineLoad, EngineLoads, Metrics, Own};
 use crate::engine_index::{EngineIndex, Feed, Status};
 use crate::rendezvous::endpoint_id;
+use crate::shared_keys;
 use crate::store::{self, SharedStore};
 
-/// The poll round (see `freshness::RoundLease`).
-pub const LEASE_KEY: &str = "kvroute.poll_round";
-const ENGINE_KEY: &str = "kvroute.engine";
-/// Format of the value under `ENGINE_KEY` (a version byte, then JSON): another version reads as
-/// nothing.
+/// Format of the value under [`shared_keys::ENGINE_LOADS`] (a version byte, then JSON): another
+/// version reads as nothing.
 const ENGINE_VERSION: u8 = 1;
 
 /// Admin answers in a row that must show kvroute's count above Envoy's before it is lowered.
@@ -60,18 +59,17 @@ impl<H: HostApi> Gateway<H> {
         // Calls of the last round still unanswered after a whole interval (a jammed admin or
         // engine) failed: their late answers are ignored, so count them here or never.
         if self.poller.admin.take().is_some() {
-            self.metrics.count(&self.host, "kvroute.stats_poll.failed");
+            self.metrics.count(&self.host, Counter::StatsPollFailed);
         }
         let late = [
-            (self.poller.engines.len(), "kvroute.engine_poll.failed"),
-            (self.poller.loads.len(), "kvroute.engine_poll.loads_failed"),
+            (self.poller.engines.len(), Counter::EnginePollFailed),
+            (self.poller.loads.len(), Counter::LoadsPollFailed),
         ];
-        for (n, name) in late.into_iter().filter(|(n, _)| *n > 0) {
-            self.metrics
-                .add(&self.host, MetricKind::Counter, name, n as i64);
+        for (n, counter) in late.into_iter().filter(|(n, _)| *n > 0) {
+            self.metrics.add(&self.host, counter, n as i64);
         }
         if self.poller.index.take().is_some() {
-            self.metrics.count(&self.host, "kvroute.index.poll_failed");
+            self.metrics.count(&self.host, Counter::IndexPollFailed);
         }
         self.poller.reports.clear();
         self.poller.engines.clear();
@@ -99,7 +97,7 @@ impl<H: HostApi> Gateway<H> {
         ];
         match host.http_call(admin_cluster, &headers, timeout_ms) {
             Some(token) => poller.admin = Some(token),
-            None => metrics.count(host, "kvroute.stats_poll.failed"),
+            None => metrics.count(host, Counter::StatsPollFailed),
         }
         let Some(cluster) = config.engine_metrics_cluster.as_deref() else {
             return;
@@ -112,7 +110,7 @@ impl<H: HostApi> Gateway<H> {
                 Some(token) => {
                     poller.engines.insert(token, h.addr.clone());
                 }
-                None => metrics.count(host, "kvroute.engine_poll.failed"),
+                None => metrics.count(host, Counter::EnginePollFailed),
             }
         }
     }
@@ -127,9 +125,7 @@ impl<H: HostApi> Gateway<H> {
             Some(token) => {
                 self.poller.loads.insert(token, addr.to_string());
             }
-            None => self
-                .metrics
-                .count(&self.host, "kvroute.engine_poll.loads_failed"),
+            None => self.metrics.count(&self.host, Counter::LoadsPollFailed),
         }
     }
 
@@ -150,7 +146,7 @@ impl<H: HostApi> Gateway<H> {
         let timeout_ms = config.stats_interval_ms.max(1000);
         match self.host.http_call(cluster, &headers, timeout_ms) {
             Some(token) => self.poller.index = Some(token),
-            None => self.metrics.count(&self.host, "kvroute.index.poll_failed"),
+            None => self.metrics.count(&self.host, Counter::IndexPollFailed),
         }
     }
 
@@ -158,7 +154,7 @@ impl<H: HostApi> Gateway<H> {
     fn index_answer(&mut self, body: Option<Vec<u8>>) {
         let feed = body.and_then(|b| serde_json::from_slice::<Feed>(&b).ok());
         let Some(feed) = feed else {
-            self.metrics.count(&self.host, "kvroute.index.poll_failed");
+            self.metrics.count(&self.host, Counter::IndexPollFailed);
             return;
         };
         let capacity = self.router.config.engine_index_capacity;
@@ -167,35 +163,19 @@ impl<H: HostApi> Gateway<H> {
         let (h, m) = (&self.host, &mut self.metrics);
         match applied {
             Ok(applied) => {
-                m.count(h, "kvroute.index.poll_ok");
+                m.count(h, Counter::IndexPollOk);
                 if applied.full {
-                    m.count(h, "kvroute.index.resyncs");
+                    m.count(h, Counter::IndexResyncs);
                 }
-                m.add(
-                    h,
-                    MetricKind::Counter,
-                    "kvroute.index.held",
-                    applied.held as i64,
-                );
-                m.add(
-                    h,
-                    MetricKind::Counter,
-                    "kvroute.index.dropped",
-                    applied.dropped as i64,
-                );
-                let overflowed = applied.overflowed as i64;
-                m.add(
-                    h,
-                    MetricKind::Counter,
-                    "kvroute.index.overflowed",
-                    overflowed,
-                );
-                m.gauge(h, "kvroute.index.stale_engines", feed.stale.len() as u64);
+                m.add(h, Counter::IndexHeld, applied.held as i64);
+                m.add(h, Counter::IndexDropped, applied.dropped as i64);
+                m.add(h, Counter::IndexOverflowed, applied.overflowed as i64);
+                m.gauge(h, Gauge::IndexStaleEngines, feed.stale.len() as u64);
             }
             Err(e) => {
                 let message = format!("kvroute: the indexer's answer was not applied: {e:?}");
                 h.log(Level::Warn, &message);
-                m.count(h, "kvroute.index.poll_failed");
+                m.count(h, Counter::IndexPollFailed);
             }
         }
     }
@@ -230,9 +210,9 @@ impl<H: HostApi> Gateway<H> {
                         self.dispatch_loads_poll(&addr);
                     }
                     self.poller.reports.insert(addr, (metrics, own));
-                    self.metrics.count(&self.host, "kvroute.engine_poll.ok");
+                    self.metrics.count(&self.host, Counter::EnginePollOk);
                 }
-                None => self.metrics.count(&self.host, "kvroute.engine_poll.failed"),
+                None => self.metrics.count(&self.host, Counter::EnginePollFailed),
             }
         } else if let Some(addr) = self.poller.loads.remove(&token) {
             let tokens = ok_body.as_deref().and_then(engine::parse_loads);
@@ -242,12 +222,9 @@ impl<H: HostApi> Gateway<H> {
                     metrics.waiting_uncached_tokens = Some(tokens);
                     // The queue as the snapshot saw it, against kvroute's own prefill then.
                     own.prefill = self.inflight.prefill(endpoint_id(&addr));
-                    self.metrics
-                        .count(&self.host, "kvroute.engine_poll.loads_ok");
+                    self.metrics.count(&self.host, Counter::LoadsPollOk);
                 }
-                None => self
-                    .metrics
-                    .count(&self.host, "kvroute.engine_poll.loads_failed"),
+                None => self.metrics.count(&self.host, Counter::LoadsPollFailed),
             }
         }
         let answered = self.poller.engines.is_empty() && self.poller.loads.is_empty();
@@ -297,9 +274,8 @@ impl<H: HostApi> Gateway<H> {
         }
         let removed = counters::correct(&self.host, &caps);
         if removed > 0 {
-            let name = "kvroute.inflight_corrected";
-            self.metrics
-                .add(&self.host, MetricKind::Counter, name, removed as i64);
+            let removed = removed as i64;
+            (self.metrics).add(&self.host, Counter::InflightCorrected, removed);
             // Shown now, from the corrected table, rather than at this worker's next flush.
             let table = counters::read(&self.host);
             for (id, _) in &caps {
@@ -318,15 +294,16 @@ impl<H: HostApi> Gateway<H> {
             let loads = engine_loads(&self.host, &self.poller.reports, &snapshot, now);
             let stale = loads.values().filter(|l| l.stale()).count();
             if stale > 0 {
-                let name = "kvroute.engine_poll.stale";
-                self.metrics
-                    .add(&self.host, MetricKind::Counter, name, stale as i64);
+                let stale = stale as i64;
+                (self.metrics).add(&self.host, Counter::EnginePollStale, stale);
             }
             endpoints::apply_engine_loads(&mut snapshot, &loads);
         }
-        let _ = self
-            .host
-            .set(HOSTS_KEY, &endpoints::encode_snapshot(&snapshot), None);
+        let _ = self.host.set(
+            shared_keys::HOSTS,
+            &endpoints::encode_snapshot(&snapshot),
+            None,
+        );
         self.refresh_snapshot();
     }
 
@@ -348,7 +325,7 @@ impl<H: HostApi> Gateway<H> {
             Err(e) => {
                 let message = format!("kvroute: stats poll failed: {e}");
                 self.host.log(Level::Warn, &message);
-                self.metrics.count(&self.host, "kvroute.stats_poll.failed");
+                self.metrics.count(&self.host, Counter::StatsPollFailed);
                 return None;
             }
         };
@@ -359,8 +336,8 @@ impl<H: HostApi> Gateway<H> {
             .filter(|h| h.healthy)
             .count();
         self.metrics
-            .gauge(&self.host, "kvroute.endpoints_known", known as u64);
-        self.metrics.count(&self.host, "kvroute.stats_poll.ok");
+            .gauge(&self.host, Gauge::EndpointsKnown, known as u64);
+        self.metrics.count(&self.host, Counter::StatsPollOk);
         Some(snapshot)
     }
 }
@@ -374,7 +351,7 @@ fn engine_loads(
     now_ms: u64,
 ) -> EngineLoads {
     let mut loads = EngineLoads::default();
-    store::update(store, ENGINE_KEY, |current| {
+    store::update(store, shared_keys::ENGINE_LOADS, |current| {
         let known: EngineLoads = current
             .and_then(|v| store::unversioned(ENGINE_VERSION, v))
             .and_then(|v| serde_json::from_slice(v).ok())

@@ -7,7 +7,8 @@
 //! prefix index settles these: [`Policy::answered`](crate::policy::Policy::answered)).
 
 use super::exchange::Exchange;
-use super::host::{HostApi, MetricKind, StreamApi};
+use super::host::{HostApi, StreamApi};
+use super::stat_names::Counter;
 use super::Gateway;
 use crate::policy::Answer;
 use crate::rendezvous::endpoint_id;
@@ -190,7 +191,7 @@ impl<H: HostApi> Gateway<H> {
             self.inflight.add_prefill(*id, -bytes);
             self.inflight.add_prefill(served_id, bytes);
         }
-        self.metrics.count(&self.host, "kvroute.served_elsewhere");
+        self.metrics.count(&self.host, Counter::ServedElsewhere);
         ex.counted = Some((served_id, served.clone()));
     }
 
@@ -217,15 +218,13 @@ impl<H: HostApi> Gateway<H> {
         let settled = self.router.answered(host, &answer);
         let m = &mut self.metrics;
         if settled.eviction_seen {
-            m.count(host, "kvroute.affinity.evictions_seen");
+            m.count(host, Counter::EvictionsSeen);
         }
         if settled.withdrawn > 0 {
-            let name = "kvroute.affinity.withdrawn";
-            m.add(host, MetricKind::Counter, name, settled.withdrawn as i64);
+            m.add(host, Counter::AffinityWithdrawn, settled.withdrawn as i64);
         }
         if settled.recorded > 0 {
-            let name = "kvroute.affinity.slots_used";
-            m.add(host, MetricKind::Gauge, name, settled.recorded as i64);
+            m.slots_used(host, settled.recorded as i64);
         }
     }
 }

@@ -3,8 +3,10 @@
 use super::testing::{MemoryHost, MemoryStream};
 use super::*;
 use crate::counters;
+use crate::policy::Decision;
 use crate::rendezvous::endpoint_id;
 use crate::router::Fallback;
+use crate::template::Outcome;
 
 const POOL: [&str; 4] = [
     "10.0.0.1:8000",
@@ -92,12 +94,10 @@ fn a_request_routed_then_served_by_another_host_after_a_retry_settles_there_and_
     );
     gw.tick(100);
     assert_eq!(inflight(&gw, &chosen), 1);
-    assert_eq!(gw.host().stat("kvroute.routed.home"), 1);
+    assert_eq!(gw.host().stat(&stat_names::routed(Decision::Home)), 1);
     assert_eq!(
-        gw.host().stat(&format!(
-            "kvroute.inflight.{}",
-            crate::usage::stat_segment(&chosen)
-        )),
+        gw.host()
+            .stat(&stat_names::inflight(&crate::usage::stat_segment(&chosen))),
         1
     );
 
@@ -108,9 +108,9 @@ fn a_request_routed_then_served_by_another_host_after_a_retry_settles_there_and_
         ..MemoryStream::default()
     };
     assert_eq!(gw.on_response_headers(&mut ex, false, &response), None);
-    assert_eq!(gw.host().stat("kvroute.served_elsewhere"), 1);
+    assert_eq!(gw.host().stat(Counter::ServedElsewhere.name()), 1);
     assert_eq!(
-        gw.host().stat("kvroute.suspect_marked"),
+        gw.host().stat(Counter::SuspectMarked.name()),
         1,
         "the chosen one failed"
     );
@@ -123,17 +123,17 @@ fn a_request_routed_then_served_by_another_host_after_a_retry_settles_there_and_
         "the upstream and one body end: no status, no flags"
     );
     assert!(
-        gw.host().stat("kvroute.affinity.withdrawn") > 0,
+        gw.host().stat(Counter::AffinityWithdrawn.name()) > 0,
         "taken back from the chosen host"
     );
 
     gw.tick(100);
     let seg = crate::usage::stat_segment(&retried);
-    assert_eq!(gw.host().stat("kvroute.usage.responses"), 1);
-    assert_eq!(gw.host().stat("kvroute.usage.prompt_tokens"), 300);
+    assert_eq!(gw.host().stat(Counter::UsageResponses.name()), 1);
+    assert_eq!(gw.host().stat(Counter::UsagePromptTokens.name()), 300);
     assert_eq!(
         gw.host()
-            .stat(&format!("kvroute.usage.prompt_tokens.{seg}")),
+            .stat(&Counter::UsagePromptTokens.of_endpoint(&seg)),
         300
     );
     assert_eq!(inflight(&gw, &chosen), 0);
@@ -143,7 +143,7 @@ fn a_request_routed_then_served_by_another_host_after_a_retry_settles_there_and_
         "counts back to zero"
     );
     let chosen_seg = crate::usage::stat_segment(&chosen);
-    assert_eq!(gw.host().stat(&format!("kvroute.inflight.{chosen_seg}")), 0);
+    assert_eq!(gw.host().stat(&stat_names::inflight(&chosen_seg)), 0);
 
     // The next request of the group avoids the suspect it was homed on.
     let mut next = Exchange::default();
@@ -154,6 +154,44 @@ fn a_request_routed_then_served_by_another_host_after_a_retry_settles_there_and_
         &stream,
     );
     assert!(again.is_some_and(|v| !v.starts_with(&chosen)));
+}
+
+#[test]
+fn a_new_gateway_shows_its_counters_and_each_decision_reason_and_outcome_at_zero() {
+    use strum::VariantArray;
+    let gw = static_pool("");
+    let names: Vec<String> = (Counter::VARIANTS.iter().map(|c| c.name().to_string()))
+        .chain(Decision::VARIANTS.iter().map(|&d| stat_names::routed(d)))
+        .chain(Fallback::VARIANTS.iter().map(|&f| stat_names::fallback(f)))
+        .chain(Outcome::VARIANTS.iter().map(|&o| stat_names::template(o)))
+        .chain([stat_names::MATCH_PERCENT, Gauge::SlotsUsed.name()].map(String::from))
+        .collect();
+    for name in &names {
+        assert!(gw.host().defined(name), "{name}");
+        assert_eq!(gw.host().stat(name), 0, "{name}");
+    }
+    let distinct: std::collections::HashSet<&String> = names.iter().collect();
+    assert_eq!(distinct.len(), names.len(), "no two stats share a name");
+}
+
+#[test]
+fn template_outcomes_are_counted_by_the_gateway_on_its_tick() {
+    let mut gw = static_pool(r#","models":{"m":"{{ messages[0].content }}"}"#);
+    gw.tick(100);
+    let rendered = chat("You are a helpful assistant.", "hello");
+    let unknown_model = rendered.replacen(r#""model":"m""#, r#""model":"x""#, 1);
+    for body in [&rendered, &rendered, &unknown_model] {
+        let mut ex = Exchange::default();
+        assert!(send(&mut gw, &mut ex, body, &MemoryStream::default()).is_some());
+    }
+    let count = |o| gw.host().stat(&stat_names::template(o));
+    assert_eq!(count(Outcome::Rendered), 0, "written on the tick");
+    gw.tick(100);
+    let count = |o| gw.host().stat(&stat_names::template(o));
+    assert_eq!(
+        [Outcome::Rendered, Outcome::NoTemplate, Outcome::Failed].map(count),
+        [2, 1, 0]
+    );
 }
 
 #[test]
@@ -178,10 +216,10 @@ fn a_response_its_chosen_host_served_keeps_the_affinity_and_blames_nobody() {
     gw.on_end(&mut ex, &response);
     gw.tick(100);
     let h = gw.host();
-    assert_eq!(h.stat("kvroute.suspect_marked"), 0);
-    assert_eq!(h.stat("kvroute.served_elsewhere"), 0);
-    assert_eq!(h.stat("kvroute.affinity.withdrawn"), 0);
-    assert_eq!(h.stat("kvroute.usage.cached_tokens"), 100);
+    assert_eq!(h.stat(Counter::SuspectMarked.name()), 0);
+    assert_eq!(h.stat(Counter::ServedElsewhere.name()), 0);
+    assert_eq!(h.stat(Counter::AffinityWithdrawn.name()), 0);
+    assert_eq!(h.stat(Counter::UsageCachedTokens.name()), 100);
     assert!(counters::read(&*h.store).counts.is_empty());
 }
 
@@ -210,22 +248,30 @@ fn answered_by_chosen(status: u16, flags: u64, complete: bool) -> Gateway<Memory
 fn a_5xx_from_the_chosen_host_blames_it_unless_envoy_itself_overflowed() {
     for status in [500, 502, 503, 504] {
         let failed = answered_by_chosen(status, 0, true);
-        assert_eq!(failed.host().stat("kvroute.suspect_marked"), 1, "{status}");
+        assert_eq!(
+            failed.host().stat(Counter::SuspectMarked.name()),
+            1,
+            "{status}"
+        );
     }
     for status in [400, 404, 429] {
         let clients = answered_by_chosen(status, 0, true);
-        assert_eq!(clients.host().stat("kvroute.suspect_marked"), 0, "{status}");
+        assert_eq!(
+            clients.host().stat(Counter::SuspectMarked.name()),
+            0,
+            "{status}"
+        );
     }
     let overflow = crate::suspects::UPSTREAM_OVERFLOW_FLAG;
     let envoys_own = answered_by_chosen(503, overflow, true);
-    assert_eq!(envoys_own.host().stat("kvroute.suspect_marked"), 0);
+    assert_eq!(envoys_own.host().stat(Counter::SuspectMarked.name()), 0);
 }
 
 #[test]
 fn a_stream_reset_after_the_response_started_blames_the_chosen_host() {
     let reset = 0x10; // UR: upstream reset
     let gw = answered_by_chosen(200, reset, false);
-    assert_eq!(gw.host().stat("kvroute.suspect_marked"), 1);
+    assert_eq!(gw.host().stat(Counter::SuspectMarked.name()), 1);
 }
 
 #[test]
@@ -240,12 +286,16 @@ fn unroutable_requests_go_on_counted_and_a_clients_routing_header_is_stripped() 
     ));
     let verdict = gw.on_request_headers(&mut ex, &get, true);
     assert!(verdict.strip_routing_header && !verdict.buffer);
-    assert_eq!(gw.host().stat("kvroute.fallback.method"), 1);
+    assert_eq!(gw.host().stat(&stat_names::fallback(Fallback::Method)), 1);
     let mut big = Exchange::default();
     assert!(gw.on_request_headers(&mut big, &headers("x"), false).buffer);
     assert_eq!(gw.on_request_body(&mut big, 101, false), Body::Continue);
     assert_eq!(big.body_to_route(), None);
-    assert_eq!(gw.host().stat("kvroute.fallback.body_too_large"), 1);
+    assert_eq!(
+        gw.host()
+            .stat(&stat_names::fallback(Fallback::BodyTooLarge)),
+        1
+    );
 }
 
 /// An admin `/clusters` answer listing the pool with each host's `rq_active`.
@@ -292,11 +342,14 @@ fn the_first_poll_publishes_the_hosts_and_requests_wait_for_it() {
     };
     let mut early = Exchange::default();
     assert_eq!(send(&mut gw, &mut early, &chat("s", "q"), &stream), None);
-    assert_eq!(gw.host().stat("kvroute.fallback.no_cluster"), 1);
+    assert_eq!(
+        gw.host().stat(&stat_names::fallback(Fallback::NoCluster)),
+        1
+    );
     assert_eq!(gw.tick_period(), 100, "fast until the first snapshot");
     poll_round(&mut gw, &[0, 0, 0, 0]);
-    assert_eq!(gw.host().stat("kvroute.stats_poll.ok"), 1);
-    assert_eq!(gw.host().stat("kvroute.endpoints_known"), 4);
+    assert_eq!(gw.host().stat(Counter::StatsPollOk.name()), 1);
+    assert_eq!(gw.host().stat(Gauge::EndpointsKnown.name()), 4);
     let mut ex = Exchange::default();
     assert!(send(&mut gw, &mut ex, &chat("s", "q"), &stream).is_some());
     assert_eq!(
@@ -325,17 +378,17 @@ fn in_flight_counts_above_envoys_for_three_polls_running_are_lowered_to_it() {
     poll_round(&mut gw, &[2, 0, 0, 0]);
     poll_round(&mut gw, &[1, 0, 0, 0]);
     assert_eq!(
-        gw.host().stat("kvroute.inflight_corrected"),
+        gw.host().stat(Counter::InflightCorrected.name()),
         0,
         "two polls prove nothing"
     );
     assert_eq!(inflight(&gw, POOL[0]), 5);
     poll_round(&mut gw, &[2, 0, 0, 0]);
     // The least excess over the three answers (5 - 2, 5 - 1, 5 - 2) is removed.
-    assert_eq!(gw.host().stat("kvroute.inflight_corrected"), 3);
+    assert_eq!(gw.host().stat(Counter::InflightCorrected.name()), 3);
     assert_eq!(inflight(&gw, POOL[0]), 2);
     let seg = crate::usage::stat_segment(POOL[0]);
-    assert_eq!(gw.host().stat(&format!("kvroute.inflight.{seg}")), 2);
+    assert_eq!(gw.host().stat(&stat_names::inflight(&seg)), 2);
 }
 
 #[test]
@@ -347,7 +400,7 @@ fn an_excess_that_does_not_last_three_polls_is_left_alone() {
     poll_round(&mut gw, &[0, 1, 0, 0]); // Envoy caught up with it
     poll_round(&mut gw, &[0, 0, 0, 0]);
     poll_round(&mut gw, &[0, 0, 0, 0]);
-    assert_eq!(gw.host().stat("kvroute.inflight_corrected"), 0);
+    assert_eq!(gw.host().stat(Counter::InflightCorrected.name()), 0);
     assert_eq!(inflight(&gw, POOL[1]), 1);
 }
 
@@ -360,14 +413,14 @@ fn a_poll_that_fails_or_stays_unanswered_is_counted_failed() {
     gw.tick(100);
     let calls = gw.host().take_calls();
     gw.on_poll_answer(calls[0].0, Some(503), None);
-    assert_eq!(gw.host().stat("kvroute.stats_poll.failed"), 1);
+    assert_eq!(gw.host().stat(Counter::StatsPollFailed.name()), 1);
     let h = gw.host();
     h.now.set(h.now.get() + 1000);
     gw.tick(100); // this round's call is never answered
     let h = gw.host();
     h.now.set(h.now.get() + 1000);
     gw.tick(100);
-    assert_eq!(gw.host().stat("kvroute.stats_poll.failed"), 2);
+    assert_eq!(gw.host().stat(Counter::StatsPollFailed.name()), 2);
 }
 
 #[test]
@@ -384,16 +437,16 @@ fn a_tick_takes_in_other_workers_suspect_marks_and_requests_in_flight() {
     };
     first.on_response_headers(&mut ex, false, &response);
     first.tick(100);
-    assert_eq!(second.host().stat("kvroute.suspect_learned"), 0);
+    assert_eq!(second.host().stat(Counter::SuspectLearned.name()), 0);
     second.tick(100);
-    assert_eq!(second.host().stat("kvroute.suspect_learned"), 1);
+    assert_eq!(second.host().stat(Counter::SuspectLearned.name()), 1);
     // The second worker sees the first's request in flight on the host that served it.
     let seg = crate::usage::stat_segment(listed[1]);
-    assert_eq!(second.host().stat(&format!("kvroute.inflight.{seg}")), 1);
+    assert_eq!(second.host().stat(&stat_names::inflight(&seg)), 1);
     first.on_end(&mut ex, &response);
     first.tick(100);
     second.tick(100);
-    assert_eq!(second.host().stat(&format!("kvroute.inflight.{seg}")), 0);
+    assert_eq!(second.host().stat(&stat_names::inflight(&seg)), 0);
 }
 
 fn first_config() -> crate::config::Config {
@@ -421,7 +474,7 @@ fn conversation(turns: usize) -> String {
 #[test]
 fn an_engine_that_cached_far_less_than_predicted_raises_its_eviction_horizon() {
     let mut gw = static_pool(r#","eviction_grace_ms":0"#);
-    assert!(gw.host().defined("kvroute.affinity.evictions_seen"));
+    assert!(gw.host().defined(Counter::EvictionsSeen.name()));
     let stream = MemoryStream::default();
     let mut first = Exchange::default();
     let value = send(&mut gw, &mut first, &conversation(1), &stream).unwrap_or_default();
@@ -438,7 +491,7 @@ fn an_engine_that_cached_far_less_than_predicted_raises_its_eviction_horizon() {
     };
     end(&mut gw, &mut first, &served(0));
     assert_eq!(
-        gw.host().stat("kvroute.affinity.evictions_seen"),
+        gw.host().stat(Counter::EvictionsSeen.name()),
         0,
         "nothing predicted"
     );
@@ -447,8 +500,8 @@ fn an_engine_that_cached_far_less_than_predicted_raises_its_eviction_horizon() {
     let value = send(&mut gw, &mut second, &conversation(2), &stream).unwrap_or_default();
     assert!(value.starts_with(&chosen), "follows its history");
     end(&mut gw, &mut second, &served(0));
-    assert_eq!(gw.host().stat("kvroute.affinity.evictions_seen"), 1);
-    assert_eq!(gw.host().stat("kvroute.suspect_marked"), 0);
+    assert_eq!(gw.host().stat(Counter::EvictionsSeen.name()), 1);
+    assert_eq!(gw.host().stat(Counter::SuspectMarked.name()), 0);
 }
 
 #[test]
@@ -479,7 +532,11 @@ fn a_subset_with_no_eligible_endpoint_falls_back_as_no_healthy_endpoint() {
         assert_eq!(send(&mut gw, &mut ex, &chat("s", "u"), &stream), None);
         assert_eq!(ex.fallback(), Some(Fallback::NoHealthyEndpoint));
     }
-    assert_eq!(gw.host().stat("kvroute.fallback.no_healthy_endpoint"), 2);
+    assert_eq!(
+        gw.host()
+            .stat(&stat_names::fallback(Fallback::NoHealthyEndpoint)),
+        2
+    );
 }
 
 /// The shared queued prefill of endpoint `addr`.
@@ -527,7 +584,7 @@ fn a_requests_uncached_prompt_is_queued_at_its_endpoint_until_its_first_byte_and
     );
     assert_eq!(inflight(&gw, &chosen), 1, "still decoding");
     let seg = crate::usage::stat_segment(&chosen);
-    let estimate = format!("kvroute.ttft_estimate_percent.{seg}");
+    let estimate = stat_names::ttft_estimate(&seg);
     assert!(
         !gw.host().defined(&estimate),
         "recorded once the stream succeeds"
@@ -592,8 +649,8 @@ fn an_sglang_engines_load_snapshot_gives_the_prefill_queued_there() {
     let page = b"sglang_num_waiting_uncached_tokens{dp_rank=\"0\"} 5000\n";
     gw.on_poll_answer(loads[0].0, Some(200), Some(page.to_vec()));
     gw.on_poll_answer(loads[1].0, Some(404), None);
-    assert_eq!(gw.host().stat("kvroute.engine_poll.loads_ok"), 1);
-    assert_eq!(gw.host().stat("kvroute.engine_poll.loads_failed"), 1);
+    assert_eq!(gw.host().stat(Counter::LoadsPollOk.name()), 1);
+    assert_eq!(gw.host().stat(Counter::LoadsPollFailed.name()), 1);
     gw.tick(100);
     // 5000 tokens at 4 bytes each are queued at the first SGLang engine.
     let snapshot = gw.snapshot.get("pool").expect("the pool");

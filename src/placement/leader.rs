@@ -9,10 +9,9 @@
 //! from the weights it adopted, so the homes do not move.
 
 use super::FLUSH_MS;
+use crate::shared_keys;
 use crate::store::{self, SharedStore};
 
-/// Shared-data key of the published weights.
-pub const KEY: &str = "kvroute.groups.published";
 /// A publication its author has not rewritten for this long is orphaned: any worker takes over.
 pub const LEAD_TTL_MS: u64 = 3 * FLUSH_MS;
 
@@ -90,13 +89,15 @@ impl Published {
 
 /// What is published, with its version for a compare-and-swap write.
 pub fn read(store: &dyn SharedStore) -> (Option<Published>, Option<u32>) {
-    let (value, cas) = store.get(KEY);
+    let (value, cas) = store.get(shared_keys::GROUPS_PUBLISHED);
     (value.as_deref().and_then(Published::decode), cas)
 }
 
 /// Publishes `next` if the value is still at `cas`; false when another worker wrote first.
 pub fn write(store: &dyn SharedStore, next: &Published, cas: Option<u32>) -> bool {
-    store.set(KEY, &next.encode(), cas).is_ok()
+    store
+        .set(shared_keys::GROUPS_PUBLISHED, &next.encode(), cas)
+        .is_ok()
 }
 
 #[cfg(test)]
@@ -126,7 +127,9 @@ mod tests {
             v.pop();
             v
         }] {
-            store.set(KEY, &bad, None).unwrap();
+            store
+                .set(shared_keys::GROUPS_PUBLISHED, &bad, None)
+                .unwrap();
             assert_eq!(read(&store).0, None, "{bad:?}");
         }
     }

@@ -2,6 +2,7 @@
 //! traffic: [`SHARDS`] values of up to [`PER_SHARD`] records (group key, last seen, requests seen,
 //! halving every [`HALF_LIFE_MS`]), the least recently seen evicted.
 
+use crate::shared_keys;
 use crate::store::{self, SharedStore, Update};
 
 pub const SHARDS: usize = 16;
@@ -46,7 +47,7 @@ fn shard_of(group: u64) -> usize {
 }
 
 fn shard_key(shard: usize) -> String {
-    format!("kvroute.groups.{shard}")
+    shared_keys::groups_shard(shard)
 }
 
 /// Adds `count` requests of each group at `now_ms`, one write per shard touched. Returns the

@@ -12,6 +12,8 @@ mod session;
 
 pub use load::OverloadBound;
 
+use strum::{EnumCount, IntoStaticStr, VariantArray};
+
 use crate::affinity::Match;
 use crate::config::{Config, PolicyKind};
 use crate::prefix::PrefixKeys;
@@ -55,8 +57,10 @@ impl Candidate<'_> {
 }
 
 /// Why an endpoint was picked: the stage of `cache_aware` that decided, or the baseline that
-/// picked. Each is a counter and a debug-header value, so names are stable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// picked. Each is a counter (`kvroute.routed.<name>`) and a debug-header value, so names are
+/// stable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, IntoStaticStr, VariantArray, EnumCount)]
+#[strum(serialize_all = "snake_case")]
 pub enum Decision {
     /// Followed the prefix to an endpoint whose engine reports holding it (the engine index).
     Engine,
@@ -75,30 +79,8 @@ pub enum Decision {
 }
 
 impl Decision {
-    pub const ALL: [Decision; 9] = [
-        Decision::Engine,
-        Decision::Affinity,
-        Decision::Home,
-        Decision::Spread,
-        Decision::Balance,
-        Decision::RoundRobin,
-        Decision::LeastRequest,
-        Decision::Session,
-        Decision::PrefixHash,
-    ];
-
     pub fn name(self) -> &'static str {
-        match self {
-            Decision::Engine => "engine",
-            Decision::Affinity => "affinity",
-            Decision::Home => "home",
-            Decision::Spread => "spread",
-            Decision::Balance => "balance",
-            Decision::RoundRobin => "round_robin",
-            Decision::LeastRequest => "least_request",
-            Decision::Session => "session",
-            Decision::PrefixHash => "prefix_hash",
-        }
+        self.into()
     }
 }
 

@@ -1,9 +1,9 @@
 //! Baseline: each request to the next endpoint in turn, shared across workers by a ticket counter.
 
 use super::{Candidate, Decision, Input, Pick, Policy};
+use crate::shared_keys;
 use crate::store::{self, SharedStore};
 
-const TICKET_KEY: &str = "kvroute.ticket";
 /// Format of the ticket value: a version byte, then the ticket (u64 little-endian).
 const VERSION: u8 = 1;
 
@@ -19,7 +19,7 @@ impl Policy for RoundRobin {
 
 fn next_ticket(store: &dyn SharedStore) -> u64 {
     let mut ticket = 0;
-    store::update(store, TICKET_KEY, |current| {
+    store::update(store, shared_keys::TICKET, |current| {
         ticket = current
             .and_then(|v| store::unversioned(VERSION, v))
             .and_then(|v| v.try_into().ok())

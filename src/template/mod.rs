@@ -12,7 +12,8 @@
 //! before the last user turn).
 //!
 //! A request whose model has no template, or that its template fails to render, is rendered as
-//! before ([`request::parse_with`]); each outcome is counted (`kvroute.template.*`).
+//! before ([`request::parse_with`]); each outcome is returned, for the gateway to count
+//! (`kvroute.template.*`).
 
 mod clock;
 pub mod developer;
@@ -23,11 +24,11 @@ pub mod pyjson;
 pub mod tools;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use minijinja::{Environment, Value};
 use serde_json::Value as Json;
+use strum::{EnumCount, IntoStaticStr, VariantArray};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::request::{self, Api, ParseError, Prompt, ToolsAt};
@@ -148,8 +149,10 @@ pub fn spec_of_file(text: &str) -> Json {
     }
 }
 
-/// What became of chat requests under templates: each a counter `kvroute.template.<name>`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What became of a chat request under templates: each a counter (`kvroute.template.<name>`),
+/// which the gateway counts from what [`Templates::parse`] returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, IntoStaticStr, VariantArray, EnumCount)]
+#[strum(serialize_all = "snake_case")]
 pub enum Outcome {
     /// Rendered by its model's template.
     Rendered,
@@ -160,24 +163,24 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 3] = [Outcome::Rendered, Outcome::NoTemplate, Outcome::Failed];
+    pub fn name(self) -> &'static str {
+        self.into()
+    }
+}
 
-    pub fn counter(self) -> &'static str {
-        match self {
-            Outcome::Rendered => "kvroute.template.rendered",
-            Outcome::NoTemplate => "kvroute.template.no_template",
-            Outcome::Failed => "kvroute.template.failed",
-        }
+/// Two templates are the same when compiled from the same source and special tokens.
+impl PartialEq for Template {
+    fn eq(&self, other: &Template) -> bool {
+        self.id == other.id
     }
 }
 
 /// The configured templates: one for every model (`chat_template`) and/or one per model
-/// (`models`), with counts of what became of the requests since they were last taken.
-#[derive(Clone, Default)]
+/// (`models`).
+#[derive(Clone, Default, PartialEq)]
 pub struct Templates {
     default: Option<Arc<Template>>,
     models: HashMap<String, Arc<Template>>,
-    counts: Arc<[AtomicU64; 3]>,
 }
 
 impl std::fmt::Debug for Templates {
@@ -191,17 +194,13 @@ impl std::fmt::Debug for Templates {
     }
 }
 
-impl PartialEq for Templates {
-    fn eq(&self, other: &Templates) -> bool {
-        fn ids(t: &Templates) -> Vec<(Option<&String>, u64)> {
-            let mut ids: Vec<(Option<&String>, u64)> =
-                t.models.iter().map(|(m, t)| (Some(m), t.id)).collect();
-            ids.extend(t.default.as_ref().map(|d| (None, d.id)));
-            ids.sort();
-            ids
-        }
-        ids(self) == ids(other)
-    }
+/// A request's prompt as [`Templates::parse`] renders it, and what became of it under the
+/// templates: `None` when no template was looked for (no template configured, not a chat
+/// request, or a body that is not one).
+#[derive(Debug)]
+pub struct Parsed {
+    pub prompt: Result<Prompt, ParseError>,
+    pub outcome: Option<Outcome>,
 }
 
 impl Templates {
@@ -237,30 +236,39 @@ impl Templates {
     }
 
     /// The prompt of a request, rendered by its model's template where there is one, else (or
-    /// when the template fails) as [`request::parse_with`] renders it. Counts the outcome. The
-    /// body is read once, for both.
-    pub fn parse(&self, api: Api, body: &[u8], tools: ToolsAt) -> Result<Prompt, ParseError> {
+    /// when the template fails) as [`request::parse_with`] renders it, with the outcome for the
+    /// caller to count. The body is read once, for both.
+    pub fn parse(&self, api: Api, body: &[u8], tools: ToolsAt) -> Parsed {
         if self.is_empty() || api != Api::Chat {
-            return request::parse_with(api, body, tools);
+            let prompt = request::parse_with(api, body, tools);
+            return Parsed {
+                prompt,
+                outcome: None,
+            };
         }
+        self.parse_chat(body, tools).unwrap_or_else(|e| Parsed {
+            prompt: Err(e),
+            outcome: None,
+        })
+    }
+
+    /// [`parse`](Self::parse) of a chat request; `Err` when its body is not one (no model, no
+    /// messages), which no template is looked for.
+    fn parse_chat(&self, body: &[u8], tools: ToolsAt) -> Result<Parsed, ParseError> {
         let req = request::read_chat(body)?;
         let model = req.model()?;
         req.messages()?;
-        let Some(template) = self.for_model(&model) else {
-            self.count(Outcome::NoTemplate);
-            return request::render_chat(&req, tools);
+        let (prompt, outcome) = match self.for_model(&model) {
+            None => (request::render_chat(&req, tools), Some(Outcome::NoTemplate)),
+            Some(template) => match prompt::render(template, &req, model) {
+                Ok(prompt) => (Ok(prompt), Some(Outcome::Rendered)),
+                Err(RenderError::Body) => (request::render_chat(&req, tools), None),
+                Err(
+                    RenderError::NoTemplate | RenderError::Refused(_) | RenderError::Template(_),
+                ) => (request::render_chat(&req, tools), Some(Outcome::Failed)),
+            },
         };
-        match prompt::render(template, &req, model) {
-            Ok(prompt) => {
-                self.count(Outcome::Rendered);
-                Ok(prompt)
-            }
-            Err(RenderError::Body) => request::render_chat(&req, tools),
-            Err(RenderError::NoTemplate | RenderError::Refused(_) | RenderError::Template(_)) => {
-                self.count(Outcome::Failed);
-                request::render_chat(&req, tools)
-            }
-        }
+        Ok(Parsed { prompt, outcome })
     }
 
     /// The prompt of a chat request as its model's template renders it, or why not.
@@ -270,20 +278,5 @@ impl Templates {
         req.messages().map_err(|_| RenderError::Body)?;
         let template = self.for_model(&model).ok_or(RenderError::NoTemplate)?;
         prompt::render(template, &req, model)
-    }
-
-    fn count(&self, outcome: Outcome) {
-        let i = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
-        self.counts[i].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// The outcomes counted since the last call, by counter name.
-    pub fn take_counts(&self) -> [(&'static str, u64); 3] {
-        let take = |i: usize| self.counts[i].swap(0, Ordering::Relaxed);
-        [
-            (Outcome::ALL[0].counter(), take(0)),
-            (Outcome::ALL[1].counter(), take(1)),
-            (Outcome::ALL[2].counter(), take(2)),
-        ]
     }
 }

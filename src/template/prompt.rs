@@ -460,36 +460,38 @@ mod tests {
 
     #[test]
     fn models_without_a_template_and_failures_are_rendered_as_before() {
+        use crate::template::Outcome;
         let mut t = Templates::default();
         t.set_models(&json!({"mine": {"chat_template": "{{ raise_exception('nope') if messages|length > 1 }}{{ messages[0].content }}"}}))
             .unwrap();
         let chat = |body: serde_json::Value| {
-            t.parse(
+            let parsed = t.parse(
                 crate::request::Api::Chat,
                 body.to_string().as_bytes(),
                 Default::default(),
-            )
+            );
+            (parsed.prompt, parsed.outcome)
         };
-        let one = chat(json!({"model":"mine","messages":[{"role":"user","content":"x"}]})).unwrap();
-        assert_eq!(one.text, b"x");
-        let other =
-            chat(json!({"model":"other","messages":[{"role":"user","content":"x"}]})).unwrap();
+        let (one, outcome) =
+            chat(json!({"model":"mine","messages":[{"role":"user","content":"x"}]}));
+        assert_eq!(one.unwrap().text, b"x");
+        assert_eq!(outcome, Some(Outcome::Rendered));
+        let (other, outcome) =
+            chat(json!({"model":"other","messages":[{"role":"user","content":"x"}]}));
         let before = crate::request::parse(
             crate::request::Api::Chat,
             br#"{"model":"other","messages":[{"role":"user","content":"x"}]}"#,
-        )
-        .unwrap();
+        );
         assert_eq!(other, before);
-        let failed = chat(
+        assert_eq!(outcome, Some(Outcome::NoTemplate));
+        let (failed, outcome) = chat(
             json!({"model":"mine","messages":[{"role":"user","content":"x"},{"role":"user","content":"y"}]}),
         );
         assert!(failed.is_ok());
+        assert_eq!(outcome, Some(Outcome::Failed));
         assert_eq!(
             chat(json!({"model":"mine"})),
-            Err(crate::request::ParseError::NoPrompt)
+            (Err(crate::request::ParseError::NoPrompt), None)
         );
-        let counts = t.take_counts();
-        assert_eq!(counts.map(|(_, n)| n), [1, 1, 1], "{counts:?}");
-        assert_eq!(t.take_counts().map(|(_, n)| n), [0, 0, 0]);
     }
 }

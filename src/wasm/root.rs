@@ -13,7 +13,8 @@ use proxy_wasm::types::{BufferType, ContextType, LogLevel, MapType};
 use super::host::{self, EnvoyHost, EnvoyStream};
 use super::http::Stream;
 use crate::body_access::{self, BodyWatch, WATCH_TICK_MS};
-use crate::gateway::{Gateway, HostApi};
+use crate::gateway::{stat_names, Gateway, HostApi};
+use crate::router::Fallback;
 
 /// What a worker VM's streams share: its gateway, whether Envoy delivers bodies during a pause
 /// (and the paused streams watched until that is known), and the timer's period.
@@ -78,12 +79,15 @@ fn watch_paused(worker: &RefCell<Worker>) {
     let Some(paused) = worker.borrow_mut().body.conclude_missing() else {
         return;
     };
+    let counted = stat_names::fallback(Fallback::NoBodyAccess);
     let _ = hostcalls::log(
         LogLevel::Error,
-        "Envoy holds request bodies back from the filter: the Wasm filter config lacks \
-         `allow_on_headers_stop_iteration: true` (Istio's WasmPlugin cannot set it; use the \
-         EnvoyFilter in istio/). Routing from headers only (session header, else Envoy's load \
-         balancer) from now on; counted as kvroute.fallback.no_body_access.",
+        &format!(
+            "Envoy holds request bodies back from the filter: the Wasm filter config lacks \
+             `allow_on_headers_stop_iteration: true` (Istio's WasmPlugin cannot set it; use the \
+             EnvoyFilter in istio/). Routing from headers only (session header, else Envoy's \
+             load balancer) from now on; counted as {counted}."
+        ),
     );
     for id in paused {
         if hostcalls::set_effective_context(id).is_ok() {

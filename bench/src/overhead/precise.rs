@@ -142,6 +142,7 @@ fn group_prefixes(config: &Config, bodies: &[String]) -> Result<Vec<Vec<u64>>, S
         let prompt = config
             .templates
             .parse(Api::Chat, body.as_bytes(), config.tools_position)
+            .prompt
             .map_err(|e| format!("body {i}: not parsed: {e:?}"))?;
         let keys = PrefixKeys::of(&prompt, config.shape()).keys;
         let group = &mut shared[i % GROUPS];
@@ -251,6 +252,7 @@ mod tests {
                 let prompt = config
                     .templates
                     .parse(Api::Chat, body.as_bytes(), config.tools_position)
+                    .prompt
                     .unwrap();
                 assert!(prompt.text.starts_with(b"<|im_start|>system\n"), "rendered");
                 let all = PrefixKeys::new(
