@@ -62,13 +62,25 @@ async fn burst_with_aborts_settles(fleet: Arc<Fleet>) {
             }
         }));
     }
-    // While the burst is in flight the gauges must show it, or the final check proves nothing.
-    let mut peak = 0;
-    for _ in 0..20 {
-        peak = peak.max(inflight_gauges(&fleet).await.values().sum::<u64>());
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    // While the burst is held at the backends (400 ms, four of kvroute's ticks at most) the gauges
+    // must show it, or the final check proves nothing.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while fleet.backends.iter().all(|b| b.in_flight() == 0) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the burst never reached a backend"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert!(peak > 0, "in-flight gauges never moved during the burst");
+    let mut peak = 0;
+    while peak == 0 && fleet.backends.iter().any(|b| b.in_flight() > 0) {
+        peak = peak.max(inflight_gauges(&fleet).await.values().sum::<u64>());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        peak > 0,
+        "in-flight gauges never moved while the burst was held"
+    );
     for task in burst {
         task.await.unwrap();
     }
