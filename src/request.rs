@@ -92,24 +92,13 @@ pub struct Prompt {
     pub streams: bool,
 }
 
-/// Why a body cannot be routed. Each reason is a counter, so these names are stable.
+/// Why a body cannot be routed (each is a [`Fallback`](crate::router::Fallback), and counted as one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ParseError {
     Empty,
     BadJson,
     NoModel,
     NoPrompt,
-}
-
-impl ParseError {
-    pub fn reason(self) -> &'static str {
-        match self {
-            ParseError::Empty => "empty_body",
-            ParseError::BadJson => "bad_json",
-            ParseError::NoModel => "no_model",
-            ParseError::NoPrompt => "no_prompt",
-        }
-    }
 }
 
 // Separators that cannot appear unescaped in JSON strings' decoded text by accident often enough to
