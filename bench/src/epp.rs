@@ -78,6 +78,11 @@ impl Gateway {
             }
         }
     }
+
+    /// CPU time of the Envoy and the picker together so far.
+    pub fn cpu_time(&self) -> Option<Duration> {
+        Some(self.envoy.cpu_time()? + self.picker.cpu_time()?)
+    }
 }
 
 /// A kvroute-epp process, killed when dropped.
@@ -204,6 +209,11 @@ impl Picker {
                 (value >= 0.0).then(|| (name.to_string(), value as u64))
             })
             .collect())
+    }
+
+    /// CPU time the picker has used so far.
+    pub fn cpu_time(&self) -> Option<Duration> {
+        kvroute_harness::cpu::time_of(self.child.id()?)
     }
 }
 
