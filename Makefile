@@ -15,6 +15,8 @@ export KVROUTE_FLOOR_WASM := $(abspath target/wasm32-wasip1/release/floor_filter
 export KVROUTE_SIM := $(abspath target/release/kvroute-sim)
 # The indexer run as a process of its own (tests/precise_gateways.rs).
 export KVROUTE_INDEXER := $(abspath target/release/kvroute-indexer)
+# kvroute-epp run as a process of its own: the bench's kvroute-epp routers and overhead row.
+export KVROUTE_EPP := $(abspath target/release/kvroute-epp)
 # Istio's CRD schemas (PyPI cloudcoil-models-istio), for tools/istio-validate.py in tests/manifests.rs.
 ISTIO_VENV := .work/istio-venv
 export KVROUTE_ISTIO_PYTHON := $(abspath $(ISTIO_VENV))/bin/python
@@ -41,8 +43,8 @@ build: wasm bins
 wasm: .work/wasm-target
 	$(CARGO) build --release --target wasm32-wasip1 -p kvroute -p floor-filter
 
-# kvroute-epp is left out: the tests build it in the test profile, and its release build (Envoy's
-# protos, fat LTO) would cost CI minutes nothing here uses; `make epp` builds it.
+# kvroute-epp is left out: its release build (Envoy's protos, fat LTO) costs minutes that only the
+# bench and the bench's tests need; `make epp` builds it, and the targets that need it depend on it.
 bins:
 	$(CARGO) build --release --workspace --exclude kvroute-epp --bins
 
@@ -148,7 +150,7 @@ test: deps wasm test-bins image test-native test-wasm
 
 # The release binaries the tests start as processes (tests/common/precise.rs, bench's tests).
 test-bins:
-	$(CARGO) build --release -p kvroute-sim -p kvroute-indexer --bins
+	$(CARGO) build --release -p kvroute-sim -p kvroute-indexer -p kvroute-epp --bins
 
 test-native:
 	$(CARGO) test --workspace

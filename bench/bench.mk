@@ -3,8 +3,9 @@
 #               `make run PRECISE=1`: kvroute in precise mode (its own kvroute-indexer) vs kvroute
 #   make bench  the llm-d-shaped comparison across every router, prints the table
 #               (results.json, results.md, ttft.svg in $(BENCH_OUT))
-#   make bench-overhead  CPU and latency kvroute adds, next to plain Envoy, the floor filter, smg
-#               and vllm-router (kvroute-bench overhead; the rows in $(BENCH_OUT)/overhead.json)
+#   make bench-overhead  CPU and latency kvroute adds (as the filter and as kvroute-epp), next to
+#               plain Envoy, the floor filter, smg and vllm-router (kvroute-bench overhead; the
+#               rows in $(BENCH_OUT)/overhead.json)
 #   make bench-instructions  instructions per request of plain Envoy, the floor filter and
 #               kvroute, each Envoy under valgrind's callgrind (counts that ignore the machine's load)
 #   make bench-placement  the placement issue's three lines, each run PLACEMENT_REPEAT times with
@@ -39,6 +40,8 @@ BENCH_FLEET ?= bench/fleets/default.json
 BENCH_WORKLOAD ?= bench/workloads/llm-d.json
 # NAME@N: N instances of NAME behind one round-robin Envoy (scale-out, each with its own state).
 # kvroute-precise: kvroute with its own kvroute-indexer on the engines' KV events (precise mode).
+# kvroute-epp (not in the default list): an Envoy asking kvroute-epp over ext_proc; the targets
+# that may run it build it (`epp`).
 BENCH_ROUTERS ?= round_robin,least_request,ring_hash,kvroute,kvroute@3,kvroute:prefix_hash,kvroute-precise,kvroute-precise@3,smg,smg@3,vllm-router:cache_aware,vllm-router:consistent_hash,vllm-router:kv_aware,oracle
 # Each peer: venv name and the PyPI requirement installed into it.
 PEER_PKGS := smg=smg vllm-router=vllm-router
@@ -52,16 +55,16 @@ REAL_ROUTERS ?= round_robin,kvroute,smg,kvroute@3,smg@3
 run: deps build
 	$(BENCH) demo $(if $(PRECISE),--precise)
 
-bench: deps build peers
+bench: deps build epp peers
 	$(BENCH) compare --fleet $(BENCH_FLEET) --workload $(BENCH_WORKLOAD) --routers $(BENCH_ROUTERS) --out $(BENCH_OUT)
 
 # Three vLLM engines (bench/fleets/real.json: 48 KV blocks of 128 tokens each) started once, every
 # router's run from emptied caches; the workload (bench/workloads/real.json) is sized to what two
 # cores running three engines serve. `make vllm` (Makefile) installs vLLM and builds the model.
-real: deps build peers vllm
+real: deps build epp peers vllm
 	$(BENCH) compare --fleet bench/fleets/real.json --workload bench/workloads/real.json --routers $(REAL_ROUTERS) --out $(REAL_OUT)
 
-bench-overhead: deps build peers
+bench-overhead: deps build epp peers
 	@mkdir -p $(BENCH_OUT)
 	$(BENCH) overhead --json $(BENCH_OUT)/overhead.json
 
@@ -70,7 +73,7 @@ bench-instructions: deps build
 	$(BENCH) instructions
 
 # Every default workload in turn (takes much longer than `make bench`).
-bench-all: deps build peers
+bench-all: deps build epp peers
 	@for w in bench/workloads/*.json; do \
 	  n=$$(basename $$w .json); \
 	  $(BENCH) compare --fleet $(BENCH_FLEET) --workload $$w --routers $(BENCH_ROUTERS) --out $(BENCH_OUT)/$$n || exit 1; \
@@ -132,7 +135,7 @@ RESULTS_ROUTERS.llm-d := $(RESULTS_SCALE)
 RESULTS_ROUTERS.zipf-pressure := $(RESULTS_SCALE)
 RESULTS_ROUTERS.grouped-pressure := $(RESULTS_SCALE)
 
-bench-results: deps build peers
+bench-results: deps build epp peers
 	@set -e; $(foreach s,$(RESULTS_SETS),\
 	  echo "bench-results: $(s)"; \
 	  $(BENCH) compare --fleet bench/fleets/$(or $(RESULTS_FLEET.$(s)),default).json \

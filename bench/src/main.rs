@@ -5,6 +5,7 @@ mod ceiling;
 mod compare;
 mod demo;
 mod driver;
+mod epp;
 mod instructions;
 mod keys;
 mod lab;
@@ -45,8 +46,9 @@ enum Cmd {
         #[arg(long)]
         workload: PathBuf,
         /// Comma-separated: round_robin, least_request, ring_hash, kvroute, kvroute:<policy>,
-        /// kvroute-precise (with its own kvroute-indexer), smg, vllm-router:<policy>, oracle;
-        /// NAME@N runs N instances of NAME behind one round-robin Envoy.
+        /// kvroute-precise (with its own kvroute-indexer), kvroute-epp (an Envoy asking its own
+        /// kvroute-epp), smg, vllm-router:<policy>, oracle; NAME@N runs N instances of NAME behind
+        /// one round-robin Envoy.
         #[arg(long, default_value = "round_robin,kvroute,oracle")]
         routers: String,
         /// Output directory.
@@ -61,8 +63,8 @@ enum Cmd {
         /// `kvroute`: two builds on the same requests, in the same minutes.
         #[arg(long, value_name = "WASM")]
         compare_wasm: Option<PathBuf>,
-        /// Worker threads of each Envoy the routers start (each worker has its own kvroute VM).
-        /// A standalone Envoy runs one per core.
+        /// Worker threads of each Envoy the routers start (each worker has its own kvroute VM;
+        /// each kvroute-epp runs as many gateways). A standalone Envoy runs one per core.
         #[arg(long, default_value_t = routers::ENVOY_WORKERS,
               value_parser = clap::value_parser!(u32).range(1..=16))]
         envoy_workers: u32,
@@ -100,13 +102,14 @@ enum Cmd {
         #[arg(long, value_name = "FILE")]
         readme: Vec<PathBuf>,
     },
-    /// CPU per request and latency kvroute adds, next to plain Envoy, the floor filter, smg and
-    /// vllm-router, all measured in one interleaved run.
+    /// CPU per request and latency kvroute adds, as a filter and as kvroute-epp, next to plain
+    /// Envoy, the floor filter, smg and vllm-router, all measured in one interleaved run.
     Overhead {
         /// Seconds per measured phase.
         #[arg(long, default_value_t = 10)]
         seconds: u64,
-        /// kvroute plugin config laid over the shipped one (JSON object), e.g. '{"policy":"round_robin"}'.
+        /// kvroute plugin config laid over the shipped one (JSON object), e.g.
+        /// '{"policy":"round_robin"}'; kvroute-epp runs with the same.
         #[arg(long, default_value = "{}")]
         plugin_config: String,
         /// The configs to measure, comma-separated (plain, the baseline, always runs), e.g.

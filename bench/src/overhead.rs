@@ -8,13 +8,15 @@
 //! change's cost is measured in one run rather than across runs on a noisy machine.
 //! `kvroute+template` and `kvroute-precise` ([`precise`]) measure precise mode: both render the
 //! prompt with a chat template, and the second also follows an indexer's change feed whose engine
-//! holdings decide its requests.
+//! holdings decide its requests. `kvroute-epp` ([`epp`]) is kvroute's core as an endpoint picker:
+//! plain Envoy asking a kvroute-epp process over ext_proc, with the same plugin config; its CPU
+//! is the Envoy's and the picker's together.
 //!
 //! Every config runs at once against the same in-process backends, and every client sends each
 //! body to every config in turn (rotating which goes first), so machine noise (this box is shared)
 //! hits all alike; the numbers that matter are differences and ratios, not absolute values.
-//! `floor`, `floor+header`, `floor+reads`, `kvroute` and `kvroute-b` are measured over plain
-//! Envoy; `plain`, `smg` and `vllm-router` over going straight to a backend (the peers are a hop
+//! `floor`, `floor+header`, `floor+reads`, `kvroute`, `kvroute-b` and `kvroute-epp` are measured
+//! over plain Envoy; `plain`, `smg` and `vllm-router` over going straight to a backend (the peers are a hop
 //! behind the gateway a user already has). Each process's CPU while idle is reported too: work
 //! that is not per request (kvroute's polls, health checks) is part of the CPU per request at a
 //! given rate.
@@ -31,6 +33,7 @@ use serde_json::{json, Value};
 use crate::peers::{self, PeerProcess};
 use crate::stats::percentile;
 
+mod epp;
 mod precise;
 
 /// Prompt sizes measured, in bytes of prompt text.
@@ -78,34 +81,68 @@ pub struct Row {
     /// CPU of the process while no client sends anything (timers, polls, health checks), in ms
     /// per second.
     pub idle_cpu_ms_per_s: Option<f64>,
+    /// Of `cpu_us_per_request`, what the picker process used (`kvroute-epp`; the rest is its
+    /// Envoy's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub picker_cpu_us_per_request: Option<f64>,
     /// Why the config was not measured (a peer that is not installed or did not start).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub skipped: Option<String>,
 }
 
-/// A process under test and where to send requests.
+/// A config under test and where to send requests.
 struct Target {
     name: &'static str,
     url: String,
-    envoy: Option<Envoy>,
-    peer: Option<PeerProcess>,
+    process: Process,
+}
+
+/// The processes of a config, whose CPU it is charged.
+enum Process {
+    Envoy(Envoy),
+    Peer(PeerProcess),
+    /// Envoy and the kvroute-epp it asks.
+    Epp(Box<crate::epp::Gateway>),
 }
 
 impl Target {
+    fn envoy(name: &'static str, envoy: Envoy) -> Target {
+        Target {
+            name,
+            url: envoy.url(),
+            process: Process::Envoy(envoy),
+        }
+    }
+
     fn cpu_time(&self) -> Option<Duration> {
-        match (&self.envoy, &self.peer) {
-            (Some(e), _) => e.cpu_time(),
-            (_, Some(p)) => p.cpu_time(),
+        match &self.process {
+            Process::Envoy(e) => e.cpu_time(),
+            Process::Peer(p) => p.cpu_time(),
+            Process::Epp(g) => g.cpu_time(),
+        }
+    }
+
+    /// The picker's part of [`Target::cpu_time`], for `kvroute-epp`.
+    fn picker_cpu_time(&self) -> Option<Duration> {
+        match &self.process {
+            Process::Epp(g) => g.picker.cpu_time(),
             _ => None,
         }
     }
 
+    /// The Envoy that serves the config, if one does.
+    fn envoy_of(&self) -> Option<&Envoy> {
+        match &self.process {
+            Process::Envoy(e) => Some(e),
+            Process::Epp(g) => Some(&g.envoy),
+            Process::Peer(_) => None,
+        }
+    }
+
     fn over(&self) -> &'static str {
-        let envoy = ENVOY_CONFIGS.contains(&self.name) || precise::CONFIGS.contains(&self.name);
-        if envoy && self.name != "plain" {
-            "plain"
-        } else {
-            "backend"
+        match &self.process {
+            Process::Envoy(_) | Process::Epp(_) if self.name != "plain" => "plain",
+            _ => "backend",
         }
     }
 }
@@ -120,6 +157,7 @@ pub async fn overhead(
     let known: Vec<&str> = ENVOY_CONFIGS
         .into_iter()
         .chain(precise::CONFIGS)
+        .chain([epp::CONFIG])
         .chain(PEERS)
         .collect();
     let wanted = wanted_configs(&known, configs, compare_wasm.is_some())?;
@@ -129,6 +167,10 @@ pub async fn overhead(
     let mut targets = Vec::new();
     let mut skipped: Vec<(&str, String)> = Vec::new();
     let precise = precise::start(&addrs, &plugin_config, &wanted).await?;
+    let picker = match wanted(epp::CONFIG) {
+        true => Some(epp::start(&addrs, &plugin_config).await),
+        false => None,
+    };
     for (name, opts) in envoy_configs(&addrs, plugin_config, compare_wasm) {
         if !wanted(name) {
             continue;
@@ -136,22 +178,24 @@ pub async fn overhead(
         let envoy = Envoy::start(opts)
             .await
             .map_err(|e| format!("{name}: {e}"))?;
-        targets.push(Target {
-            name,
-            url: envoy.url(),
-            envoy: Some(envoy),
-            peer: None,
-        });
+        targets.push(Target::envoy(name, envoy));
     }
     for (name, envoy) in precise.envoys {
-        targets.push(Target {
-            name,
-            url: envoy.url(),
-            envoy: Some(envoy),
-            peer: None,
-        });
+        targets.push(Target::envoy(name, envoy));
     }
     let _feed = precise.feed;
+    match picker {
+        Some(Ok(gateway)) => targets.push(Target {
+            name: epp::CONFIG,
+            url: gateway.envoy.url(),
+            process: Process::Epp(Box::new(gateway)),
+        }),
+        Some(Err(e)) => {
+            eprintln!("overhead: {} skipped: {e}", epp::CONFIG);
+            skipped.push((epp::CONFIG, e));
+        }
+        None => {}
+    }
     for name in PEERS.into_iter().filter(|n| wanted(n)) {
         let peer = match name {
             "smg" => peers::start_smg_on(&workers).await,
@@ -161,8 +205,7 @@ pub async fn overhead(
             Ok(peer) => targets.push(Target {
                 name,
                 url: peer.url.clone(),
-                envoy: None,
-                peer: Some(peer),
+                process: Process::Peer(peer),
             }),
             Err(e) => {
                 eprintln!("overhead: {name} skipped: {e}");
@@ -188,7 +231,7 @@ pub async fn overhead(
         warm_up(&client, &urls, &bodies).await?;
         let lat = latency(&client, &urls, &bodies, phase).await?;
         let p = |i: usize, q: f64| percentile(&lat[i], q);
-        let (rates, cpu) = cpu_per_request(&client, &targets, &bodies, phase).await?;
+        let (rates, [cpu, picker_cpu]) = cpu_per_request(&client, &targets, &bodies, phase).await?;
         for (i, t) in targets.iter().enumerate() {
             let base = match t.over() {
                 "plain" => 1,
@@ -199,6 +242,7 @@ pub async fn overhead(
                 config: t.name.to_string(),
                 prompt_bytes: size,
                 cpu_us_per_request: cpu[i],
+                picker_cpu_us_per_request: picker_cpu[i],
                 added_p50_us: added(0.5),
                 added_p99_us: added(0.99),
                 over: t.over(),
@@ -212,9 +256,13 @@ pub async fn overhead(
                 config: name.to_string(),
                 prompt_bytes: size,
                 cpu_us_per_request: None,
+                picker_cpu_us_per_request: None,
                 added_p50_us: None,
                 added_p99_us: None,
-                over: "backend",
+                over: match *name == epp::CONFIG {
+                    true => "plain",
+                    false => "backend",
+                },
                 requests_per_s: None,
                 idle_cpu_ms_per_s: None,
                 skipped: Some(why.clone()),
@@ -248,7 +296,7 @@ pub async fn overhead(
     );
     print_ratios(&rows);
     for t in &targets {
-        if let Some(envoy) = &t.envoy {
+        if let Some(envoy) = t.envoy_of() {
             let stats = envoy
                 .stats("cluster.inference_pool.upstream_")
                 .await
@@ -264,9 +312,17 @@ pub async fn overhead(
     }
     let kvroutes = targets
         .iter()
-        .filter_map(|t| Some((t.name, t.envoy.as_ref()?)))
+        .filter_map(|t| match &t.process {
+            Process::Envoy(envoy) => Some((t.name, envoy)),
+            _ => None,
+        })
         .filter(|(name, _)| name.starts_with("kvroute"));
     let precise_decisions = precise::print_decisions(kvroutes).await?;
+    for t in &targets {
+        if let Process::Epp(gateway) = &t.process {
+            epp::print_decisions(t.name, &gateway.picker).await?;
+        }
+    }
     if let Some(path) = json_out {
         let doc = json!({
             "seconds_per_phase": seconds,
@@ -422,6 +478,9 @@ fn print_ratios(rows: &[Row]) {
             );
         }
         if let Some(line) = precise::ratio_line(rows, size) {
+            println!("{line}");
+        }
+        if let Some(line) = epp::ratio_line(rows, size) {
             println!("{line}");
         }
         let (Some(kv), Some(floor)) = (get("kvroute"), get("floor")) else {
@@ -582,7 +641,8 @@ async fn latency(
     Ok(all)
 }
 
-/// Requests/s and CPU µs per request of each target under `THROUGHPUT_CLIENTS` clients. Each
+/// Requests/s and CPU µs per request of each target under `THROUGHPUT_CLIENTS` clients: all its
+/// processes' ([`Target::cpu_time`]), then the picker's alone ([`Target::picker_cpu_time`]). Each
 /// target runs two half phases, in forward then reverse order, so a slow spell of the shared
 /// machine does not land on one config only.
 async fn cpu_per_request(
@@ -590,27 +650,32 @@ async fn cpu_per_request(
     targets: &[Target],
     bodies: &[String],
     phase: Duration,
-) -> Result<(Vec<f64>, Vec<Option<f64>>), String> {
+) -> Result<(Vec<f64>, [Vec<Option<f64>>; 2]), String> {
     let k = targets.len();
-    let (mut rates, mut cpu, mut requests) = (vec![0.0; k], vec![Some(0.0); k], vec![0.0; k]);
+    let clocks: [fn(&Target) -> Option<Duration>; 2] = [Target::cpu_time, Target::picker_cpu_time];
+    let (mut rates, mut requests) = (vec![0.0; k], vec![0.0; k]);
+    let mut cpu = [vec![Some(0.0); k], vec![Some(0.0); k]];
     let forward: Vec<usize> = (0..k).collect();
     let backward: Vec<usize> = (0..k).rev().collect();
     for order in [forward, backward] {
         for i in order {
-            let before = targets[i].cpu_time();
+            let before = clocks.map(|clock| clock(&targets[i]));
             let (rate, done) = throughput(client, &targets[i].url, bodies, phase / 2).await?;
-            let after = targets[i].cpu_time();
             rates[i] += rate / 2.0;
-            cpu[i] = match (cpu[i], before, after) {
-                (Some(sum), Some(b), Some(a)) => Some(sum + (a - b).as_secs_f64()),
-                _ => None,
-            };
+            for (c, clock) in clocks.iter().enumerate() {
+                cpu[c][i] = match (cpu[c][i], before[c], clock(&targets[i])) {
+                    (Some(sum), Some(b), Some(a)) => Some(sum + (a - b).as_secs_f64()),
+                    _ => None,
+                };
+            }
             requests[i] += done as f64;
         }
     }
-    let per_req = (0..k)
-        .map(|i| cpu[i].map(|c| c / f64::max(requests[i], 1.0) * 1e6))
-        .collect();
+    let per_req = cpu.map(|cpu| {
+        (0..k)
+            .map(|i| cpu[i].map(|c| c / f64::max(requests[i], 1.0) * 1e6))
+            .collect()
+    });
     Ok((rates, per_req))
 }
 

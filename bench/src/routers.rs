@@ -1,5 +1,6 @@
 //! The routers under comparison: parsing their names and starting each in front of a sim fleet.
 
+use crate::epp;
 use crate::oracle::Oracle;
 use crate::peers::{self, PeerProcess};
 use crate::precise::{self, Indexer};
@@ -30,6 +31,9 @@ pub enum Router {
     /// `kvroute-precise`: kvroute in precise mode, polling its own kvroute-indexer subscribed to
     /// every replica's KV events.
     KvroutePrecise,
+    /// `kvroute-epp`: kvroute's core as an endpoint picker process, asked over ext_proc by an
+    /// Envoy of its own, with the config `Kvroute` gets (`policy` laid over it likewise).
+    KvrouteEpp(Option<String>),
     /// `kvroute-b`: another build of the filter (`--compare-wasm`), with the shipped config, so
     /// two builds run side by side on the same requests.
     KvrouteB(PathBuf),
@@ -70,6 +74,7 @@ impl Router {
             ("ring_hash", None) => Router::RingHash,
             ("kvroute", policy) => Router::Kvroute(policy),
             ("kvroute-precise", None) => Router::KvroutePrecise,
+            ("kvroute-epp", policy) => Router::KvrouteEpp(policy),
             ("kvroute-b", None) => match b {
                 Some(path) => Router::KvrouteB(path.to_path_buf()),
                 None => return Err("kvroute-b is the build --compare-wasm names; give it".into()),
@@ -80,7 +85,7 @@ impl Router {
             _ => {
                 return Err(format!(
                     "unknown router {name:?} (round_robin, least_request, ring_hash, kvroute, \
-                     kvroute:<policy>, kvroute-precise, smg, vllm-router:<policy>, oracle, any of them as NAME@N)"
+                     kvroute:<policy>, kvroute-precise, kvroute-epp, smg, vllm-router:<policy>, oracle, any of them as NAME@N)"
                 ))
             }
         })
@@ -102,6 +107,8 @@ impl Router {
             Router::Kvroute(None) => "kvroute".into(),
             Router::Kvroute(Some(p)) => format!("kvroute:{p}"),
             Router::KvroutePrecise => "kvroute-precise".into(),
+            Router::KvrouteEpp(None) => "kvroute-epp".into(),
+            Router::KvrouteEpp(Some(p)) => format!("kvroute-epp:{p}"),
             Router::KvrouteB(_) => "kvroute-b".into(),
             Router::Smg => "smg".into(),
             Router::Vllm(p) => format!("vllm-router:{p}"),
@@ -193,6 +200,19 @@ impl Router {
             }
             Router::Kvroute(policy) => envoy(kvroute_lb(policy.as_deref()), None).await,
             Router::KvrouteB(wasm) => envoy(kvroute_lb(None), Some(wasm.clone())).await,
+            Router::KvrouteEpp(policy) => {
+                let backends = fleet
+                    .replicas
+                    .iter()
+                    .map(|r| addr_of(&r.url))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let config = epp::plugin_config(&kvroute_overrides(policy.as_deref()))?;
+                let gateway = epp::Gateway::start(&backends, workers, &config).await?;
+                Ok(Running {
+                    url: gateway.envoy.url(),
+                    process: Process::Epp(Box::new(gateway)),
+                })
+            }
             Router::KvroutePrecise => {
                 let indexer = Indexer::start(fleet, fleet_spec).await?;
                 let backends = fleet
@@ -257,6 +277,8 @@ pub enum Process {
     Envoy(Envoy),
     Peer(PeerProcess),
     Oracle(Oracle),
+    /// kvroute-epp and the Envoy that asks it.
+    Epp(Box<epp::Gateway>),
     /// kvroute in precise mode and its own indexer.
     Precise {
         envoy: Envoy,
@@ -269,14 +291,46 @@ pub enum Process {
     },
 }
 
-/// kvroute with the shipped plugin config, `policy` laid over it when given, and the decision
-/// header on: it lets each sample say why it went where it went.
+/// kvroute with the shipped plugin config and [`kvroute_overrides`] laid over it.
 fn kvroute_lb(policy: Option<&str>) -> Lb {
-    let plugin_config = match policy {
+    let plugin_config = kvroute_overrides(policy);
+    Lb::Kvroute { plugin_config }
+}
+
+/// What kvroute's routers lay over the shipped plugin config: `policy` when given, and the
+/// decision header on, which lets each sample say why it went where it went.
+fn kvroute_overrides(policy: Option<&str>) -> Value {
+    match policy {
         Some(p) => json!({ "policy": p, "debug_header": true }),
         None => json!({ "debug_header": true }),
-    };
-    Lb::Kvroute { plugin_config }
+    }
+}
+
+/// Where a router runs kvroute's core: the filter in an Envoy, or a kvroute-epp process.
+enum Core<'a> {
+    Filter(&'a Envoy),
+    Picker(&'a epp::Picker),
+}
+
+impl Core<'_> {
+    /// kvroute's stats, each named as the Prometheus text names it (`kvroute_routed_home`): the
+    /// filter's Envoy stat names from `kvroute.` on, dots as underscores; the picker's as it
+    /// serves them. Empty when they cannot be read.
+    async fn stats(&self) -> Vec<(String, u64)> {
+        match self {
+            Core::Filter(envoy) => {
+                let stats = envoy.stats("kvroute.").await.unwrap_or_default();
+                stats
+                    .into_iter()
+                    .filter_map(|(name, v)| {
+                        let own = &name[name.find("kvroute.")?..];
+                        Some((own.replace('.', "_"), v))
+                    })
+                    .collect()
+            }
+            Core::Picker(picker) => picker.stats().await.unwrap_or_default(),
+        }
+    }
 }
 
 impl Running {
@@ -338,68 +392,74 @@ impl Running {
         }
     }
 
-    /// kvroute's engine-reported usage so far, `(cached_tokens, prompt_tokens)` from its Envoy
-    /// stats, summed over its Envoys; `None` for other routers.
-    pub async fn kvroute_usage(&self) -> Option<(u64, u64)> {
-        let envoys = self.kvroute_envoys();
-        let mut found = false;
-        let (mut cached, mut prompt) = (0, 0);
-        for envoy in envoys {
-            let stats = envoy.stats("kvroute.usage.").await.unwrap_or_default();
-            for (name, v) in stats {
-                if name.ends_with("kvroute.usage.cached_tokens") {
-                    cached += v;
-                    found = true;
-                } else if name.ends_with("kvroute.usage.prompt_tokens") {
-                    prompt += v;
-                }
+    /// Where this router runs kvroute's core: each of its Envoys' filter and kvroute-epp
+    /// processes, its own or for `NAME@N` the N behind the front. None for the peers and the
+    /// oracle; a baseline's Envoys run no filter, and show no kvroute stats.
+    fn kvroute_cores(&self) -> Vec<Core<'_>> {
+        match &self.process {
+            Process::Envoy(envoy) | Process::Precise { envoy, .. } => vec![Core::Filter(envoy)],
+            Process::Epp(gateway) => vec![Core::Picker(&gateway.picker)],
+            Process::Scaled { instances, .. } => {
+                instances.iter().flat_map(Running::kvroute_cores).collect()
             }
+            _ => Vec::new(),
         }
-        found.then_some((cached, prompt))
     }
 
-    /// kvroute's routing decisions so far (`kvroute.routed.<decision>` counters), if it is kvroute;
-    /// for `kvroute@N` summed over the N Envoys.
-    pub async fn kvroute_decisions(&self) -> Vec<(String, u64)> {
-        let envoys = self.kvroute_envoys();
+    /// kvroute's stats so far, summed over its cores, by their Prometheus names.
+    async fn kvroute_stats(&self) -> BTreeMap<String, u64> {
         let mut sum = BTreeMap::new();
-        for envoy in envoys {
-            // Routed decisions, and the fallbacks that happened (requests kvroute left to Envoy).
-            let stats = envoy.stats("kvroute.").await.unwrap_or_default();
-            for (name, v) in stats {
-                let key = if let Some((_, decision)) = name.rsplit_once("kvroute.routed.") {
-                    decision.to_string()
-                } else if let Some((_, reason)) = name.rsplit_once("kvroute.fallback.") {
-                    format!("fallback:{reason}")
-                } else {
-                    continue;
-                };
-                *sum.entry(key).or_insert(0) += v;
+        for core in self.kvroute_cores() {
+            for (name, v) in core.stats().await {
+                *sum.entry(name).or_insert(0) += v;
             }
         }
-        sum.into_iter()
-            .filter(|(k, v)| *v > 0 || !k.starts_with("fallback:"))
+        sum
+    }
+
+    /// kvroute's engine-reported usage so far, `(cached_tokens, prompt_tokens)` from its stats,
+    /// summed over its cores; `None` for other routers.
+    pub async fn kvroute_usage(&self) -> Option<(u64, u64)> {
+        let stats = self.kvroute_stats().await;
+        let cached = stats.get("kvroute_usage_cached_tokens")?;
+        let prompt = stats.get("kvroute_usage_prompt_tokens").copied();
+        Some((*cached, prompt.unwrap_or(0)))
+    }
+
+    /// kvroute's routing decisions so far (`kvroute.routed.<decision>` counters), and the
+    /// fallbacks that happened (requests kvroute left to Envoy, `fallback:<reason>`), if it is
+    /// kvroute; for `NAME@N` summed over the N instances.
+    pub async fn kvroute_decisions(&self) -> Vec<(String, u64)> {
+        let stats = self.kvroute_stats().await;
+        stats
+            .into_iter()
+            .filter_map(|(name, v)| {
+                if let Some(decision) = name.strip_prefix("kvroute_routed_") {
+                    Some((decision.to_string(), v))
+                } else {
+                    let reason = name.strip_prefix("kvroute_fallback_")?;
+                    (v > 0).then(|| (format!("fallback:{reason}"), v))
+                }
+            })
+            .collect::<BTreeMap<_, _>>()
+            .into_iter()
             .collect()
     }
 
-    /// The counters `names` (kvroute's stat names), summed over kvroute's Envoys, each named by
+    /// The counters `names` (kvroute's stat names), summed over kvroute's cores, each named by
     /// its last segment; empty if this is not kvroute (kvroute defines them at zero on start).
     pub async fn kvroute_counters(&self, names: &[&str]) -> Vec<(String, u64)> {
-        let mut sum: Vec<Option<u64>> = vec![None; names.len()];
-        for envoy in self.kvroute_envoys() {
-            let stats = envoy.stats("kvroute.").await.unwrap_or_default();
-            for (name, v) in stats {
-                if let Some(i) = names.iter().position(|n| name.ends_with(n)) {
-                    *sum[i].get_or_insert(0) += v;
-                }
-            }
-        }
-        if sum.iter().all(Option::is_none) {
+        let stats = self.kvroute_stats().await;
+        let found: Vec<Option<u64>> = names
+            .iter()
+            .map(|n| stats.get(&n.replace('.', "_")).copied())
+            .collect();
+        if found.iter().all(Option::is_none) {
             return Vec::new();
         }
         names
             .iter()
-            .zip(sum)
+            .zip(found)
             .map(|(n, v)| {
                 (
                     n.rsplit('.').next().unwrap_or(n).to_string(),
@@ -424,7 +484,7 @@ mod tests {
 
     #[test]
     fn router_names_round_trip() {
-        let names = "round_robin,least_request,ring_hash,kvroute,kvroute:prefix_hash,kvroute-precise,smg,vllm-router:kv_aware,oracle";
+        let names = "round_robin,least_request,ring_hash,kvroute,kvroute:prefix_hash,kvroute-precise,kvroute-epp,kvroute-epp:prefix_hash,smg,vllm-router:kv_aware,oracle";
         let parsed = Router::parse_list(names, None).unwrap();
         let back: Vec<String> = parsed.iter().map(Router::name).collect();
         assert_eq!(back.join(","), names);
@@ -448,7 +508,7 @@ mod tests {
 
     #[test]
     fn scaled_router_names_round_trip() {
-        let names = "kvroute@3,smg@3,vllm-router:cache_aware@2,kvroute:prefix_hash@1,round_robin@4,oracle@2,kvroute-precise@8";
+        let names = "kvroute@3,smg@3,vllm-router:cache_aware@2,kvroute:prefix_hash@1,round_robin@4,oracle@2,kvroute-precise@8,kvroute-epp@3";
         let parsed = Router::parse_list(names, None).unwrap();
         assert_eq!(
             parsed[0],
@@ -457,6 +517,10 @@ mod tests {
         assert_eq!(
             parsed[2],
             Router::Scaled(Box::new(Router::Vllm("cache_aware".into())), 2)
+        );
+        assert_eq!(
+            parsed[7],
+            Router::Scaled(Box::new(Router::KvrouteEpp(None)), 3)
         );
         let back: Vec<String> = parsed.iter().map(Router::name).collect();
         assert_eq!(back.join(","), names);
@@ -477,6 +541,8 @@ mod tests {
             "kvroute-precise@9",
             "kvroute-precise:x",
             "kvroute-precise@3@2",
+            "kvroute-epp@9",
+            "kvroute-epp@3@2",
         ] {
             assert!(Router::parse(bad, None).is_err(), "{bad} parsed");
         }

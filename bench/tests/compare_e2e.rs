@@ -1,80 +1,29 @@
 //! End to end: `kvroute-bench compare` with the real sim, real Envoy and the real kvroute.wasm,
 //! on a tiny shared-prefix workload. Needs `make build` (the Makefile's `test` target does it).
 
+use crate::common::{self, compare, read_json, require_built, scratch};
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// `$VAR` if set, else `default` under the workspace root.
-fn artifact(var: &str, default: &str) -> PathBuf {
-    std::env::var_os(var)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join(default))
-}
-
-fn require_built() {
-    let needed = [
-        ("KVROUTE_SIM", "target/release/kvroute-sim"),
-        ("KVROUTE_WASM", "target/wasm32-wasip1/release/kvroute.wasm"),
-        ("ENVOY_BIN", ".venv/bin/envoy"),
-    ];
-    for (var, default) in needed {
-        let p = artifact(var, default);
-        assert!(
-            p.is_file(),
-            "{} not found ({var}); run make build (make deps for Envoy) first",
-            p.display()
-        );
-    }
-}
 
 #[test]
 fn kvroute_beats_round_robin_hit_rate_and_results_file_is_complete() {
-    require_built();
-    let dir = std::env::temp_dir().join(format!("kvroute-bench-e2e-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    require_built(&[common::SIM, common::WASM, common::ENVOY]);
+    let dir = scratch("e2e");
     // Each replica holds two of the six system prompts, so round robin (which shows every
     // replica every prompt) keeps evicting while a cache-aware router does not.
-    let fleet = json!({"replicas": 3, "kv_capacity_tokens": 1024, "time_scale": 0.02});
-    let workload = json!({
-        "name": "e2e-tiny", "seed": 7, "groups": 6, "users_per_group": 2,
-        "system_prompt_tokens": 300, "question_tokens": 20, "output_tokens": 4,
-        "arrival": {"kind": "poisson", "qps": [15]}, "stage_duration_s": 4
-    });
-    let (fleet_path, workload_path, out) = (
-        dir.join("fleet.json"),
-        dir.join("workload.json"),
-        dir.join("out"),
+    let fleet = tiny_fleet();
+    let output = compare(
+        &dir,
+        &fleet,
+        &tiny_workload(),
+        "round_robin,kvroute,kvroute@2,oracle",
     );
-    std::fs::write(&fleet_path, fleet.to_string()).unwrap();
-    std::fs::write(&workload_path, workload.to_string()).unwrap();
-
-    let output = Command::new(env!("CARGO_BIN_EXE_kvroute-bench"))
-        .arg("compare")
-        .arg("--fleet")
-        .arg(&fleet_path)
-        .arg("--workload")
-        .arg(&workload_path)
-        .args(["--routers", "round_robin,kvroute,kvroute@2,oracle", "--out"])
-        .arg(&out)
-        .env(
-            "KVROUTE_SIM",
-            artifact("KVROUTE_SIM", "target/release/kvroute-sim"),
-        )
-        .output()
-        .expect("run kvroute-bench");
     let progress = String::from_utf8_lossy(&output.stderr);
     assert!(
         output.status.success(),
         "kvroute-bench compare failed:\n{progress}"
     );
 
-    let results: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    let results = read_json(&dir, "results.json");
     assert_eq!(results["fleet"], fleet);
     assert_eq!(results["workload"]["name"], "e2e-tiny");
     let rows = results["results"].as_array().unwrap();
@@ -101,12 +50,16 @@ fn kvroute_beats_round_robin_hit_rate_and_results_file_is_complete() {
     );
     // kvroute@2's decisions are summed over both of its Envoys: together they decided every
     // measured request (one alone would have seen about half of them).
-    let decided = decisions_of("kvroute@2", &progress);
+    let decided: u64 = decisions_of("kvroute@2", &progress)
+        .iter()
+        .map(|(_, n)| n)
+        .sum();
     let requests = rows[2]["requests"].as_u64().unwrap();
     assert!(
         decided >= requests,
         "kvroute@2 decided {decided} of {requests} requests:\n{progress}"
     );
+    let out = dir.join("out");
     let md = std::fs::read_to_string(out.join("results.md")).unwrap();
     assert!(md.contains("| kvroute |") && md.contains("| kvroute@2 |"));
     assert!(std::fs::read_to_string(out.join("ttft.svg"))
@@ -114,11 +67,7 @@ fn kvroute_beats_round_robin_hit_rate_and_results_file_is_complete() {
         .starts_with("<svg"));
     // samples.jsonl: every request of every row, with who sent it, where it went and what the
     // replica had cached for it (the sim always reports usage).
-    let samples: Vec<Value> = std::fs::read_to_string(out.join("samples.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let samples = common::samples(&dir);
     for (i, name) in names.iter().enumerate() {
         let mine: Vec<&Value> = samples.iter().filter(|s| s["router"] == *name).collect();
         assert_eq!(
@@ -142,8 +91,80 @@ fn kvroute_beats_round_robin_hit_rate_and_results_file_is_complete() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The sum of the `kvroute decisions:` counters printed for `router` (`== [i/n] router` header).
-fn decisions_of(router: &str, progress: &str) -> u64 {
+/// Three replicas whose caches each hold about two of [`tiny_workload`]'s six system prompts.
+fn tiny_fleet() -> Value {
+    json!({"replicas": 3, "kv_capacity_tokens": 1024, "time_scale": 0.02})
+}
+
+/// Six groups of two users sharing a 300-token system prompt, 15 requests a second for 4 s.
+fn tiny_workload() -> Value {
+    json!({
+        "name": "e2e-tiny", "seed": 7, "groups": 6, "users_per_group": 2,
+        "system_prompt_tokens": 300, "question_tokens": 20, "output_tokens": 4,
+        "arrival": {"kind": "poisson", "qps": [15]}, "stage_duration_s": 4
+    })
+}
+
+#[test]
+fn kvroute_epp_and_three_of_it_route_every_request_through_their_envoys() {
+    require_built(&[common::SIM, common::EPP, common::ENVOY]);
+    let dir = scratch("epp-e2e");
+    let output = compare(
+        &dir,
+        &tiny_fleet(),
+        &tiny_workload(),
+        "kvroute-epp,kvroute-epp@3",
+    );
+    let progress = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "compare failed:\n{progress}");
+    let results = read_json(&dir, "results.json");
+    let rows = results["results"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["router"].as_str().unwrap()).collect();
+    assert_eq!(names, ["kvroute-epp", "kvroute-epp@3"]);
+    let samples = common::samples(&dir);
+    for row in rows {
+        let name = row["router"].as_str().unwrap();
+        assert!(row.get("skipped").is_none(), "{name} skipped: {row}");
+        assert_eq!(row["errors"], 0, "{row}");
+        let requests = row["requests"].as_u64().unwrap();
+        assert!(requests >= 30, "{row}");
+        // Every answer carries the decision the picker made for it (its debug header), and
+        // none is a fallback to Envoy's own balancer.
+        let mine: Vec<&Value> = samples.iter().filter(|s| s["router"] == name).collect();
+        assert_eq!(mine.len() as u64, requests, "{name}");
+        for s in &mine {
+            let decision = s["decision"].as_str().unwrap_or("none");
+            assert!(
+                !decision.starts_with("fallback:") && decision != "none",
+                "{name}: {s}"
+            );
+        }
+        // The pickers' own counts say the same: summed over them, they routed every request.
+        let decisions = decisions_of(name, &progress);
+        let fallbacks: Vec<_> = decisions
+            .iter()
+            .filter(|(d, _)| d.starts_with("fallback:"))
+            .collect();
+        assert!(fallbacks.is_empty(), "{name}: {fallbacks:?}");
+        let routed: u64 = decisions.iter().map(|(_, n)| n).sum();
+        assert!(
+            routed >= requests,
+            "{name} routed {routed} of {requests}:\n{progress}"
+        );
+    }
+    // Three gateway and picker pairs behind the front, each serving its share.
+    let gateways: std::collections::BTreeSet<&str> = samples
+        .iter()
+        .filter(|s| s["router"] == "kvroute-epp@3")
+        .filter_map(|s| s["gateway"].as_str())
+        .collect();
+    assert_eq!(gateways.len(), 3, "{gateways:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The `kvroute decisions:` counters printed for `router` (`== [i/n] router` header), routed
+/// ones by decision and fallbacks as `fallback:<reason>`.
+fn decisions_of(router: &str, progress: &str) -> Vec<(String, u64)> {
     let header = format!("] {router}");
     let mut section = progress
         .lines()
@@ -158,6 +179,9 @@ fn decisions_of(router: &str, progress: &str) -> u64 {
         })
         .unwrap_or_else(|| panic!("no kvroute decisions for {router}:\n{progress}"));
     line.split_whitespace()
-        .filter_map(|kv| kv.rsplit_once('=')?.1.parse::<u64>().ok())
-        .sum()
+        .filter_map(|kv| {
+            let (k, n) = kv.rsplit_once('=')?;
+            Some((k.to_string(), n.parse::<u64>().ok()?))
+        })
+        .collect()
 }

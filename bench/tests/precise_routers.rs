@@ -3,52 +3,8 @@
 //! `kvroute-precise@2` on the real sim, kvroute-indexer, Envoy and kvroute.wasm routes by what
 //! the engines hold and reports how fresh the index was. Needs `make build`.
 
+use crate::common::{self, compare, read_json, require_built, scratch};
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// `$VAR` if set, else `default` under the workspace root.
-fn artifact(var: &str, default: &str) -> PathBuf {
-    std::env::var_os(var)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join(default))
-}
-
-/// A fresh directory for one test's files.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvroute-bench-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// `kvroute-bench compare` on `fleet` and `workload` with `routers`, writing into `dir/out`.
-fn compare(dir: &Path, fleet: &Value, workload: &Value, routers: &str) -> Output {
-    let (fleet_path, workload_path) = (dir.join("fleet.json"), dir.join("workload.json"));
-    std::fs::write(&fleet_path, fleet.to_string()).unwrap();
-    std::fs::write(&workload_path, workload.to_string()).unwrap();
-    Command::new(env!("CARGO_BIN_EXE_kvroute-bench"))
-        .arg("compare")
-        .arg("--fleet")
-        .arg(&fleet_path)
-        .arg("--workload")
-        .arg(&workload_path)
-        .args(["--routers", routers, "--out"])
-        .arg(dir.join("out"))
-        .env(
-            "KVROUTE_SIM",
-            artifact("KVROUTE_SIM", "target/release/kvroute-sim"),
-        )
-        .env(
-            "KVROUTE_INDEXER",
-            artifact("KVROUTE_INDEXER", "target/release/kvroute-indexer"),
-        )
-        .output()
-        .expect("run kvroute-bench")
-}
 
 fn tiny_workload(seconds: f64) -> Value {
     json!({
@@ -78,19 +34,7 @@ fn bad_precise_router_names_are_refused_before_anything_starts() {
 
 #[test]
 fn precise_routers_route_by_the_engines_and_report_the_index_freshness() {
-    for (var, default) in [
-        ("KVROUTE_SIM", "target/release/kvroute-sim"),
-        ("KVROUTE_INDEXER", "target/release/kvroute-indexer"),
-        ("KVROUTE_WASM", "target/wasm32-wasip1/release/kvroute.wasm"),
-        ("ENVOY_BIN", ".venv/bin/envoy"),
-    ] {
-        let p = artifact(var, default);
-        assert!(
-            p.is_file(),
-            "{} not found ({var}); run make build",
-            p.display()
-        );
-    }
+    require_built(&[common::SIM, common::INDEXER, common::WASM, common::ENVOY]);
     let dir = scratch("precise-e2e");
     let fleet = json!({"replicas": 3, "kv_capacity_tokens": 1024, "time_scale": 0.02});
     let out = compare(
@@ -101,8 +45,7 @@ fn precise_routers_route_by_the_engines_and_report_the_index_freshness() {
     );
     let progress = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "compare failed:\n{progress}");
-    let text = std::fs::read_to_string(dir.join("out/results.json")).unwrap();
-    let results: Value = serde_json::from_str(&text).unwrap();
+    let results = read_json(&dir, "results.json");
     // The fleet tokenized with the sim's BPE, said without this machine's path.
     let tokenizer = results["fleet"]["tokenizer"].as_str().unwrap_or_default();
     assert!(tokenizer.contains("BPE"), "{}", results["fleet"]);

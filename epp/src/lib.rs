@@ -28,7 +28,7 @@ use kvroute::store::SharedStore;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
 use host::Shared;
@@ -157,10 +157,14 @@ pub async fn start(settings: Settings) -> Result<Running, String> {
     }));
 
     let (stop, stopped) = oneshot::channel::<()>();
+    // Each answer is a few small HTTP/2 frames: with Nagle's algorithm on (tonic sets
+    // TCP_NODELAY only on the listeners it binds itself), a frame written while the previous one
+    // is unacknowledged waits for the gateway's delayed ACK, some 40 ms per request.
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let server = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(ExternalProcessorServer::new(picker))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+        .serve_with_incoming_shutdown(incoming, async {
             let _ = stopped.await;
         });
     tasks.push(tokio::spawn(async move {

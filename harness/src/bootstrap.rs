@@ -129,7 +129,7 @@ pub fn shipped_plugin_config(shipped: &str) -> Result<String, HarnessError> {
 }
 
 /// The HTTP connection manager's config in `listener`'s first filter chain.
-fn hcm_of(listener: &mut Value) -> Result<&mut Value, HarnessError> {
+pub(crate) fn hcm_of(listener: &mut Value) -> Result<&mut Value, HarnessError> {
     let chain = seq_mut(get_mut(listener, &["filter_chains"])?)?
         .first_mut()
         .ok_or_else(|| cfg("no filter chain".into()))?;
@@ -242,17 +242,7 @@ fn patch_pool(cluster: &mut Value, patch: &Patch) -> Result<(), HarnessError> {
     if !patch.active_health_checks {
         map_mut(cluster)?.remove("health_checks");
     } else if let Some(every) = patch.health_check_interval {
-        // A host not yet healthy and without traffic (every host at start) is checked every
-        // `no_traffic_interval`: soon, so that a long interval does not hold up the start. A
-        // healthy host is checked every `every`, with traffic or without (whose default is 60 s).
-        let first = every.min(FIRST_CHECK);
-        let [every, first] = [every, first].map(|d| format!("{}s", d.as_secs_f64()));
-        for hc in seq_mut(get_mut(cluster, &["health_checks"])?)? {
-            let hc = map_mut(hc)?;
-            hc.insert("interval".into(), every.clone().into());
-            hc.insert("no_traffic_healthy_interval".into(), every.clone().into());
-            hc.insert("no_traffic_interval".into(), first.clone().into());
-        }
+        set_health_check_interval(cluster, every)?;
     }
     let plain = match patch.lb {
         Lb::Kvroute { .. } | Lb::FloorHeader { .. } => return Ok(()),
@@ -271,7 +261,26 @@ fn patch_pool(cluster: &mut Value, patch: &Patch) -> Result<(), HarnessError> {
     Ok(())
 }
 
-fn set_endpoints(cluster: &mut Value, addrs: &[SocketAddr]) -> Result<(), HarnessError> {
+/// Checks `cluster`'s hosts every `every`. A host not yet healthy and without traffic (every
+/// host at start) is checked every `no_traffic_interval`: soon, so that a long interval does not
+/// hold up the start. A healthy host is checked every `every`, with traffic or without (whose
+/// default is 60 s).
+pub(crate) fn set_health_check_interval(
+    cluster: &mut Value,
+    every: Duration,
+) -> Result<(), HarnessError> {
+    let first = every.min(FIRST_CHECK);
+    let [every, first] = [every, first].map(|d| format!("{}s", d.as_secs_f64()));
+    for hc in seq_mut(get_mut(cluster, &["health_checks"])?)? {
+        let hc = map_mut(hc)?;
+        hc.insert("interval".into(), every.clone().into());
+        hc.insert("no_traffic_healthy_interval".into(), every.clone().into());
+        hc.insert("no_traffic_interval".into(), first.clone().into());
+    }
+    Ok(())
+}
+
+pub(crate) fn set_endpoints(cluster: &mut Value, addrs: &[SocketAddr]) -> Result<(), HarnessError> {
     let endpoints: Vec<Json> = addrs
         .iter()
         .map(|a| {
@@ -288,12 +297,15 @@ fn set_endpoints(cluster: &mut Value, addrs: &[SocketAddr]) -> Result<(), Harnes
     Ok(())
 }
 
-fn set_port(socket_address: &mut Value, port: u16) -> Result<(), HarnessError> {
+pub(crate) fn set_port(socket_address: &mut Value, port: u16) -> Result<(), HarnessError> {
     map_mut(socket_address)?.insert("port_value".into(), port.into());
     Ok(())
 }
 
-fn get_mut<'v>(mut v: &'v mut Value, path: &[&str]) -> Result<&'v mut Value, HarnessError> {
+pub(crate) fn get_mut<'v>(
+    mut v: &'v mut Value,
+    path: &[&str],
+) -> Result<&'v mut Value, HarnessError> {
     for key in path {
         v = v
             .get_mut(*key)
@@ -302,17 +314,17 @@ fn get_mut<'v>(mut v: &'v mut Value, path: &[&str]) -> Result<&'v mut Value, Har
     Ok(v)
 }
 
-fn seq_mut(v: &mut Value) -> Result<&mut Vec<Value>, HarnessError> {
+pub(crate) fn seq_mut(v: &mut Value) -> Result<&mut Vec<Value>, HarnessError> {
     v.as_sequence_mut()
         .ok_or_else(|| cfg("expected a list".into()))
 }
 
-fn map_mut(v: &mut Value) -> Result<&mut Mapping, HarnessError> {
+pub(crate) fn map_mut(v: &mut Value) -> Result<&mut Mapping, HarnessError> {
     v.as_mapping_mut()
         .ok_or_else(|| cfg("expected a mapping".into()))
 }
 
-fn cfg(msg: String) -> HarnessError {
+pub(crate) fn cfg(msg: String) -> HarnessError {
     HarnessError::Config(msg)
 }
 

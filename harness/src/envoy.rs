@@ -248,13 +248,7 @@ impl Envoy {
 
     /// CPU time (user + system) the Envoy process has used so far, from `/proc` (Linux only).
     pub fn cpu_time(&self) -> Option<Duration> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id()?)).ok()?;
-        // Fields after the command name, which is parenthesised and may contain spaces.
-        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-        let ticks: u64 =
-            fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-        // Linux reports these in clock ticks of 1/100 s (USER_HZ) on every common platform.
-        Some(Duration::from_millis(ticks * 10))
+        crate::cpu::time_of(self.child.id()?)
     }
 
     /// Counters and gauges whose name contains `filter`, by full name (e.g. custom wasm stats

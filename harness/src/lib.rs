@@ -17,11 +17,14 @@
 //! ```
 //!
 //! Envoy is started from the shipped `envoy/kvroute.yaml`, patched (ports, endpoints, wasm path,
-//! plugin config, load-balancing policy), so a passing test also proves the shipped config works.
+//! plugin config, load-balancing policy), so a passing test also proves the shipped config works;
+//! [`epp::start`] starts one from the shipped `envoy/kvroute-epp.yaml`, asking kvroute-epp.
 
 pub mod backend;
 pub mod bootstrap;
+pub mod cpu;
 mod envoy;
+pub mod epp;
 mod error;
 pub mod gate;
 pub mod mesh;

@@ -18,6 +18,11 @@ pub fn precise_bootstrap() -> PathBuf {
     workspace_root().join("envoy/kvroute-precise.yaml")
 }
 
+/// The shipped bootstrap of plain Envoy asking kvroute-epp over ext_proc.
+pub fn epp_bootstrap() -> PathBuf {
+    workspace_root().join("envoy/kvroute-epp.yaml")
+}
+
 /// Envoy: `$ENVOY_BIN`, else `<workspace>/.venv/bin/envoy` (what `make deps` installs), else `envoy`
 /// on `PATH`. Never silently skipped: missing means an error telling how to install it.
 pub fn envoy_bin() -> Result<PathBuf, HarnessError> {

@@ -1,5 +1,6 @@
 //! Helpers of the picker's tests: a kvroute-epp started in the test's process, and a real Envoy
-//! started from the shipped `envoy/kvroute-epp.yaml` with its ports, pool and picker patched.
+//! started from the shipped `envoy/kvroute-epp.yaml` (the harness patches its ports, pool and
+//! picker).
 
 #![allow(dead_code)]
 
@@ -13,8 +14,8 @@ use kvroute::config::Config;
 use kvroute_epp::settings::{Args, Settings};
 use kvroute_epp::Running;
 use kvroute_harness::backend::Backend;
-use kvroute_harness::{paths, Envoy, EnvoyOptions, HarnessError};
-use serde_yaml::Value;
+pub use kvroute_harness::epp::Shape;
+use kvroute_harness::{Envoy, EnvoyOptions};
 
 /// The picker over `endpoints`, on free ports of 127.0.0.1, with the filter's `config` (JSON).
 pub async fn start_epp(endpoints: &[SocketAddr], config: &str, single_address: bool) -> Running {
@@ -53,105 +54,19 @@ pub async fn start_epp_with(
         .expect("kvroute-epp starts")
 }
 
-/// How the test's Envoy differs from the shipped one.
-#[derive(Default, Clone)]
-pub struct Shape {
-    /// `failure_mode_allow` of the ext_proc filter.
-    pub fail_open: bool,
-    /// A subset hint set on every request (`envoy.lb.subset_hint` metadata), as a gateway in
-    /// front of the picker would.
-    pub subset: Option<Vec<String>>,
-}
-
-/// The shipped bootstrap with Envoy's ports, the pool's members and the picker's address patched.
-pub fn bootstrap(
-    admin_port: u16,
-    listener_port: u16,
-    backends: &[SocketAddr],
-    epp: SocketAddr,
-    shape: &Shape,
-) -> Result<String, HarnessError> {
-    let shipped = std::fs::read_to_string(paths::workspace_root().join("envoy/kvroute-epp.yaml"))?;
-    let mut root: Value = serde_yaml::from_str(&shipped).map_err(cfg)?;
-    root["admin"]["address"]["socket_address"]["port_value"] = admin_port.into();
-    let listener = &mut root["static_resources"]["listeners"][0];
-    listener["address"]["socket_address"]["port_value"] = listener_port.into();
-    let filters = &mut listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"];
-    let filters = filters
-        .as_sequence_mut()
-        .ok_or_else(|| missing("http_filters"))?;
-    let ext_proc = filters
-        .iter_mut()
-        .find(|f| f["name"] == "envoy.filters.http.ext_proc")
-        .ok_or_else(|| missing("the ext_proc filter"))?;
-    ext_proc["typed_config"]["failure_mode_allow"] = shape.fail_open.into();
-    if let Some(subset) = &shape.subset {
-        let set_metadata = serde_json::json!({
-            "name": "envoy.filters.http.set_metadata",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
-                "metadata": [{
-                    "metadata_namespace": "envoy.lb.subset_hint",
-                    "value": { "x-gateway-destination-endpoint-subset": subset }
-                }]
-            }
-        });
-        filters.insert(1, serde_yaml::to_value(set_metadata).map_err(cfg)?);
-    }
-    let clusters = root["static_resources"]["clusters"]
-        .as_sequence_mut()
-        .ok_or_else(|| missing("clusters"))?;
-    for cluster in clusters.iter_mut() {
-        let members: Vec<SocketAddr> = match cluster["name"].as_str() {
-            Some("inference_pool") => backends.to_vec(),
-            Some("kvroute_epp") => vec![epp],
-            _ => continue,
-        };
-        let endpoints: Vec<serde_json::Value> = members
-            .iter()
-            .map(|a| {
-                serde_json::json!({ "endpoint": { "address": { "socket_address": {
-                    "address": a.ip().to_string(), "port_value": a.port() } } } })
-            })
-            .collect();
-        let endpoints = serde_yaml::to_value(endpoints).map_err(cfg)?;
-        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = endpoints;
-        if let Some(checks) = cluster
-            .get_mut("health_checks")
-            .and_then(Value::as_sequence_mut)
-        {
-            for check in checks {
-                check["interval"] = "0.2s".into();
-                check["no_traffic_interval"] = "0.2s".into();
-            }
-        }
-    }
-    serde_yaml::to_string(&root).map_err(cfg)
-}
-
-fn cfg(e: impl std::fmt::Display) -> HarnessError {
-    HarnessError::Config(e.to_string())
-}
-
-fn missing(what: &str) -> HarnessError {
-    HarnessError::Config(format!("envoy/kvroute-epp.yaml has no {what}"))
-}
-
 /// Envoy over `backends`, asking the picker at `epp`.
 pub async fn start_envoy(backends: &[Backend], epp: SocketAddr, shape: Shape) -> Envoy {
-    let addrs: Vec<SocketAddr> = backends.iter().map(Backend::addr).collect();
-    start_envoy_over(addrs, epp, shape).await
+    start_envoy_over(backends.iter().map(Backend::addr).collect(), epp, shape).await
 }
 
 /// Envoy over the servers at `addrs`, asking the picker at `epp`.
 pub async fn start_envoy_over(addrs: Vec<SocketAddr>, epp: SocketAddr, shape: Shape) -> Envoy {
     let opts = EnvoyOptions {
-        backends: addrs.clone(),
+        backends: addrs,
+        health_check_interval: Some(Duration::from_millis(200)),
         ..EnvoyOptions::default()
     };
-    let render =
-        move |admin, listener, _: &std::path::Path| bootstrap(admin, listener, &addrs, epp, &shape);
-    match Envoy::start_with(render, opts).await {
+    match kvroute_harness::epp::start(epp, shape, opts).await {
         Ok(envoy) => envoy,
         Err(e) => panic!("{e}"),
     }
