@@ -150,8 +150,11 @@ test: deps wasm test-bins image test-native test-wasm
 
 # The release binaries the tests start as processes (tests/common/precise.rs, bench's tests).
 test-bins:
-	$(CARGO) build --release -p kvroute-sim -p kvroute-indexer -p kvroute-epp --bins
+	$(CARGO) build --release -p kvroute-sim -p kvroute-indexer --bins
 
+# The bench's tests run kvroute-epp as a process too: the test build's own (`cargo test` builds
+# the workspace's binaries), not a release build with fat LTO that nothing else here needs.
+test-native: export KVROUTE_EPP := $(abspath target/debug/kvroute-epp)
 test-native:
 	$(CARGO) test --workspace
 

@@ -1,6 +1,7 @@
 # Benchmark and demo targets (owned by the bench crate). Included from the top-level Makefile.
 #   make run    the demo: kvroute vs round robin on an embedded small fleet (1-2 minutes);
-#               `make run PRECISE=1`: kvroute in precise mode (its own kvroute-indexer) vs kvroute
+#               `make run PRECISE=1`: kvroute in precise mode (its own kvroute-indexer) vs kvroute;
+#               `make run EPP=1`: kvroute as kvroute-epp behind plain Envoy vs round robin
 #   make bench  the llm-d-shaped comparison across every router, prints the table
 #               (results.json, results.md, ttft.svg in $(BENCH_OUT))
 #   make bench-overhead  CPU and latency kvroute adds (as the filter and as kvroute-epp), next to
@@ -52,8 +53,8 @@ export KVROUTE_PEERS := $(abspath $(PEERS))
 REAL_OUT ?= .work/real
 REAL_ROUTERS ?= round_robin,kvroute,smg,kvroute@3,smg@3
 
-run: deps build
-	$(BENCH) demo $(if $(PRECISE),--precise)
+run: deps build $(if $(EPP),epp)
+	$(BENCH) demo $(if $(PRECISE),--precise) $(if $(EPP),--epp)
 
 bench: deps build epp peers
 	$(BENCH) compare --fleet $(BENCH_FLEET) --workload $(BENCH_WORKLOAD) --routers $(BENCH_ROUTERS) --out $(BENCH_OUT)

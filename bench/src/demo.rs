@@ -1,6 +1,7 @@
 //! `demo` (what `make run` does): kvroute vs round robin on a small embedded fleet and workload,
 //! printing where requests went, how many followed cache affinity, and the hit rates; with
-//! `--precise` (`make run PRECISE=1`), kvroute in precise mode vs kvroute.
+//! `--precise` (`make run PRECISE=1`), kvroute in precise mode vs kvroute; with `--epp`
+//! (`make run EPP=1`), kvroute-epp behind plain Envoy vs round robin.
 
 use crate::compare::{replica_shares, run_one, RouterRun};
 use crate::report::RouterResult;
@@ -12,16 +13,17 @@ use serde_json::Value;
 pub const DEMO_FLEET: &str = include_str!("../fleets/demo.json");
 pub const DEMO_WORKLOAD: &str = include_str!("../workloads/demo.json");
 
-pub async fn demo(precise: bool) -> Result<(), String> {
+pub async fn demo(precise: bool, epp: bool) -> Result<(), String> {
     let fleet: Value = serde_json::from_str(DEMO_FLEET).map_err(|e| format!("demo fleet: {e}"))?;
     // Precise mode: both fleets tokenize with the simulator's BPE, which the indexer decodes.
     let (fleet, _, _tokenizer) = match precise {
         true => crate::precise::with_tokenizer(&fleet)?,
         false => (fleet, Value::Null, None),
     };
-    let (base, candidate) = match precise {
-        true => (Router::Kvroute(None), Router::KvroutePrecise),
-        false => (Router::RoundRobin, Router::Kvroute(None)),
+    let (base, candidate) = match (precise, epp) {
+        (true, _) => (Router::Kvroute(None), Router::KvroutePrecise),
+        (false, true) => (Router::RoundRobin, Router::KvrouteEpp(None)),
+        (false, false) => (Router::RoundRobin, Router::Kvroute(None)),
     };
     let (base_name, name) = (base.name(), candidate.name());
     let workload = Workload::from_json(DEMO_WORKLOAD)?;

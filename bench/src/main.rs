@@ -73,8 +73,12 @@ enum Cmd {
     Demo {
         /// kvroute in precise mode (its own kvroute-indexer on the engines' KV events) vs
         /// kvroute, instead of kvroute vs round robin.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "epp")]
         precise: bool,
+        /// kvroute as kvroute-epp (plain Envoy asking it over ext_proc) vs round robin, instead
+        /// of the filter.
+        #[arg(long)]
+        epp: bool,
     },
     /// README's results table from DIR/<workload>/results.json: a column per workload, a row per
     /// router, each cell the prefix hit rate and TTFT p90; printed, and written to DIR/summary.md.
@@ -285,7 +289,7 @@ fn main() {
                     let n = repeat as usize;
                     run_compare(fleet, workload, routers, out, n, b, envoy_workers).await
                 }
-                Cmd::Demo { precise } => demo::demo(precise).await,
+                Cmd::Demo { precise, epp } => demo::demo(precise, epp).await,
                 Cmd::Summary {
                     results,
                     workloads,
