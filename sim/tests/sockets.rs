@@ -1,14 +1,20 @@
 //! The KV-event sockets as ZeroMQ peers see them: the PUB sends `[topic, seq, payload]` numbered
 //! from 0 and skips what the stream drops; the replay ROUTER answers each DEALER with the last
-//! `buffer_steps` messages from the number it asks, on its own connection.
+//! `buffer_steps` messages from the number it asks, on its own connection; and a libzmq SUB and
+//! DEALER (pyzmq, tools/libzmq-peer.py) get the same messages from a replica.
 
 use crate::common;
 
-use common::{field, next_message, replay_from, subscribed};
+use common::{fast_fleet, field, next_message, post, replay_from, subscribed};
 use kvroute_sim::kv_events::{start_publisher, Format, Options, Published};
 use kvroute_sim::prefix_cache::CacheEvent;
 use rmpv::Value;
+use serde_json::json;
 use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Stdio;
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout, Command};
 
 fn options(buffer_steps: usize) -> Options {
     Options {
@@ -97,4 +103,123 @@ async fn the_replay_socket_resends_the_last_buffer_steps_messages_from_the_start
     let seqs: Vec<u64> = from_4.iter().map(|m| seq_of(&m[2])).collect();
     assert_eq!(seqs, [4]);
     assert!(replay_from(replay, 5).await.is_empty());
+}
+
+/// A Python with pyzmq: $KVROUTE_SGLANG_PYTHON, the SGLang venv's (`make sglang-deps`, which
+/// `make test` runs and the Makefile exports). Without it the test says why and passes, except
+/// in CI ($CI set), where it fails.
+fn pyzmq_python() -> Option<PathBuf> {
+    let python = std::env::var_os("KVROUTE_SGLANG_PYTHON").map(PathBuf::from);
+    if let Some(python) = python.filter(|p| p.is_file()) {
+        return Some(python);
+    }
+    let why = "KVROUTE_SGLANG_PYTHON is not a Python with pyzmq (make sglang-deps)";
+    assert!(std::env::var_os("CI").is_none(), "{why}");
+    eprintln!("SKIPPED: the libzmq peer test: {why}");
+    None
+}
+
+/// tools/libzmq-peer.py on a replica's sockets, its JSON lines.
+struct LibzmqPeer {
+    _child: Child,
+    lines: Lines<BufReader<ChildStdout>>,
+}
+
+impl LibzmqPeer {
+    fn start(python: PathBuf, events: &str, replay: &str) -> LibzmqPeer {
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tools/libzmq-peer.py");
+        let mut child = Command::new(python)
+            .arg(script)
+            .args([events, replay, "kv-events"])
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("the python starts");
+        let stdout = child.stdout.take().expect("stdout");
+        LibzmqPeer {
+            _child: child,
+            lines: BufReader::new(stdout).lines(),
+        }
+    }
+
+    /// Its next line, `None` once it has exited.
+    async fn next(&mut self) -> Option<serde_json::Value> {
+        let line = self.lines.next_line().await.expect("readable")?;
+        Some(serde_json::from_str(&line).expect("a JSON line"))
+    }
+}
+
+/// A line's frames, from hex.
+fn frames_of(hex: &serde_json::Value) -> Vec<Vec<u8>> {
+    let frames = hex.as_array().expect("frames");
+    let unhex = |h: &str| -> Vec<u8> {
+        let byte = |i| u8::from_str_radix(&h[i..i + 2], 16).expect("hex");
+        (0..h.len()).step_by(2).map(byte).collect()
+    };
+    frames.iter().map(|f| unhex(f.as_str().unwrap())).collect()
+}
+
+#[tokio::test]
+async fn a_libzmq_subscriber_and_dealer_get_a_replicas_messages() {
+    let Some(python) = pyzmq_python() else {
+        return;
+    };
+    let fleet = fast_fleet(1).await;
+    let replica = &fleet.replicas[0];
+    let replay = replica
+        .kv_events_replay_endpoint()
+        .expect("a replay socket");
+    let mut peer = LibzmqPeer::start(python, &replica.kv_events_endpoint(), &replay);
+    let hello = peer.next().await.expect("a first line");
+    eprintln!("libzmq {}", hello["subscribed"]);
+
+    // A PUB tells no one when a subscription has reached it: prompts go until the peer hears one.
+    let url = format!("{}/v1/completions", replica.url());
+    let heard = {
+        let mut line = std::pin::pin!(peer.next());
+        let mut heard = None;
+        for n in 0..100 {
+            let prompt = format!("prompt number {n} ").repeat(20);
+            post(
+                &url,
+                &json!({"prompt": prompt, "max_tokens": 1}).to_string(),
+            )
+            .await;
+            let wait = std::time::Duration::from_millis(100);
+            if let Ok(next) = tokio::time::timeout(wait, line.as_mut()).await {
+                heard = next;
+                break;
+            }
+        }
+        heard.expect("the peer heard a message")
+    };
+    let stream = frames_of(&heard["stream"]);
+    assert_eq!(stream.len(), 3, "{heard}");
+    assert_eq!(stream[0], b"kv-events");
+    assert_eq!(
+        field(&events(&stream[2])[0], "type").as_str(),
+        Some("BlockStored")
+    );
+
+    let answer = peer.next().await.expect("the replay");
+    let mut replayed: Vec<Vec<Vec<u8>>> = answer["replay"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{answer}"))
+        .iter()
+        .map(frames_of)
+        .collect();
+    let end = replayed.pop().expect("the end marker");
+    assert_eq!(
+        end,
+        [vec![], vec![], (-1i64).to_be_bytes().to_vec(), vec![]]
+    );
+    for (n, frames) in replayed.iter().enumerate() {
+        assert_eq!(frames[..2], [vec![], b"kv-events".to_vec()]);
+        assert_eq!(seq_of(&frames[2]), n as u64, "numbered from 0");
+    }
+    let seq = seq_of(&stream[1]) as usize;
+    assert_eq!(
+        replayed[seq][3], stream[2],
+        "the replay has what the stream sent"
+    );
 }
