@@ -25,16 +25,19 @@
 
 use crate::prefix_cache::CacheEvent;
 use crate::sglang_events;
-use crate::zmtp::{self, PubSocket};
 use bytes::Bytes;
 use rmpv::Value;
 use std::collections::VecDeque;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
+use zeromq::{
+    PubSocket, RouterRecvHalf, RouterSendHalf, RouterSocket, Socket, SocketRecv, SocketSend,
+    ZmqMessage,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
@@ -216,9 +219,6 @@ pub struct Publisher {
     pub muted: Arc<AtomicBool>,
 }
 
-/// The last messages sent, by number, for the replay socket.
-type Buffer = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
-
 /// Binds a PUB socket on `addr` (and a replay ROUTER on `replay`, if given) and publishes every
 /// batch sent to the returned channel.
 pub async fn start_publisher(
@@ -226,46 +226,17 @@ pub async fn start_publisher(
     replay: Option<SocketAddr>,
     options: Options,
 ) -> io::Result<Publisher> {
-    let (socket, local) = PubSocket::bind(addr).await?;
-    let buffer: Buffer = Arc::new(Mutex::new(VecDeque::new()));
-    let topic = Bytes::from(options.topic.clone().into_bytes());
-    let muted = Arc::new(AtomicBool::new(false));
-    let replay = match replay {
+    let (socket, local) = bound::<PubSocket>(addr).await?;
+    let (router, replay) = match replay {
         Some(at) => {
-            let (buffer, topic, muted) = (buffer.clone(), topic.clone(), muted.clone());
-            let answer = move |request| {
-                if muted.load(Ordering::Relaxed) {
-                    return Vec::new();
-                }
-                answer_replay(&buffer, &topic, request)
-            };
-            Some(zmtp::bind_router(at, Arc::new(answer)).await?)
+            let (router, local) = bound::<RouterSocket>(at).await?;
+            (Some(router.split()), Some(local))
         }
-        None => None,
+        None => (None, None),
     };
-    let (tx, mut rx) = mpsc::unbounded_channel::<Published>();
-    tokio::spawn(async move {
-        let mut seq = 0u64;
-        while let Some(batch) = rx.recv().await {
-            let payload = Bytes::from(encode_batch(
-                unix_ts(),
-                &batch.events,
-                options.block_size,
-                options.format,
-            ));
-            if replay.is_some() && options.buffer_steps > 0 {
-                let mut buffer = buffer.lock().unwrap_or_else(|e| e.into_inner());
-                if buffer.len() == options.buffer_steps {
-                    buffer.pop_front();
-                }
-                buffer.push_back((seq, payload.clone()));
-            }
-            if !batch.dropped {
-                socket.send(frames(&options.topic, seq, payload));
-            }
-            seq += 1;
-        }
-    });
+    let muted = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = mpsc::unbounded_channel::<Published>();
+    tokio::spawn(publish(rx, socket, router, options, muted.clone()));
     Ok(Publisher {
         addr: local,
         replay,
@@ -274,28 +245,149 @@ pub async fn start_publisher(
     })
 }
 
-/// The replies to one replay request: the buffered messages from its start number on, then the
-/// end marker; nothing for a request that is not `["", start_seq]` (vLLM logs and drops it).
-fn answer_replay(buffer: &Buffer, topic: &Bytes, request: Vec<Vec<u8>>) -> Vec<Vec<Bytes>> {
-    let start = match request.as_slice() {
-        [_, start] if start.len() <= 8 => start.iter().fold(0u64, |n, &b| n << 8 | u64::from(b)),
+/// A ZeroMQ socket listening on `addr`, and the address it got.
+async fn bound<S: Socket>(addr: SocketAddr) -> io::Result<(S, SocketAddr)> {
+    let listener = std::net::TcpListener::bind(addr)?;
+    let local = listener.local_addr()?;
+    let mut socket = S::new();
+    socket
+        .bind_listener(listener)
+        .await
+        .map_err(io::Error::other)?;
+    Ok((socket, local))
+}
+
+/// Publishes each batch from `batches` on `socket` and answers the replay `router`'s requests in
+/// between, until the replica drops its sender (which closes both sockets).
+///
+/// The replica's step never waits here (the channel is unbounded), and this task never waits on
+/// a subscriber: zeromq's PUB hands each message to a queue per subscriber and drops it when
+/// that queue holds 100,000, as libzmq's PUB does at its high-water mark (vLLM's is 100,000).
+async fn publish(
+    mut batches: mpsc::UnboundedReceiver<Published>,
+    socket: PubSocket,
+    mut router: Option<(RouterSendHalf, RouterRecvHalf)>,
+    options: Options,
+    muted: Arc<AtomicBool>,
+) {
+    let mut stream = Stream {
+        topic: Bytes::from(options.topic.clone().into_bytes()),
+        kept: VecDeque::new(),
+        keep: router.as_ref().map_or(0, |_| options.buffer_steps),
+        socket,
+        options,
+        seq: 0,
+    };
+    loop {
+        tokio::select! {
+            batch = batches.recv() => match batch {
+                Some(batch) => stream.send(batch).await,
+                None => return,
+            },
+            request = next_request(&mut router) => match (request, &router) {
+                (Ok(request), Some((sender, _))) if !muted.load(Ordering::Relaxed) => {
+                    let replies = answer_replay(&stream.kept, &stream.topic, &request.into_vec());
+                    tokio::spawn(send_replies(sender.clone(), replies));
+                }
+                (Ok(_), _) => {}
+                (Err(_), _) => router = None,
+            },
+        }
+    }
+}
+
+/// One replica's stream of messages: its PUB socket, the next message's number, and the last
+/// messages, kept for the replay socket.
+struct Stream {
+    socket: PubSocket,
+    options: Options,
+    topic: Bytes,
+    seq: u64,
+    kept: VecDeque<(u64, Bytes)>,
+    /// How many messages `kept` holds at most: `buffer_steps`, or none without a replay socket.
+    keep: usize,
+}
+
+impl Stream {
+    /// Numbers `batch`, keeps it and sends it, unless it is one the stream drops.
+    async fn send(&mut self, batch: Published) {
+        let o = &self.options;
+        let payload = encode_batch(unix_ts(), &batch.events, o.block_size, o.format);
+        let (seq, payload) = (self.seq, Bytes::from(payload));
+        self.seq += 1;
+        if self.keep > 0 {
+            if self.kept.len() == self.keep {
+                self.kept.pop_front();
+            }
+            self.kept.push_back((seq, payload.clone()));
+        }
+        if batch.dropped {
+            return;
+        }
+        if let Ok(message) = ZmqMessage::try_from(frames(&o.topic, seq, payload)) {
+            // A PUB send fails only on an empty message.
+            let _ = self.socket.send(message).await;
+        }
+    }
+}
+
+/// Sends one request's replies. zeromq's ROUTER waits for room in the peer's queue, so they go
+/// from a task of their own: a peer that reads slowly holds up its own answer, not the stream
+/// or other peers'.
+async fn send_replies(mut sender: RouterSendHalf, replies: Vec<ZmqMessage>) {
+    for reply in replies {
+        if sender.send(reply).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// The next request on the replay socket, its sender's identity first; never, without one.
+async fn next_request(
+    router: &mut Option<(RouterSendHalf, RouterRecvHalf)>,
+) -> zeromq::ZmqResult<ZmqMessage> {
+    match router {
+        Some((_, requests)) => requests.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The replies to one replay request `[identity, "", start_seq]`, as the ROUTER received it:
+/// the kept messages from `start_seq` on, then the end marker, each addressed to `identity`;
+/// nothing for a request of another shape (vLLM logs and drops it).
+fn answer_replay(
+    kept: &VecDeque<(u64, Bytes)>,
+    topic: &Bytes,
+    request: &[Bytes],
+) -> Vec<ZmqMessage> {
+    let (identity, start) = match request {
+        [identity, _, start] if start.len() <= 8 => (
+            identity,
+            start.iter().fold(0u64, |n, &b| n << 8 | u64::from(b)),
+        ),
         _ => return Vec::new(),
     };
-    let buffer = buffer.lock().unwrap_or_else(|e| e.into_inner());
-    let mut replies: Vec<Vec<Bytes>> = buffer
+    let reply = |frames: [Bytes; 4]| {
+        let mut message = ZmqMessage::from(identity.clone());
+        for frame in frames {
+            message.push_back(frame);
+        }
+        message
+    };
+    let mut replies: Vec<ZmqMessage> = kept
         .iter()
         .filter(|(seq, _)| *seq >= start)
         .map(|(seq, payload)| {
             let seq = Bytes::copy_from_slice(&seq.to_be_bytes());
-            vec![Bytes::new(), topic.clone(), seq, payload.clone()]
+            reply([Bytes::new(), topic.clone(), seq, payload.clone()])
         })
         .collect();
-    replies.push(vec![
+    replies.push(reply([
         Bytes::new(),
         Bytes::new(),
         Bytes::copy_from_slice(&END_SEQ),
         Bytes::new(),
-    ]);
+    ]));
     replies
 }
 
@@ -305,8 +397,6 @@ pub const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::zmtp::{DealerSocket, SubSocket};
-    use std::time::Duration;
 
     fn stored() -> CacheEvent {
         CacheEvent::Stored {
@@ -402,98 +492,5 @@ mod tests {
         assert_eq!(s[6].as_str(), Some("GPU"));
         let r = events[1].as_array().unwrap();
         assert_eq!((r[0].as_str(), r.len()), (Some("BlockRemoved"), 3));
-    }
-
-    fn options(buffer_steps: usize) -> Options {
-        Options {
-            topic: "kv-events".into(),
-            block_size: 16,
-            format: Format::Map,
-            buffer_steps,
-        }
-    }
-
-    fn batch(events: Vec<CacheEvent>, dropped: bool) -> Published {
-        Published { events, dropped }
-    }
-
-    #[tokio::test]
-    async fn publisher_sends_topic_big_endian_seq_and_payload() {
-        let localhost = "127.0.0.1:0".parse().unwrap();
-        let publisher = start_publisher(localhost, None, options(10)).await.unwrap();
-        assert!(publisher.replay.is_none());
-        let mut sub = SubSocket::connect(publisher.addr, b"").await.unwrap();
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let tx = publisher.events;
-        tx.send(batch(vec![stored()], false)).unwrap();
-        tx.send(batch(vec![CacheEvent::AllCleared], false)).unwrap();
-        for expected_seq in 0..2u64 {
-            let frames = tokio::time::timeout(Duration::from_secs(2), sub.recv())
-                .await
-                .unwrap()
-                .unwrap();
-            assert_eq!(frames.len(), 3);
-            assert_eq!(frames[0], b"kv-events");
-            assert_eq!(frames[1], expected_seq.to_be_bytes());
-            let batch = rmpv::decode::read_value(&mut &frames[2][..]).unwrap();
-            assert_eq!(batch.as_array().unwrap().len(), 3);
-        }
-    }
-
-    /// The replay socket's answer to a request from `start`: (seq, payload) of each message,
-    /// checked to be vLLM's `["", topic, seq, payload]` and to end with its end marker.
-    async fn replay_from(addr: SocketAddr, start: u64) -> Vec<(u64, Vec<u8>)> {
-        let mut dealer = DealerSocket::connect(addr).await.unwrap();
-        dealer.send(&[b"", &start.to_be_bytes()]).await.unwrap();
-        let mut messages = Vec::new();
-        loop {
-            let next = tokio::time::timeout(Duration::from_secs(2), dealer.recv()).await;
-            let frames = next.unwrap().unwrap();
-            assert_eq!(frames.len(), 4, "{frames:?}");
-            assert!(frames[0].is_empty());
-            if frames[2] == END_SEQ {
-                assert!(frames[1].is_empty() && frames[3].is_empty());
-                return messages;
-            }
-            assert_eq!(frames[1], b"kv-events");
-            let seq = u64::from_be_bytes(frames[2].clone().try_into().unwrap());
-            messages.push((seq, frames[3].clone()));
-        }
-    }
-
-    #[tokio::test]
-    async fn the_replay_socket_resends_the_last_buffer_steps_messages_from_the_start_asked() {
-        let localhost: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let publisher = start_publisher(localhost, Some(localhost), options(3))
-            .await
-            .unwrap();
-        let replay = publisher.replay.unwrap();
-        assert!(replay_from(replay, 0).await.is_empty());
-        let mut sub = SubSocket::connect(publisher.addr, b"").await.unwrap();
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        for i in 0..5u64 {
-            let removed = CacheEvent::Removed { hashes: vec![i] };
-            publisher.events.send(batch(vec![removed], i == 3)).unwrap();
-        }
-        let mut heard = Vec::new();
-        while heard.last() != Some(&4) {
-            let frames = tokio::time::timeout(Duration::from_secs(2), sub.recv()).await;
-            let frames = frames.unwrap().unwrap();
-            heard.push(u64::from_be_bytes(frames[1].clone().try_into().unwrap()));
-        }
-        assert_eq!(heard, [0, 1, 2, 4], "message 3 is dropped from the stream");
-
-        let replayed = replay_from(replay, 0).await;
-        let seqs: Vec<u64> = replayed.iter().map(|(seq, _)| *seq).collect();
-        assert_eq!(seqs, [2, 3, 4], "the last three, the dropped one too");
-        let payload = rmpv::decode::read_value(&mut &replayed[1].1[..]).unwrap();
-        let removed = &payload.as_array().unwrap()[1].as_array().unwrap()[0];
-        assert_eq!(
-            field(removed, "block_hashes").as_array().unwrap()[0].as_u64(),
-            Some(3)
-        );
-        let seqs: Vec<u64> = replay_from(replay, 4).await.iter().map(|m| m.0).collect();
-        assert_eq!(seqs, [4]);
-        assert!(replay_from(replay, 5).await.is_empty());
     }
 }

@@ -25,4 +25,3 @@ pub mod spec;
 pub mod sse;
 pub mod time_model;
 pub mod tokenizer;
-pub mod zmtp;

@@ -7,3 +7,4 @@ mod control;
 mod engine_drivers;
 mod kv_events;
 mod sglang;
+mod sockets;

@@ -5,35 +5,22 @@
 
 use crate::common;
 
-use common::{fast_fleet, post, replay_all, tokens_of};
+use common::{fast_fleet, field, next_message, post, replay_from, subscribed, tokens_of};
 use kvroute_sim::fleet::ReplicaHandle;
-use kvroute_sim::zmtp::SubSocket;
 use rmpv::Value;
 use serde_json::json;
 use std::path::PathBuf;
-use std::time::Duration;
+use zeromq::SubSocket;
 
-fn field<'a>(event: &'a Value, key: &str) -> &'a Value {
-    event
-        .as_map()
-        .and_then(|m| m.iter().find(|(k, _)| k.as_str() == Some(key)))
-        .map(|(_, v)| v)
-        .unwrap_or_else(|| panic!("no {key} in {event}"))
-}
-
-/// A subscriber to `replica`'s KV events, given a moment to join before anything is published.
-async fn subscribed(replica: &ReplicaHandle) -> SubSocket {
-    let sub = SubSocket::connect(replica.kv_events_addr, b"kv-events")
-        .await
-        .unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    sub
+/// A subscriber to `replica`'s KV events, joined before anything is published.
+async fn subscriber(replica: &ReplicaHandle) -> SubSocket {
+    subscribed(replica.kv_events_addr, "kv-events").await
 }
 
 #[tokio::test]
 async fn request_publishes_block_stored_with_the_prompt_tokens() {
     let fleet = fast_fleet(1).await;
-    let mut sub = subscribed(&fleet.replicas[0]).await;
+    let mut sub = subscriber(&fleet.replicas[0]).await;
 
     let base = fleet.replicas[0].url();
     let prompt = "alpha beta gamma delta ".repeat(10);
@@ -44,10 +31,7 @@ async fn request_publishes_block_stored_with_the_prompt_tokens() {
     )
     .await;
 
-    let frames = tokio::time::timeout(Duration::from_secs(2), sub.recv())
-        .await
-        .unwrap()
-        .unwrap();
+    let frames = next_message(&mut sub).await;
     assert_eq!(frames[0], b"kv-events");
     assert_eq!(frames[1], 0u64.to_be_bytes());
     let batch = rmpv::decode::read_value(&mut &frames[2][..]).unwrap();
@@ -72,7 +56,7 @@ async fn request_publishes_block_stored_with_the_prompt_tokens() {
 async fn a_message_dropped_from_the_stream_is_resent_by_the_replay_socket() {
     let fleet = fast_fleet(1).await;
     let replica = &fleet.replicas[0];
-    let mut sub = subscribed(replica).await;
+    let mut sub = subscriber(replica).await;
     let faults = format!("http://{}/fleet/replica/0", fleet.control_addr);
     let set = post(&faults, r#"{"drop_kv_events": 1}"#).await.json();
     assert_eq!(set["drop_kv_events"], 1);
@@ -82,16 +66,13 @@ async fn a_message_dropped_from_the_stream_is_resent_by_the_replay_socket() {
         let body = json!({"prompt": text.repeat(20), "max_tokens": 1});
         post(&url, &body.to_string()).await;
     }
-    let frames = tokio::time::timeout(Duration::from_secs(10), sub.recv())
-        .await
-        .expect("the second message")
-        .unwrap();
+    let frames = next_message(&mut sub).await;
     assert_eq!(frames[1], 1u64.to_be_bytes(), "message 0 was dropped");
     let second = first_event(&frames[2]);
 
     let replay = replica.kv_events_replay_addr.expect("a replay socket");
     let mut replayed = Vec::new();
-    for frames in replay_all(replay).await {
+    for frames in replay_from(replay, 0).await {
         assert_eq!((&frames[0], &frames[1]), (&vec![], &b"kv-events".to_vec()));
         replayed.push((frames[2].clone(), first_event(&frames[3])));
     }
@@ -104,11 +85,7 @@ async fn a_message_dropped_from_the_stream_is_resent_by_the_replay_socket() {
 
 /// The payload of the next message on `sub`.
 async fn next_payload(sub: &mut SubSocket) -> Vec<u8> {
-    let frames = tokio::time::timeout(Duration::from_secs(10), sub.recv())
-        .await
-        .expect("a KV event message")
-        .expect("a well-formed message");
-    frames[2].to_vec()
+    next_message(sub).await.swap_remove(2)
 }
 
 fn first_event(payload: &[u8]) -> Value {
@@ -180,7 +157,7 @@ async fn vllm_agrees(
 #[tokio::test]
 async fn a_salted_prompt_publishes_its_salt_as_the_first_blocks_extra_key() {
     let fleet = fast_fleet(1).await;
-    let mut sub = subscribed(&fleet.replicas[0]).await;
+    let mut sub = subscriber(&fleet.replicas[0]).await;
 
     let base = fleet.replicas[0].url();
     let prompt = "alpha beta gamma delta ".repeat(10);
@@ -248,7 +225,7 @@ async fn the_replay_socket_answers_a_libzmq_dealer_as_vllms_does() {
     };
     let fleet = fast_fleet(1).await;
     let replica = &fleet.replicas[0];
-    let mut sub = subscribed(replica).await;
+    let mut sub = subscriber(replica).await;
     let body = json!({"prompt": "replayed prompt ".repeat(20), "max_tokens": 1});
     post(
         &format!("{}/v1/completions", replica.url()),

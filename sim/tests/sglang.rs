@@ -5,7 +5,7 @@
 
 use crate::common;
 
-use common::{get, post, replay_all, tokens_of};
+use common::{get, post, replay_from, tokens_of};
 use kvroute_sim::fleet::Fleet;
 use kvroute_sim::spec::{EngineKind, EngineKinds, FleetSpec};
 use rmpv::Value;
@@ -37,7 +37,7 @@ fn field<'a>(event: &'a Value, key: &str) -> Option<&'a Value> {
 /// Every event the replay socket at `addr` still has, in order.
 async fn replayed_events(addr: SocketAddr) -> Vec<Value> {
     let mut events = Vec::new();
-    for frames in replay_all(addr).await {
+    for frames in replay_from(addr, 0).await {
         let batch = rmpv::decode::read_value(&mut &frames[3][..]).unwrap();
         events.extend(batch.as_array().unwrap()[1].as_array().unwrap().clone());
     }

@@ -7,9 +7,13 @@ use http_body_util::{BodyExt, Full};
 use hyper::{HeaderMap, Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use kvroute_sim::fleet::Fleet;
+use kvroute_sim::kv_events::END_SEQ;
 use kvroute_sim::spec::FleetSpec;
 use serde_json::Value;
+use std::net::SocketAddr;
+use std::time::Duration;
 use tokio::net::TcpStream;
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 /// A fleet running 1000x faster than real time, so tests take milliseconds.
 pub async fn fast_fleet(replicas: usize) -> Fleet {
@@ -84,6 +88,15 @@ pub async fn post(url: &str, body: &str) -> Reply {
         .expect("POST succeeds")
 }
 
+/// Field `key` of a msgpack map (a KV event), which must have it.
+pub fn field<'a>(event: &'a rmpv::Value, key: &str) -> &'a rmpv::Value {
+    event
+        .as_map()
+        .and_then(|m| m.iter().find(|(k, _)| k.as_str() == Some(key)))
+        .map(|(_, v)| v)
+        .unwrap_or_else(|| panic!("no {key} in {event}"))
+}
+
 /// The token ids a replica at `base` gives `prompt` (its `/tokenize`).
 pub async fn tokens_of(base: &str, prompt: &str) -> Vec<u64> {
     let body = serde_json::json!({ "prompt": prompt }).to_string();
@@ -96,18 +109,43 @@ pub async fn tokens_of(base: &str, prompt: &str) -> Vec<u64> {
         .collect()
 }
 
-/// Every message the replay socket at `addr` answers a request from message 0 with, as the
-/// DEALER receives them (`["", topic, seq, payload]`), checked to end with the end marker.
-pub async fn replay_all(addr: std::net::SocketAddr) -> Vec<Vec<Vec<u8>>> {
-    use kvroute_sim::kv_events::END_SEQ;
-    let mut dealer = kvroute_sim::zmtp::DealerSocket::connect(addr)
+/// A ZeroMQ SUB socket on the KV events at `addr`, subscribed to `topic`, given a moment to
+/// join: a PUB tells no one when a subscription has reached it, and sends a message only to the
+/// subscriptions it has by then.
+pub async fn subscribed(addr: SocketAddr, topic: &str) -> SubSocket {
+    let mut sub = SubSocket::new();
+    sub.subscribe(topic).await.expect("subscribed");
+    sub.connect(&format!("tcp://{addr}"))
         .await
-        .unwrap();
-    dealer.send(&[b"", &0u64.to_be_bytes()]).await.unwrap();
+        .expect("connected");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    sub
+}
+
+/// The next message on `socket`, each frame as bytes.
+pub async fn next_message(socket: &mut impl SocketRecv) -> Vec<Vec<u8>> {
+    let next = tokio::time::timeout(Duration::from_secs(10), socket.recv()).await;
+    let message = next
+        .expect("a message in time")
+        .expect("a well-formed message");
+    message.into_vec().into_iter().map(|f| f.to_vec()).collect()
+}
+
+/// Every message the replay socket at `addr` answers a request from message `start` with, as a
+/// DEALER receives them (`["", topic, seq, payload]`), checked to end with the end marker.
+pub async fn replay_from(addr: SocketAddr, start: u64) -> Vec<Vec<Vec<u8>>> {
+    let mut dealer = DealerSocket::new();
+    dealer
+        .connect(&format!("tcp://{addr}"))
+        .await
+        .expect("connected");
+    let request = vec![Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())];
+    let request = ZmqMessage::try_from(request).expect("frames");
+    dealer.send(request).await.expect("sent");
     let mut messages = Vec::new();
     loop {
-        let next = tokio::time::timeout(std::time::Duration::from_secs(10), dealer.recv()).await;
-        let frames = next.expect("a replay message").unwrap();
+        let frames = next_message(&mut dealer).await;
+        assert_eq!(frames.len(), 4, "{frames:?}");
         if frames[2] == END_SEQ {
             assert_eq!(frames, [b"".to_vec(), vec![], END_SEQ.to_vec(), vec![]]);
             return messages;
