@@ -144,10 +144,12 @@ impl Picker {
         })
         .await
         .map_err(|_| format!("kvroute-epp did not serve within {START_TIMEOUT:?}"))??;
-        // Keep draining (and showing all but its INFO lines) so it never blocks on a full pipe.
+        // Keep draining (and showing all but its INFO lines: `[INFO  target] ...`, or with a
+        // timestamp first) so it never blocks on a full pipe.
         tokio::spawn(async move {
             while let Ok(Some(line)) = lines.next_line().await {
-                if !line.contains(" INFO ") {
+                let mut words = line.split_whitespace().take(2);
+                if !words.any(|w| w.trim_start_matches('[') == "INFO") {
                     eprintln!("   kvroute-epp: {line}");
                 }
             }
