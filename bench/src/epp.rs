@@ -10,16 +10,14 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use kvroute_harness::epp::Shape;
 use kvroute_harness::{bootstrap, paths, Envoy, EnvoyOptions};
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use crate::sim_process::TempFile;
+use crate::sim_process::{spawn_logging, TempFile};
 
 /// How long the picker may take to serve, then to have polled its Envoy's admin once.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
@@ -110,24 +108,14 @@ impl Picker {
             ));
         }
         let file = TempFile::write("epp-config.json", config)?;
-        let mut child = Command::new(&bin)
-            .args(["--listen", &listen.to_string(), "--metrics", "127.0.0.1:0"])
+        let mut cmd = Command::new(&bin);
+        cmd.args(["--listen", &listen.to_string(), "--metrics", "127.0.0.1:0"])
             .args(["--envoy-admin", &admin.to_string()])
             .args(["--workers", &workers.to_string(), "--config"])
             .arg(&file.0)
             // The line that names the metrics address is an INFO one.
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
-        let stderr = child
-            .stderr
-            .take()
-            .ok_or("kvroute-epp stderr not captured")?;
-        let mut lines = BufReader::new(stderr).lines();
+            .env("RUST_LOG", "info");
+        let (child, mut lines) = spawn_logging(&mut cmd, &bin)?;
         let metrics = tokio::time::timeout(START_TIMEOUT, async {
             let mut said = Vec::new();
             while let Ok(Some(line)) = lines.next_line().await {

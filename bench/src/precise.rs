@@ -2,14 +2,12 @@
 //! every replica, the tokenizer file the fleet tokenizes with and the indexers decode with, the
 //! chat template that renders prompts as the simulator does, and how fresh the index stayed.
 
-use crate::sim_process::{SimFleet, TempFile};
+use crate::sim_process::{spawn_logging, SimFleet, TempFile};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 /// The simulator's chat rendering (`kvroute_sim::chat_template`, Qwen's ChatML) as a Jinja chat
@@ -131,15 +129,7 @@ impl Indexer {
             cmd.arg("--engine")
                 .arg(format!("{endpoint}={events}{replay}{kind}"));
         }
-        let mut child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
-        let stderr = child.stderr.take().ok_or("indexer stderr not captured")?;
-        let mut lines = BufReader::new(stderr).lines();
+        let (child, mut lines) = spawn_logging(&mut cmd, &bin)?;
         let addr = tokio::time::timeout(START_TIMEOUT, async {
             while let Ok(Some(line)) = lines.next_line().await {
                 if let Some(url) = line.split("listening on http://").nth(1) {

@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStderr, Command};
 
 /// How long the sim may take to print its ready line.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -257,4 +257,21 @@ impl Drop for TempFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
     }
+}
+
+/// Starts `cmd` (the binary `bin`) with no stdin or stdout, killed when dropped, and its stderr's
+/// lines, where a helper process (the indexer, kvroute-epp) says when it is ready.
+pub fn spawn_logging(
+    cmd: &mut Command,
+    bin: &std::path::Path,
+) -> Result<(Child, Lines<BufReader<ChildStderr>>), String> {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
+    let stderr = child.stderr.take().ok_or("stderr not captured")?;
+    Ok((child, BufReader::new(stderr).lines()))
 }

@@ -72,23 +72,10 @@ pub const UPSTREAM_HEADER: &str = "x-bench-upstream";
 
 /// Reads `shipped` (YAML text) and returns the patched bootstrap as YAML text.
 pub fn render(shipped: &str, patch: &Patch) -> Result<String, HarnessError> {
-    let mut root: Value = serde_yaml::from_str(shipped).map_err(|e| cfg(format!("parse: {e}")))?;
-    set_port(
-        get_mut(&mut root, &["admin", "address", "socket_address"])?,
-        patch.admin_port,
-    )?;
+    let mut root = with_ports(shipped, patch.admin_port, patch.listener_port)?;
+    patch_filters(first_listener(&mut root)?, patch)?;
 
-    let resources = get_mut(&mut root, &["static_resources"])?;
-    let listener = seq_mut(get_mut(resources, &["listeners"])?)?
-        .first_mut()
-        .ok_or_else(|| cfg("no listener".into()))?;
-    set_port(
-        get_mut(listener, &["address", "socket_address"])?,
-        patch.listener_port,
-    )?;
-    patch_filters(listener, patch)?;
-
-    let clusters = seq_mut(get_mut(resources, &["clusters"])?)?;
+    let clusters = seq_mut(get_mut(&mut root, &["static_resources", "clusters"])?)?;
     for cluster in clusters.iter_mut() {
         match cluster.get("name").and_then(Value::as_str) {
             Some(POOL_CLUSTER) => patch_pool(cluster, patch)?,
@@ -126,6 +113,33 @@ pub fn shipped_plugin_config(shipped: &str) -> Result<String, HarnessError> {
         .as_str()
         .map(str::to_owned)
         .ok_or_else(|| cfg("configuration.value is not a string".into()))
+}
+
+/// `shipped` parsed, with Envoy's admin port and its (first) listener's port set: where every
+/// render starts.
+pub(crate) fn with_ports(
+    shipped: &str,
+    admin_port: u16,
+    listener_port: u16,
+) -> Result<Value, HarnessError> {
+    let mut root: Value = serde_yaml::from_str(shipped).map_err(|e| cfg(format!("parse: {e}")))?;
+    set_port(
+        get_mut(&mut root, &["admin", "address", "socket_address"])?,
+        admin_port,
+    )?;
+    let listener = first_listener(&mut root)?;
+    set_port(
+        get_mut(listener, &["address", "socket_address"])?,
+        listener_port,
+    )?;
+    Ok(root)
+}
+
+/// The first listener of the bootstrap's static resources.
+pub(crate) fn first_listener(root: &mut Value) -> Result<&mut Value, HarnessError> {
+    seq_mut(get_mut(root, &["static_resources", "listeners"])?)?
+        .first_mut()
+        .ok_or_else(|| cfg("no listener".into()))
 }
 
 /// The HTTP connection manager's config in `listener`'s first filter chain.

@@ -9,7 +9,8 @@ use std::time::Duration;
 use serde_yaml::Value;
 
 use crate::bootstrap::{
-    cfg, get_mut, hcm_of, seq_mut, set_endpoints, set_health_check_interval, set_port, POOL_CLUSTER,
+    cfg, first_listener, get_mut, hcm_of, seq_mut, set_endpoints, set_health_check_interval,
+    with_ports, POOL_CLUSTER,
 };
 use crate::{paths, Envoy, EnvoyOptions, HarnessError};
 
@@ -43,19 +44,8 @@ pub struct Patch<'a> {
 
 /// Reads `shipped` (YAML text) and returns the patched bootstrap as YAML text.
 pub fn render(shipped: &str, patch: &Patch) -> Result<String, HarnessError> {
-    let mut root: Value = serde_yaml::from_str(shipped).map_err(|e| cfg(format!("parse: {e}")))?;
-    set_port(
-        get_mut(&mut root, &["admin", "address", "socket_address"])?,
-        patch.admin_port,
-    )?;
-    let resources = get_mut(&mut root, &["static_resources"])?;
-    let listener = seq_mut(get_mut(resources, &["listeners"])?)?
-        .first_mut()
-        .ok_or_else(|| cfg("no listener".into()))?;
-    set_port(
-        get_mut(listener, &["address", "socket_address"])?,
-        patch.listener_port,
-    )?;
+    let mut root = with_ports(shipped, patch.admin_port, patch.listener_port)?;
+    let listener = first_listener(&mut root)?;
     let filters = seq_mut(get_mut(hcm_of(listener)?, &["http_filters"])?)?;
     let ext_proc = filters
         .iter_mut()
@@ -77,7 +67,7 @@ pub fn render(shipped: &str, patch: &Patch) -> Result<String, HarnessError> {
         let set_metadata = serde_yaml::to_value(set_metadata).map_err(|e| cfg(e.to_string()))?;
         filters.insert(1, set_metadata);
     }
-    let clusters = seq_mut(get_mut(resources, &["clusters"])?)?;
+    let clusters = seq_mut(get_mut(&mut root, &["static_resources", "clusters"])?)?;
     let mut found = (false, false);
     for cluster in clusters.iter_mut() {
         match cluster.get("name").and_then(Value::as_str) {
