@@ -148,12 +148,15 @@ deps: .work/wasm-target $(ENVOY) .work/skopeo istio-deps template-deps sglang-de
 
 test: deps wasm test-bins image test-native test-wasm
 
-# The release binaries the tests start as processes (tests/common/precise.rs, bench's tests).
+# The binaries the tests start as processes (tests/common/precise.rs, bench's tests), in the
+# `test-bins` profile (Cargo.toml): optimised as release, without the fat LTO a shipped binary gets.
 test-bins:
-	$(CARGO) build --release -p kvroute-sim -p kvroute-indexer --bins
+	$(CARGO) build --profile test-bins -p kvroute-sim -p kvroute-indexer --bins
 
 # The bench's tests run kvroute-epp as a process too: the test build's own (`cargo test` builds
 # the workspace's binaries), not a release build with fat LTO that nothing else here needs.
+test-native: export KVROUTE_SIM := $(abspath target/test-bins/kvroute-sim)
+test-native: export KVROUTE_INDEXER := $(abspath target/test-bins/kvroute-indexer)
 test-native: export KVROUTE_EPP := $(abspath target/debug/kvroute-epp)
 test-native:
 	$(CARGO) test --workspace
