@@ -3,7 +3,6 @@
 
 use crate::config::{Discovery, EngineSpec, Events};
 use crate::state::Shared;
-use crate::subscriber::Source;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper::Request;
@@ -62,23 +61,9 @@ fn subscribe(
         dp_size: discovery.dp_size,
         ..EngineSpec::default()
     };
-    let ranks = match spec.ranks() {
-        Ok(ranks) => ranks,
-        Err(e) => {
-            log::warn!("{cluster}: {endpoint}: {e}");
-            return;
-        }
-    };
-    for (url, replay) in ranks {
-        log::info!("{cluster}: new endpoint {endpoint}, events at {url}");
-        let source = Source {
-            endpoint,
-            model: &events.model,
-            url: &url,
-            replay: replay.as_deref(),
-            dialect: events.engine_kind,
-        };
-        crate::subscriber::spawn(shared, source, &events.topic);
+    log::info!("{cluster}: new endpoint {endpoint}");
+    if let Err(e) = crate::subscribe_engine(shared, events, &spec) {
+        log::warn!("{cluster}: {endpoint}: {e}");
     }
 }
 

@@ -18,7 +18,7 @@ pub mod subscriber;
 pub mod token_bytes;
 pub mod wire;
 
-use config::{Config, Events};
+use config::{Config, EngineSpec, Events};
 use index::Index;
 use state::Shared;
 use std::net::SocketAddr;
@@ -68,17 +68,29 @@ pub fn index(events: &Events, chunk_size: usize) -> Result<Arc<Shared>, String> 
 /// Subscribes `shared` to every rank of every engine `events` lists (on the current tokio
 /// runtime, for as long as it runs).
 pub fn subscribe(shared: &Arc<Shared>, events: &Events) -> Result<(), String> {
-    for engine in &events.engines {
-        for (url, replay) in engine.ranks()? {
-            let source = subscriber::Source {
-                endpoint: &engine.endpoint,
-                model: engine.model.as_deref().unwrap_or(&events.model),
-                url: &url,
-                replay: replay.as_deref(),
-                dialect: engine.kind.unwrap_or(events.engine_kind),
-            };
-            subscriber::spawn(shared, source, &events.topic);
-        }
+    events
+        .engines
+        .iter()
+        .try_for_each(|engine| subscribe_engine(shared, events, engine))
+}
+
+/// Subscribes `shared` to every rank of `engine`, keyed for its model (else `events`'s) in its
+/// dialect (else `events`'s).
+pub fn subscribe_engine(
+    shared: &Arc<Shared>,
+    events: &Events,
+    engine: &EngineSpec,
+) -> Result<(), String> {
+    for (url, replay) in engine.ranks()? {
+        log::info!("{}: events at {url}", engine.endpoint);
+        let source = subscriber::Source {
+            endpoint: &engine.endpoint,
+            model: engine.model.as_deref().unwrap_or(&events.model),
+            url: &url,
+            replay: replay.as_deref(),
+            dialect: engine.kind.unwrap_or(events.engine_kind),
+        };
+        subscriber::spawn(shared, source, &events.topic);
     }
     Ok(())
 }
