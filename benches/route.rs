@@ -1,18 +1,55 @@
 //! CPU cost of the routing core per request, natively (the filter runs the same code in V8, plus
-//! host calls): parse, prefix keys and a full cache-aware route, for 1 KB and 24 KB prompts, on
-//! the common path (a known group) and the costly ones: a new group, a conversation seen for the
-//! first time (every key of its history written), and one whose record has gone stale. Each route
-//! also reports its shared-data calls (each a host call under a host-wide lock in Envoy).
+//! host calls): parse, prefix keys and a full cache-aware route as a gateway worker makes it (its
+//! requests in flight counted locally), for 1 KB and 24 KB prompts, on the common path (a known
+//! group) and the costly ones: a new group, a conversation seen for the first time (every key of
+//! its history written), and one whose record has gone stale. Each route also reports its
+//! shared-data calls (each a host call under a host-wide lock in Envoy).
 //! `cargo bench -p kvroute --bench route`; Envoy-level overhead is `make bench-overhead`.
 
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
 use kvroute::config::Config;
+use kvroute::counters::Local;
 use kvroute::endpoints::Host;
 use kvroute::policy::cache_aware::REFRESH_MS;
+use kvroute::prefill::PrefillModel;
 use kvroute::prefix::{PrefixKeys, Shape};
 use kvroute::request::{self, Api};
-use kvroute::router::{self, RequestInfo, Router};
+use kvroute::router::{RequestInfo, Router};
 use kvroute::store::MemoryStore;
+
+/// A gateway worker's routing: the router, with its requests in flight and prefill model.
+struct Worker {
+    router: Router,
+    inflight: Local,
+    prefill: PrefillModel,
+}
+
+impl Worker {
+    fn new() -> Worker {
+        let config = Config::default();
+        Worker {
+            prefill: PrefillModel::new(config.prefill_bytes_per_ms),
+            router: Router::new(config),
+            inflight: Local::default(),
+        }
+    }
+
+    /// Routes `body` at `now` and ends the request, as the gateway does.
+    fn route(&mut self, store: &MemoryStore, hosts: &[Host], body: &str, now: u64) {
+        let req = RequestInfo {
+            api: Api::Chat,
+            body: body.as_bytes(),
+            session: None,
+            request_id: None,
+        };
+        let view = self.inflight.view();
+        let routing = (self.router).route_with(store, &view, &self.prefill, hosts, &req, now);
+        if let Ok(r) = routing.result {
+            self.inflight.add(r.endpoint_id, 1);
+            self.inflight.add(r.endpoint_id, -1);
+        }
+    }
+}
 
 fn body(prompt_bytes: usize, question: usize) -> String {
     let system = "You are a careful assistant. ".repeat(prompt_bytes / 29);
@@ -30,17 +67,15 @@ fn follow_up(history_bytes: usize, conversation: u64) -> String {
 }
 
 /// Routes `body` and ends the request; the shared-data calls it made.
-fn route_once(router: &Router, store: &MemoryStore, hosts: &[Host], body: &str, now: u64) -> u64 {
+fn route_once(
+    worker: &mut Worker,
+    store: &MemoryStore,
+    hosts: &[Host],
+    body: &str,
+    now: u64,
+) -> u64 {
     let before = store.calls();
-    let req = RequestInfo {
-        api: Api::Chat,
-        body: body.as_bytes(),
-        session: None,
-        request_id: None,
-    };
-    if let Ok(r) = router.route(store, hosts, &req, now) {
-        router::finish(store, r.endpoint_id);
-    }
+    worker.route(store, hosts, body, now);
     store.calls() - before
 }
 
@@ -66,7 +101,7 @@ fn bench(c: &mut Criterion) {
                 bench.iter(|| PrefixKeys::new(&p.model, &p.text, p.head, p.history, shape))
             },
         );
-        let router = Router::new(Config::default());
+        let mut worker = Worker::new();
         let store = MemoryStore::new();
         let mut n = 0u64;
         c.bench_with_input(
@@ -76,16 +111,7 @@ fn bench(c: &mut Criterion) {
                 bench.iter(|| {
                     n += 1;
                     let b = body(size, (n % 16) as usize);
-                    let req = RequestInfo {
-                        api: Api::Chat,
-                        body: b.as_bytes(),
-                        session: None,
-                        request_id: None,
-                    };
-                    let r = router.route(&store, &hosts, &req, n);
-                    if let Ok(r) = r {
-                        router::finish(&store, r.endpoint_id);
-                    }
+                    worker.route(&store, &hosts, &b, n);
                 })
             },
         );
@@ -100,7 +126,7 @@ fn bench(c: &mut Criterion) {
                         r#"{{"model":"m","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"q"}}]}}"#
                     )
                 },
-                |b| route_once(&router, &store, &hosts, &b, 1),
+                |b| route_once(&mut worker, &store, &hosts, &b, 1),
                 BatchSize::SmallInput,
             )
         });
@@ -115,7 +141,7 @@ fn bench(c: &mut Criterion) {
                         conversation += 1;
                         follow_up(size, conversation)
                     },
-                    |b| route_once(&router, &store, &hosts, &b, 1),
+                    |b| route_once(&mut worker, &store, &hosts, &b, 1),
                     BatchSize::SmallInput,
                 )
             },
@@ -129,11 +155,11 @@ fn bench(c: &mut Criterion) {
             |bench, b| {
                 bench.iter(|| {
                     now += 2 * REFRESH_MS;
-                    route_once(&router, &store, &hosts, b, now)
+                    route_once(&mut worker, &store, &hosts, b, now)
                 })
             },
         );
-        let calls = |body: &str, now| route_once(&router, &store, &hosts, body, now);
+        let mut calls = |body: &str, now| route_once(&mut worker, &store, &hosts, body, now);
         let (first, stale) = (follow_up(size, 1 << 40), 10 * REFRESH_MS);
         println!(
             "shared-data calls per request at {size} B: known group {}, new group {}, new history {}, stale history {}",

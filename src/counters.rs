@@ -61,64 +61,16 @@ impl Table {
 
 /// Every endpoint's current counts.
 pub fn read<S: SharedStore + ?Sized>(store: &S) -> Table {
-    read_for_update(store).0
-}
-
-/// The table as read, kept for a following [`add_after`].
-pub struct Read(Option<Vec<u8>>, Option<u32>);
-
-/// Every endpoint's current counts, and the read itself: an [`add_after`] that follows needs no
-/// second read unless another request wrote the table in between.
-pub fn read_for_update<S: SharedStore + ?Sized>(store: &S) -> (Table, Read) {
-    let (value, cas) = store.get(shared_keys::LOAD);
+    let (value, _) = store.get(shared_keys::LOAD);
     let counts = value.as_deref().map(decode).unwrap_or_default();
-    (Table { counts }, Read(value, cas))
-}
-
-/// [`add`], starting from `read`.
-pub fn add_after<S: SharedStore + ?Sized>(
-    store: &S,
-    read: Read,
-    id: u32,
-    delta: i64,
-) -> Option<u32> {
-    add_from(store, Some((read.0, read.1)), id, delta)
-}
-
-/// Adds `delta` to endpoint `id`'s in-flight count (never going below zero) and returns the new
-/// count, or `None` if the update lost too many races.
-pub fn add<S: SharedStore + ?Sized>(store: &S, id: u32, delta: i64) -> Option<u32> {
-    add_from(store, None, id, delta)
-}
-
-fn add_from<S: SharedStore + ?Sized>(
-    store: &S,
-    read: Option<(Option<Vec<u8>>, Option<u32>)>,
-    id: u32,
-    delta: i64,
-) -> Option<u32> {
-    let delta = Delta {
-        id,
-        inflight: delta,
-        prefill: 0,
-    };
-    add_all_from(store, read, &[delta]).map(|t| t.inflight(id))
+    Table { counts }
 }
 
 /// Adds each endpoint's deltas with one compare-and-swap (counts never going below zero). Returns
 /// the table as written, or `None` if the update lost too many races.
 pub fn add_all<S: SharedStore + ?Sized>(store: &S, deltas: &[Delta]) -> Option<Table> {
-    add_all_from(store, None, deltas)
-}
-
-/// [`add_all`], its first attempt starting from `read` when given.
-fn add_all_from<S: SharedStore + ?Sized>(
-    store: &S,
-    read: Option<(Option<Vec<u8>>, Option<u32>)>,
-    deltas: &[Delta],
-) -> Option<Table> {
     let mut result = None;
-    let outcome = store::update_from(store, shared_keys::LOAD, read, |current| {
+    let outcome = store::update(store, shared_keys::LOAD, |current| {
         let mut counts = current.map(decode).unwrap_or_default();
         for d in deltas {
             apply(&mut counts, d);
@@ -305,6 +257,16 @@ mod tests {
     use super::*;
     use crate::store::MemoryStore;
 
+    /// Adds `delta` to endpoint `id`'s count in the shared value at once, as a flush does.
+    fn add(store: &MemoryStore, id: u32, delta: i64) -> Option<u32> {
+        let d = Delta {
+            id,
+            inflight: delta,
+            prefill: 0,
+        };
+        add_all(store, &[d]).map(|t| t.inflight(id))
+    }
+
     #[test]
     fn in_flight_counts_go_up_and_back_to_zero() {
         let store = MemoryStore::new();
@@ -427,21 +389,6 @@ mod tests {
         a.flush(&store);
         assert_eq!(read(&store).inflight(1), 1);
         assert_eq!(a.inflight(1), 1);
-    }
-
-    #[test]
-    fn an_add_after_a_read_costs_one_call_unless_the_table_moved() {
-        let store = MemoryStore::new();
-        add(&store, 1, 1);
-        let (table, fresh) = read_for_update(&store);
-        assert_eq!(table.inflight(1), 1);
-        let before = store.calls();
-        assert_eq!(add_after(&store, fresh, 1, 1), Some(2));
-        assert_eq!(store.calls() - before, 1, "the set only");
-        let (_, stale) = read_for_update(&store);
-        add(&store, 2, 1); // another request wrote in between
-        assert_eq!(add_after(&store, stale, 1, 1), Some(3));
-        assert_eq!(read(&store).inflight(2), 1, "the other write is kept");
     }
 
     #[test]

@@ -8,10 +8,9 @@ use strum::{EnumCount, IntoStaticStr, VariantArray};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::config::Config;
-use crate::counters::{self, Table};
+use crate::counters::Table;
 use crate::endpoints::Host;
-use crate::eviction::Predicted;
-use crate::policy::{self, Answer, Candidate, Decision, Input, Needs, Policy, Settled};
+use crate::policy::{self, Answer, Candidate, Decision, Input, Needs, Policy, Settled, Ticket};
 use crate::prefill::{Expected, PrefillModel};
 use crate::prefix::PrefixKeys;
 use crate::request::{Api, ParseError, Prompt};
@@ -113,24 +112,20 @@ pub struct RequestInfo<'a> {
 }
 
 /// A routing decision.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug)]
 pub struct Routed {
     /// The chosen `ip:port` first, then fallbacks for retries.
     pub endpoints: Vec<String>,
-    /// Id of the chosen endpoint: pass it to [`finish`] (or the worker's [`counters::Local`]) when
-    /// the stream ends.
+    /// Id of the chosen endpoint: the caller counts the request in flight there
+    /// ([`counters::Local`](crate::counters::Local)) until the stream ends.
     pub endpoint_id: u32,
     pub decision: Decision,
     /// Share of the request's chunks found in the affinity map (cache_aware only).
     pub match_fraction: Option<f64>,
     /// Affinity slots this request wrote for the first time.
     pub slots_created: usize,
-    /// kvroute's in-flight count of the chosen endpoint, this request included.
-    pub inflight: u32,
-    /// The request's prefix keys, and what the affinity map said the chosen endpoint held before
-    /// it: what to settle once the response says who served it, and what its engine cached.
-    pub keys: Vec<u64>,
-    pub predicted: Predicted,
+    /// What the policy keeps of the request: hand it to [`Router::answered`] with its answer.
+    pub ticket: Ticket,
     /// Whether the response will carry `usage` ([`Prompt::usage`](crate::request::Prompt)).
     pub usage: bool,
     /// Whether its first response byte comes with the first token
@@ -160,28 +155,11 @@ impl Router {
         Router { config, policy }
     }
 
-    /// Routes one request whose body is complete and counts it in flight in the shared table at
-    /// once (a lone worker: tests, benches). `hosts` are the hosts of the request's cluster.
-    pub fn route(
-        &self,
-        store: &dyn SharedStore,
-        hosts: &[Host],
-        req: &RequestInfo,
-        now_ms: u64,
-    ) -> Result<Routed, Fallback> {
-        let (table, read) = counters::read_for_update(store);
-        let model = PrefillModel::new(self.config.prefill_bytes_per_ms);
-        let routing = self.route_with(store, &table, &model, hosts, req, now_ms);
-        let mut routed = routing.result?;
-        routed.inflight = counters::add_after(store, read, routed.endpoint_id, 1).unwrap_or(0);
-        Ok(routed)
-    }
-
     /// Routes one request whose body is complete, given the requests in flight (`inflight`, a
     /// worker's [`counters::Local`] view), which the caller then counts the request in, and what
     /// the worker has learnt of the endpoints' prefill.
     pub fn route_with(
-        &self,
+        &mut self,
         store: &dyn SharedStore,
         inflight: &Table,
         prefill: &PrefillModel,
@@ -207,7 +185,7 @@ impl Router {
             if all_engines_stale(hosts) {
                 return Err(Fallback::StaleEngineLoads);
             }
-            self.route_among(store, inflight, &candidates, req, &prompt, now_ms)
+            self.route_among(store, &candidates, req, &prompt, now_ms)
         });
         Routing {
             result,
@@ -218,9 +196,8 @@ impl Router {
     /// The rest of [`route_with`](Self::route_with), once the request's prompt is rendered and
     /// its `candidates` known: the policy picks, and what the request expects there is noted.
     fn route_among(
-        &self,
+        &mut self,
         store: &dyn SharedStore,
-        inflight: &Table,
         candidates: &[Candidate],
         req: &RequestInfo,
         prompt: &Prompt,
@@ -243,30 +220,13 @@ impl Router {
             .pick(candidates, &input)
             .ok_or(Fallback::NoSession)?;
         let chosen = &candidates[pick.index];
-        let inflight = inflight.inflight(chosen.id).saturating_add(1);
         let slots_created = self.policy.routed(candidates, &input, &pick);
-        let match_fraction = pick
-            .matched
-            .as_ref()
-            .map(|m| m.depth as f64 / keys.keys.len().max(1) as f64);
-        let (held, stamp_ms) = pick
-            .matched
-            .as_ref()
-            .filter(|m| m.record.holders.contains(&chosen.id))
-            .map_or((0, 0), |m| (m.depth, m.record.stamp_ms));
         let uncached = prompt.text.len().saturating_sub(pick.held_bytes) as u64;
         let prefill = Expected {
             prompt: prompt.text.len() as u64,
             uncached,
             ahead: chosen.queued_prefill,
             ttft_ms: chosen.expected_ttft_ms(prompt.text.len(), pick.held_bytes),
-        };
-        let predicted = Predicted {
-            held,
-            stamp_ms,
-            prompt_bytes: prompt.text.len(),
-            chunk_size: config.chunk_size,
-            routed_ms: now_ms,
         };
         Ok(Routed {
             endpoints: endpoint_list(
@@ -277,11 +237,9 @@ impl Router {
             ),
             endpoint_id: chosen.id,
             decision: pick.decision,
-            match_fraction,
+            match_fraction: pick.match_fraction,
             slots_created,
-            inflight,
-            keys: keys.keys,
-            predicted,
+            ticket: pick.ticket,
             usage: prompt.usage,
             streams: prompt.streams,
             prefill,
@@ -295,22 +253,23 @@ impl Router {
         self.policy.needs()
     }
 
-    /// A routed request was answered: the policy settles what it learnt from routing it.
-    pub fn answered(&self, store: &dyn SharedStore, answer: &Answer) -> Settled {
-        self.policy.answered(store, answer)
+    /// A request routed with `ticket` was answered: the policy settles what it learnt from
+    /// routing it.
+    pub fn answered(&self, store: &dyn SharedStore, ticket: Ticket, answer: &Answer) -> Settled {
+        self.policy.answered(store, ticket, answer)
     }
 
     /// Periodic work (each worker's tick): the policy refreshes what it keeps from shared data and
     /// takes in the engines' finished-requests counters (address, count) from the last poll.
     /// Returns how many groups it now places by balance.
-    pub fn tick(&self, store: &dyn SharedStore, now_ms: u64, completed: &[(&str, f64)]) -> usize {
+    pub fn tick(
+        &mut self,
+        store: &dyn SharedStore,
+        now_ms: u64,
+        completed: &[(&str, f64)],
+    ) -> usize {
         self.policy.tick(store, now_ms, completed)
     }
-}
-
-/// Ends a routed request: its endpoint has one request fewer in flight. Returns the new count.
-pub fn finish(store: &dyn SharedStore, endpoint_id: u32) -> Option<u32> {
-    counters::add(store, endpoint_id, -1)
 }
 
 /// Healthy hosts with their load, sorted by address so that every worker and every gateway lists
@@ -389,6 +348,7 @@ fn endpoint_list(
 mod tests {
     use super::*;
     use crate::config::PolicyKind;
+    use crate::counters::Local;
     use crate::engine::{EngineLoad, Metrics, Own};
     use crate::policy::cache_aware::REFRESH_MS;
     use crate::store::MemoryStore;
@@ -439,11 +399,25 @@ mod tests {
         })
     }
 
+    /// Routes `body` as a worker with nothing in flight.
     fn send(
-        router: &Router,
+        router: &mut Router,
         store: &MemoryStore,
         hosts: &[Host],
         body: &str,
+    ) -> Result<Routed, Fallback> {
+        send_at(router, store, &mut Local::default(), hosts, body, 1)
+    }
+
+    /// Routes `body` at `now` as a worker whose requests in flight are `inflight`, and counts it
+    /// there, as the gateway does.
+    fn send_at(
+        router: &mut Router,
+        store: &MemoryStore,
+        inflight: &mut Local,
+        hosts: &[Host],
+        body: &str,
+        now: u64,
     ) -> Result<Routed, Fallback> {
         let req = RequestInfo {
             api: Api::Chat,
@@ -451,28 +425,27 @@ mod tests {
             session: None,
             request_id: None,
         };
-        router.route(store, hosts, &req, 1)
+        let prefill = PrefillModel::new(router.config.prefill_bytes_per_ms);
+        let routing = router.route_with(store, &inflight.view(), &prefill, hosts, &req, now);
+        let routed = routing.result?;
+        inflight.add(routed.endpoint_id, 1);
+        Ok(routed)
     }
 
     #[test]
     fn a_request_costs_a_handful_of_shared_data_calls_whatever_its_prefix() {
-        let (r, store, hosts) = (router(PolicyKind::CacheAware), MemoryStore::new(), hosts(4));
+        let (mut r, store, hosts) = (router(PolicyKind::CacheAware), MemoryStore::new(), hosts(4));
         let long = "A long system prompt, about 24 KB of it. ".repeat(600);
-        let at = |body: &str, now: u64| {
+        let mut inflight = Local::default();
+        let mut at = |body: &str, now: u64| {
             let before = store.calls();
-            let req = RequestInfo {
-                api: Api::Chat,
-                body: body.as_bytes(),
-                session: None,
-                request_id: None,
-            };
-            let routed = r.route(&store, &hosts, &req, now).unwrap();
+            let routed = send_at(&mut r, &store, &mut inflight, &hosts, body, now).unwrap();
             (store.calls() - before, routed)
         };
         let (new_group, _) = at(&chat(&long, "first question"), 1);
-        assert!(new_group <= 8, "a new prefix: {new_group} calls");
+        assert!(new_group <= 6, "a new prefix: {new_group} calls");
         let (known, _) = at(&chat(&long, "second question"), 2);
-        assert!(known <= 6, "a known group: {known} calls");
+        assert!(known <= 4, "a known group: {known} calls");
         // A conversation whose 24 KB of history was served a while ago (its record is stale).
         let history = "An earlier answer, long enough to span many chunks. ".repeat(480);
         let turn = |user: &str| {
@@ -482,13 +455,13 @@ mod tests {
         };
         let (first, routed) = at(&turn("q2"), 10);
         assert!(
-            first <= 120,
+            first <= 118,
             "first sight of a 24 KB history: {first} calls"
         );
         let (stale, again) = at(&turn("q2, asked again"), 10 + 10 * REFRESH_MS);
         assert_eq!(again.decision, Decision::Affinity);
         assert_eq!(again.endpoints[0], routed.endpoints[0]);
-        assert!(stale <= 16, "following a stale record: {stale} calls");
+        assert!(stale <= 14, "following a stale record: {stale} calls");
     }
 
     fn system(group: usize) -> String {
@@ -497,18 +470,17 @@ mod tests {
 
     #[test]
     fn requests_of_one_group_go_to_its_home() {
-        let (r, store, hosts) = (router(PolicyKind::CacheAware), MemoryStore::new(), hosts(4));
-        let first = send(&r, &store, &hosts, &chat(&system(0), "question 0")).unwrap();
+        let (mut r, store, hosts) = (router(PolicyKind::CacheAware), MemoryStore::new(), hosts(4));
+        let first = send(&mut r, &store, &hosts, &chat(&system(0), "question 0")).unwrap();
         assert_eq!(first.decision, Decision::Home);
         for i in 1..20 {
             let next = send(
-                &r,
+                &mut r,
                 &store,
                 &hosts,
                 &chat(&system(0), &format!("question {i}")),
             );
             let next = next.unwrap();
-            finish(&store, next.endpoint_id);
             assert_eq!(next.endpoints[0], first.endpoints[0]);
             assert_eq!(next.match_fraction, None, "a first turn looks nothing up");
         }
@@ -516,21 +488,21 @@ mod tests {
 
     #[test]
     fn gateways_with_different_histories_place_every_group_alike() {
-        let r = router(PolicyKind::CacheAware);
+        let mut r = router(PolicyKind::CacheAware);
         let (a, b) = (MemoryStore::new(), MemoryStore::new());
         let hosts = hosts(4);
         // Gateway a has seen other traffic and has requests in flight; b is fresh.
+        let mut in_flight_at_a = Local::default();
         for g in 100..120 {
-            send(&r, &a, &hosts, &chat(&system(g), "warm-up")).unwrap();
+            let body = chat(&system(g), "warm-up");
+            send_at(&mut r, &a, &mut in_flight_at_a, &hosts, &body, 1).unwrap();
         }
         let mut homes = std::collections::HashSet::new();
         for g in 0..40 {
             let body = chat(&system(g), "hello");
-            let on_a = send(&r, &a, &hosts, &body).unwrap();
-            let on_b = send(&r, &b, &hosts, &body).unwrap();
+            let on_a = send(&mut r, &a, &hosts, &body).unwrap();
+            let on_b = send(&mut r, &b, &hosts, &body).unwrap();
             assert_eq!(on_a.endpoints[0], on_b.endpoints[0], "group {g}");
-            finish(&a, on_a.endpoint_id);
-            finish(&b, on_b.endpoint_id);
             homes.insert(on_a.endpoints[0].clone());
         }
         assert_eq!(homes.len(), 4, "groups spread over every endpoint");
@@ -538,14 +510,13 @@ mod tests {
 
     #[test]
     fn documents_behind_a_short_common_preamble_are_different_groups() {
-        let (r, store, hosts) = (router(PolicyKind::CacheAware), MemoryStore::new(), hosts(4));
+        let (mut r, store, hosts) = (router(PolicyKind::CacheAware), MemoryStore::new(), hosts(4));
         let house = "House rules: be brief, cite sources, never guess. ".repeat(20);
         assert!((900..1100).contains(&house.len()));
         let homes: std::collections::HashSet<String> = (0..24)
             .map(|d| {
                 let doc = format!("{house}Document {d}: {}", format!("fact {d}. ").repeat(300));
-                let routed = send(&r, &store, &hosts, &chat(&doc, "summarise")).unwrap();
-                finish(&store, routed.endpoint_id);
+                let routed = send(&mut r, &store, &hosts, &chat(&doc, "summarise")).unwrap();
                 routed.endpoints[0].clone()
             })
             .collect();
@@ -553,90 +524,93 @@ mod tests {
     }
 
     #[test]
-    fn in_flight_counts_go_up_per_request_and_return_to_zero() {
-        let (r, store, hosts) = (router(PolicyKind::CacheAware), MemoryStore::new(), hosts(4));
-        let routed: Vec<Routed> = (0..3)
-            .map(|i| send(&r, &store, &hosts, &chat(&system(0), &format!("q{i}"))).unwrap())
-            .collect();
-        assert_eq!(
-            routed.iter().map(|r| r.inflight).collect::<Vec<_>>(),
-            vec![1, 2, 3]
-        );
-        for (i, r) in routed.iter().enumerate() {
-            assert_eq!(finish(&store, r.endpoint_id), Some(2 - i as u32));
-        }
-        assert!(counters::read(&store).counts.is_empty());
+    fn a_workers_requests_in_flight_spill_a_hot_group_past_its_home() {
+        let (mut r, store, hosts) = (router(PolicyKind::CacheAware), MemoryStore::new(), hosts(4));
+        let mut inflight = Local::default();
+        let mut send = |i: usize| {
+            let body = chat(&system(0), &format!("q{i}"));
+            send_at(&mut r, &store, &mut inflight, &hosts, &body, 1).unwrap()
+        };
+        let first = send(0);
+        assert_eq!(first.decision, Decision::Home);
+        let spilled = (1..20).map(send).find(|r| r.decision == Decision::Spread);
+        let spilled = spilled.expect("a home with 19 requests in flight and its peers idle");
+        assert_ne!(spilled.endpoints[0], first.endpoints[0]);
     }
 
     #[test]
     fn unroutable_requests_say_why() {
-        let (r, store, hosts) = (router(PolicyKind::CacheAware), MemoryStore::new(), hosts(2));
-        assert_eq!(send(&r, &store, &hosts, "nope"), Err(Fallback::BadJson));
+        let (mut r, store, hosts) = (router(PolicyKind::CacheAware), MemoryStore::new(), hosts(2));
+        let why = |r: &mut Router, hosts: &[Host], body: &str| send(r, &store, hosts, body).err();
+        assert_eq!(why(&mut r, &hosts, "nope"), Some(Fallback::BadJson));
         assert_eq!(
-            send(&r, &store, &[], &chat("a", "b")),
-            Err(Fallback::NoHealthyEndpoint)
+            why(&mut r, &[], &chat("a", "b")),
+            Some(Fallback::NoHealthyEndpoint)
         );
-        let small = Router::new(Config {
+        let mut small = Router::new(Config {
             max_body_bytes: 10,
             ..Config::default()
         });
         assert_eq!(
-            send(&small, &store, &hosts, &chat("a", "b")),
-            Err(Fallback::BodyTooLarge)
+            why(&mut small, &hosts, &chat("a", "b")),
+            Some(Fallback::BodyTooLarge)
         );
         assert_eq!(
-            send(
-                &router(PolicyKind::Session),
-                &store,
-                &hosts,
-                &chat("a", "b")
-            ),
-            Err(Fallback::NoSession)
+            why(&mut router(PolicyKind::Session), &hosts, &chat("a", "b")),
+            Some(Fallback::NoSession)
         );
         assert_eq!(
             routable("GET", "/v1/chat/completions"),
             Err(Fallback::Method)
         );
         assert_eq!(routable("POST", "/v1/embeddings"), Err(Fallback::Path));
-        assert!(
-            counters::read(&store).counts.is_empty(),
-            "nothing counted for unrouted requests"
-        );
     }
 
     #[test]
     fn unhealthy_hosts_are_never_chosen_nor_listed_as_fallback() {
-        let (r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
+        let (mut r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
         let mut hs = hosts(3);
         hs[0].healthy = false;
         hs[2].healthy = false;
         for i in 0..10 {
-            let routed = send(&r, &store, &hs, &chat(&format!("p{i}"), "q")).unwrap();
+            let routed = send(&mut r, &store, &hs, &chat(&format!("p{i}"), "q")).unwrap();
             assert_eq!(routed.endpoints, vec!["127.0.0.1:8002".to_string()]);
         }
     }
 
     #[test]
     fn the_chosen_endpoint_comes_first_then_distinct_fallbacks() {
-        let r = Router::new(Config {
-            fallback_endpoints: 2,
-            ..Config::default()
-        });
+        let with_fallbacks = |n| {
+            Router::new(Config {
+                fallback_endpoints: n,
+                ..Config::default()
+            })
+        };
+        let (mut r, mut alone) = (with_fallbacks(2), with_fallbacks(0));
+        let mut firsts = std::collections::HashSet::new();
         for g in 0..8 {
-            let routed = send(&r, &MemoryStore::new(), &hosts(4), &chat(&system(g), "q")).unwrap();
+            let body = chat(&system(g), "q");
+            let routed = send(&mut r, &MemoryStore::new(), &hosts(4), &body).unwrap();
+            let chosen = send(&mut alone, &MemoryStore::new(), &hosts(4), &body).unwrap();
             assert_eq!(routed.endpoints.len(), 3);
+            assert_eq!(chosen.endpoints.len(), 1);
             assert_eq!(
-                crate::rendezvous::endpoint_id(&routed.endpoints[0]),
-                routed.endpoint_id,
+                routed.endpoints[0], chosen.endpoints[0],
                 "the chosen endpoint first: {routed:?}"
             );
+            assert_eq!(
+                crate::rendezvous::endpoint_id(&routed.endpoints[0]),
+                routed.endpoint_id
+            );
+            firsts.insert(routed.endpoints[0].clone());
             let unique: std::collections::HashSet<&String> = routed.endpoints.iter().collect();
             assert_eq!(unique.len(), 3);
         }
+        assert!(firsts.len() > 1, "8 groups all chosen on {firsts:?}");
     }
 
     /// The group of `system(g)` whose home is host `want` among `hosts`.
-    fn group_homed_on(r: &Router, hosts: &[Host], want: usize) -> usize {
+    fn group_homed_on(r: &mut Router, hosts: &[Host], want: usize) -> usize {
         (0..)
             .find(|&g| {
                 let routed = send(r, &MemoryStore::new(), hosts, &chat(&system(g), "q"));
@@ -647,18 +621,18 @@ mod tests {
 
     #[test]
     fn envoy_load_counts_even_for_requests_kvroute_did_not_route() {
-        let (r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
+        let (mut r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
         let mut hs = hosts(2);
-        let g = group_homed_on(&r, &hs, 0);
+        let g = group_homed_on(&mut r, &hs, 0);
         hs[0].rq_active = 50;
-        let routed = send(&r, &store, &hs, &chat(&system(g), "q")).unwrap();
+        let routed = send(&mut r, &store, &hs, &chat(&system(g), "q")).unwrap();
         assert_eq!(routed.endpoints[0], "127.0.0.1:8002");
         assert_eq!(routed.decision, Decision::Spread);
     }
 
     #[test]
     fn an_engine_that_queues_other_gateways_traffic_takes_no_group() {
-        let (r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
+        let (mut r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
         let mut hs = hosts(2);
         let report = |running, waiting| Metrics {
             running,
@@ -668,21 +642,21 @@ mod tests {
         hs[1].engine = Some(EngineLoad::observe(None, &report(16, 3), Own::default(), 0));
         hs[0].engine = Some(EngineLoad::observe(None, &report(2, 0), Own::default(), 0));
         for g in 0..10 {
-            let routed = send(&r, &store, &hs, &chat(&system(g), "q")).unwrap();
+            let routed = send(&mut r, &store, &hs, &chat(&system(g), "q")).unwrap();
             assert_eq!(routed.endpoints[0], "127.0.0.1:8001");
         }
     }
 
     #[test]
     fn the_prefill_queued_at_an_engine_is_what_it_reports_where_it_does() {
-        let (r, store) = (router(PolicyKind::RoundRobin), MemoryStore::new());
+        let (mut r, store) = (router(PolicyKind::RoundRobin), MemoryStore::new());
         let mut hs = hosts(1);
         let reports = Metrics {
             waiting_uncached_tokens: Some(500),
             ..Metrics::default()
         };
         hs[0].engine = Some(EngineLoad::observe(None, &reports, Own::default(), 0));
-        let routed = send(&r, &store, &hs, &chat("s", "q")).unwrap();
+        let routed = send(&mut r, &store, &hs, &chat("s", "q")).unwrap();
         let bytes = 500.0 * crate::prefill::BYTES_PER_TOKEN;
         assert_eq!(routed.prefill.ahead, bytes as u64);
         hs[0].engine = Some(EngineLoad::observe(
@@ -691,7 +665,7 @@ mod tests {
             Own::default(),
             0,
         ));
-        let routed = send(&r, &store, &hs, &chat("s", "q")).unwrap();
+        let routed = send(&mut r, &store, &hs, &chat("s", "q")).unwrap();
         assert_eq!(
             routed.prefill.ahead, 0,
             "nothing queued and the engine does not say"
@@ -700,7 +674,7 @@ mod tests {
 
     #[test]
     fn engines_that_stopped_answering_are_avoided_and_all_stale_falls_back() {
-        let (r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
+        let (mut r, store) = (router(PolicyKind::CacheAware), MemoryStore::new());
         let mut hs = hosts(2);
         let fresh = EngineLoad::observe(None, &Metrics::default(), Own::default(), 0);
         let mut stale = fresh;
@@ -710,23 +684,23 @@ mod tests {
         hs[0].engine = Some(stale);
         hs[1].engine = Some(fresh);
         for g in 0..10 {
-            let routed = send(&r, &store, &hs, &chat(&system(g), "q")).unwrap();
+            let routed = send(&mut r, &store, &hs, &chat(&system(g), "q")).unwrap();
             assert_eq!(routed.endpoints[0], "127.0.0.1:8002", "group {g}");
         }
         hs[1].engine = Some(stale);
         assert_eq!(
-            send(&r, &store, &hs, &chat(&system(0), "q")),
-            Err(Fallback::StaleEngineLoads)
+            send(&mut r, &store, &hs, &chat(&system(0), "q")).err(),
+            Some(Fallback::StaleEngineLoads)
         );
     }
 
     #[test]
     fn round_robin_cycles_least_request_takes_the_idlest_and_prefix_hash_keeps_each_group() {
         let (store, hosts) = (MemoryStore::new(), hosts(3));
-        let rr = router(PolicyKind::RoundRobin);
+        let mut rr = router(PolicyKind::RoundRobin);
         let firsts: Vec<String> = (0..6)
             .map(|_| {
-                send(&rr, &store, &hosts, &chat("s", "q"))
+                send(&mut rr, &store, &hosts, &chat("s", "q"))
                     .unwrap()
                     .endpoints[0]
                     .clone()
@@ -738,17 +712,17 @@ mod tests {
         busy[0].rq_active = 5;
         busy[2].rq_active = 3;
         let least = send(
-            &router(PolicyKind::LeastRequest),
+            &mut router(PolicyKind::LeastRequest),
             &store,
             &busy,
             &chat("s", "q"),
         );
         assert_eq!(least.unwrap().endpoints[0], hosts[1].addr, "the idle one");
-        let hash = router(PolicyKind::PrefixHash);
+        let mut hash = router(PolicyKind::PrefixHash);
         let homes: std::collections::HashSet<String> = (0..16)
             .map(|g| {
-                let first = send(&hash, &store, &hosts, &chat(&system(g), "q")).unwrap();
-                let again = send(&hash, &store, &hosts, &chat(&system(g), "other")).unwrap();
+                let first = send(&mut hash, &store, &hosts, &chat(&system(g), "q")).unwrap();
+                let again = send(&mut hash, &store, &hosts, &chat(&system(g), "other")).unwrap();
                 assert_eq!(
                     first.endpoints[0], again.endpoints[0],
                     "group {g} keeps its host"

@@ -52,21 +52,10 @@ pub const CAS_RETRIES: usize = 16;
 pub fn update<S: SharedStore + ?Sized>(
     store: &S,
     key: &str,
-    update: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>,
-) -> Update {
-    update_from(store, key, None, update)
-}
-
-/// [`update`] whose first attempt starts from `read`, a `get` of `key` the caller just made: a
-/// read-modify-write then costs one host call, not two, unless someone wrote in between.
-pub fn update_from<S: SharedStore + ?Sized>(
-    store: &S,
-    key: &str,
-    mut read: Option<(Option<Vec<u8>>, Option<u32>)>,
     mut update: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>,
 ) -> Update {
     for _ in 0..CAS_RETRIES {
-        let (current, cas) = read.take().unwrap_or_else(|| store.get(key));
+        let (current, cas) = store.get(key);
         let Some(next) = update(current.as_deref()) else {
             return Update::Declined;
         };

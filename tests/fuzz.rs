@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use kvroute::affinity::AffinityMap;
 use kvroute::config::{Config, PolicyKind};
 use kvroute::endpoints::{self, Host};
+use kvroute::prefill::PrefillModel;
 use kvroute::prefix::{PrefixKeys, Shape};
 use kvroute::request::{self, Api};
 use kvroute::router::{self, RequestInfo, Router};
@@ -283,25 +284,15 @@ fn a_routed_request_names_only_configured_healthy_hosts_whatever_it_sends() {
         PolicyKind::Session,
     ]);
     let healthy = prop::collection::vec(any::<bool>(), HOSTS.len());
-    let routers: Vec<(PolicyKind, Router)> = [
-        PolicyKind::CacheAware,
-        PolicyKind::PrefixHash,
-        PolicyKind::LeastRequest,
-        PolicyKind::RoundRobin,
-        PolicyKind::Session,
-    ]
-    .into_iter()
-    .map(|policy| {
-        let config = Config {
+    let router = |policy| {
+        Router::new(Config {
             policy,
             affinity_capacity: 8,
             chunk_size: 16,
             fallback_endpoints: 2,
             ..Config::default()
-        };
-        (policy, Router::new(config))
-    })
-    .collect();
+        })
+    };
     check(
         "routing",
         (
@@ -326,9 +317,9 @@ fn a_routed_request_names_only_configured_healthy_hosts_whatever_it_sends() {
                     ..Host::fixed(addr)
                 })
                 .collect();
-            let Some((_, router)) = routers.iter().find(|(p, _)| *p == policy) else {
-                return Ok(());
-            };
+            let mut router = router(policy);
+            let prefill = PrefillModel::new(router.config.prefill_bytes_per_ms);
+            let mut inflight = counters::Local::default();
             let req = RequestInfo {
                 api: Api::Chat,
                 body: &body,
@@ -338,7 +329,10 @@ fn a_routed_request_names_only_configured_healthy_hosts_whatever_it_sends() {
             router.tick(&store, now, &[]);
             // Twice: the second request finds what the first one wrote beside the corrupted values.
             for _ in 0..2 {
-                if let Ok(routed) = router.route(&store, &hosts, &req, now) {
+                let view = inflight.view();
+                let routing = router.route_with(&store, &view, &prefill, &hosts, &req, now);
+                if let Ok(routed) = routing.result {
+                    inflight.add(routed.endpoint_id, 1);
                     prop_assert!(!routed.endpoints.is_empty());
                     for e in &routed.endpoints {
                         let known = hosts.iter().any(|h| h.healthy && &h.addr == e);
@@ -348,8 +342,8 @@ fn a_routed_request_names_only_configured_healthy_hosts_whatever_it_sends() {
                     distinct.sort();
                     distinct.dedup();
                     prop_assert_eq!(distinct.len(), routed.endpoints.len());
-                    router::finish(&store, routed.endpoint_id);
                 }
+                inflight.flush(&store);
             }
             Ok(())
         },
@@ -370,7 +364,9 @@ fn shared_data_and_admin_decoders_never_panic() {
             map.record(&[key], 1, 2);
             let _ = store.set(shared_keys::LOAD, &bytes, None);
             let _ = counters::read(&store);
-            let _ = counters::add(&store, 3, -1);
+            let mut inflight = counters::Local::default();
+            inflight.add(3, -1);
+            inflight.flush(&store);
             for shard in 0..placement::SHARDS {
                 let _ = store.set(&shared_keys::groups_shard(shard), &bytes, None);
             }

@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use super::host::{HostApi, StreamApi};
 use super::Gateway;
 use crate::body_access;
-use crate::eviction::Predicted;
+use crate::policy::Ticket;
 use crate::prefill::Expected;
 use crate::request::Api;
 use crate::router::{self, Fallback, RequestInfo, Routed};
@@ -56,12 +56,11 @@ pub(super) struct Prefilling {
     pub first_byte_ms: Option<u64>,
 }
 
-/// The prefix keys a routed request meant its chosen endpoint to hold, and what the affinity map
-/// said it held before: what to settle once the response says who served it.
+/// The endpoint a routed request was sent to, and the policy's ticket: what to settle once the
+/// response says who served it.
 pub(super) struct Chosen {
     pub addr: String,
-    pub keys: Vec<u64>,
-    pub predicted: Predicted,
+    pub ticket: Ticket,
 }
 
 impl Exchange {
@@ -188,7 +187,15 @@ impl<H: HostApi> Gateway<H> {
             self.fallback(ex, Fallback::StaleHosts);
             return None;
         }
-        let Some(mut hosts) = self.hosts(cluster.as_deref(), now) else {
+        let config = &self.router.config;
+        let hosts = super::hosts(
+            config,
+            &self.snapshot,
+            &self.suspects,
+            cluster.as_deref(),
+            now,
+        );
+        let Some(mut hosts) = hosts else {
             self.fallback(ex, Fallback::NoCluster);
             return None;
         };
@@ -263,7 +270,7 @@ impl<H: HostApi> Gateway<H> {
     }
 
     /// The request goes to `routed`'s endpoints: counted, and remembered for its response.
-    fn routed(&mut self, ex: &mut Exchange, mut routed: Routed) -> String {
+    fn routed(&mut self, ex: &mut Exchange, routed: Routed) -> String {
         if !routed.usage {
             // A stream that did not ask for usage carries none: reading the end of each of its
             // chunks (a host call apiece) would find nothing.
@@ -272,8 +279,7 @@ impl<H: HostApi> Gateway<H> {
         let primary = routed.endpoints.first().cloned().unwrap_or_default();
         ex.chosen = Some(Chosen {
             addr: primary.clone(),
-            keys: std::mem::take(&mut routed.keys),
-            predicted: routed.predicted,
+            ticket: routed.ticket,
         });
         let m = &mut self.metrics;
         m.routed(routed.decision);

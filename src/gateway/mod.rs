@@ -182,38 +182,15 @@ impl<H: HostApi> Gateway<H> {
         metrics.refresh_inflight(host, count);
     }
 
-    /// The hosts a request to `cluster` may go to: the static list if configured (with health and
-    /// load from the last poll where known), else the cluster's hosts from the last poll.
-    /// Borrowed from the snapshot in the common case: nothing is copied per request. A suspect
-    /// endpoint is reported unhealthy, so the router's candidate filter drops it.
+    /// The hosts a request to `cluster` may go to ([`hosts`]).
     fn hosts(&self, cluster: Option<&str>, now_ms: u64) -> Option<Cow<'_, [Host]>> {
-        let hosts = self.known_hosts(cluster)?;
-        Some(match self.suspects.apply(&hosts, now_ms) {
-            Some(marked) => Cow::Owned(marked),
-            None => hosts,
-        })
-    }
-
-    fn known_hosts(&self, cluster: Option<&str>) -> Option<Cow<'_, [Host]>> {
-        let config = &self.router.config;
-        if !config.endpoints.is_empty() {
-            let polled: Vec<&Host> = self.snapshot.values().flatten().collect();
-            return Some(Cow::Owned(
-                config
-                    .endpoints
-                    .iter()
-                    .map(|addr| {
-                        polled
-                            .iter()
-                            .find(|h| &h.addr == addr)
-                            .map_or_else(|| Host::fixed(addr), |h| (*h).clone())
-                    })
-                    .collect(),
-            ));
-        }
-        self.snapshot
-            .get(cluster?)
-            .map(|hosts| Cow::Borrowed(hosts.as_slice()))
+        hosts(
+            &self.router.config,
+            &self.snapshot,
+            &self.suspects,
+            cluster,
+            now_ms,
+        )
     }
 
     /// Which cluster's hosts a request's candidates are: the one its route chose, with a host
@@ -280,4 +257,33 @@ impl<H: HostApi> Gateway<H> {
             self.snapshot_cas = cas;
         }
     }
+}
+
+/// The hosts a request to `cluster` may go to: the static list if configured (with health and
+/// load from the last poll where known), else the cluster's hosts from the last poll. Borrowed
+/// from the snapshot in the common case: nothing is copied per request. A suspect endpoint is
+/// reported unhealthy, so the router's candidate filter drops it.
+fn hosts<'s>(
+    config: &Config,
+    snapshot: &'s Snapshot,
+    suspects: &Suspects,
+    cluster: Option<&str>,
+    now_ms: u64,
+) -> Option<Cow<'s, [Host]>> {
+    let known = if config.endpoints.is_empty() {
+        Cow::Borrowed(snapshot.get(cluster?)?.as_slice())
+    } else {
+        let polled: Vec<&Host> = snapshot.values().flatten().collect();
+        let listed = config.endpoints.iter().map(|addr| {
+            polled
+                .iter()
+                .find(|h| &h.addr == addr)
+                .map_or_else(|| Host::fixed(addr), |h| (*h).clone())
+        });
+        Cow::Owned(listed.collect())
+    };
+    Some(match suspects.apply(&known, now_ms) {
+        Some(marked) => Cow::Owned(marked),
+        None => known,
+    })
 }

@@ -211,11 +211,9 @@ impl<H: HostApi> Gateway<H> {
             served: ex.served.as_deref(),
             ok,
             usage,
-            keys: &chosen.keys,
-            predicted: &chosen.predicted,
             now_ms: &|| host.now_ms(),
         };
-        let settled = self.router.answered(host, &answer);
+        let settled = self.router.answered(host, chosen.ticket, &answer);
         let m = &mut self.metrics;
         if settled.eviction_seen {
             m.count(host, Counter::EvictionsSeen);

@@ -13,7 +13,7 @@ impl Policy for LeastRequest {
         }
     }
 
-    fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
+    fn pick(&mut self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
         let index = least_loaded(candidates, input.nonce);
         Some(Pick::new(index, Decision::LeastRequest))
     }

@@ -14,11 +14,10 @@ pub use load::OverloadBound;
 
 use strum::{EnumCount, IntoStaticStr, VariantArray};
 
-use crate::affinity::Match;
 use crate::config::{Config, PolicyKind};
 use crate::prefix::PrefixKeys;
 use crate::store::SharedStore;
-pub use cache_aware::{Answer, Settled};
+use crate::usage::Usage;
 
 /// An endpoint a request may go to.
 #[derive(Debug, Clone, PartialEq)]
@@ -100,14 +99,17 @@ pub struct Input<'a> {
 }
 
 /// The chosen candidate (an index into the candidates) and why.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct Pick {
     pub index: usize,
     pub decision: Decision,
-    /// The longest prefix of the request found in the affinity map (cache_aware only).
-    pub matched: Option<Match>,
     /// Bytes of the prompt the chosen endpoint is taken to hold (0: none known).
     pub held_bytes: usize,
+    /// Share of the request's chunks the policy found some endpoint holding, where it looked
+    /// (cache_aware, for a request with history).
+    pub match_fraction: Option<f64>,
+    /// What the policy keeps of the request until it is answered.
+    pub ticket: Ticket,
 }
 
 impl Pick {
@@ -115,10 +117,41 @@ impl Pick {
         Pick {
             index,
             decision,
-            matched: None,
             held_bytes: 0,
+            match_fraction: None,
+            ticket: Ticket::default(),
         }
     }
+}
+
+/// What a policy keeps of one routed request from its pick to its answer: the caller holds it and
+/// hands it back unopened, to [`Policy::routed`] and then to [`Policy::answered`].
+#[derive(Debug, Default)]
+pub struct Ticket(Option<cache_aware::Pending>);
+
+/// How a routed request was answered.
+pub struct Answer<'a> {
+    /// The endpoint kvroute chose.
+    pub chosen: &'a str,
+    /// The host that gave the final answer, when known.
+    pub served: Option<&'a str>,
+    /// The response succeeded.
+    pub ok: bool,
+    /// What the engine reported using (successful responses only).
+    pub usage: Option<Usage>,
+    /// The time, read only when something is recorded (a host call).
+    pub now_ms: &'a dyn Fn() -> u64,
+}
+
+/// What settling an answer changed in what the policy keeps.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Settled {
+    /// Records taken back from a chosen endpoint that did not serve the request.
+    pub withdrawn: usize,
+    /// Records written for the first time (for the host that served instead).
+    pub recorded: usize,
+    /// The engine cached clearly less than predicted: its eviction horizon rose.
+    pub eviction_seen: bool,
 }
 
 /// What a policy reads of a request beyond its body: each is a host call the other policies
@@ -140,23 +173,29 @@ pub trait Policy {
 
     /// Picks one of `candidates` (never empty); `None` when the policy lacks what it needs (a
     /// session policy without a session).
-    fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick>;
+    fn pick(&mut self, candidates: &[Candidate], input: &Input) -> Option<Pick>;
 
     /// The request now goes to `candidates[pick.index]`: remember what that teaches. Returns the
     /// shared-data keys written for the first time (cache_aware: affinity slots).
-    fn routed(&self, _candidates: &[Candidate], _input: &Input, _pick: &Pick) -> usize {
+    fn routed(&mut self, _candidates: &[Candidate], _input: &Input, _pick: &Pick) -> usize {
         0
     }
 
     /// Called periodically (each worker's tick): refresh what the policy keeps from shared data;
     /// `completed` holds each engine's finished-requests counter (address, count) as last polled.
     /// Returns how many groups it places by balance (cache_aware), for a gauge.
-    fn tick(&self, _store: &dyn SharedStore, _now_ms: u64, _completed: &[(&str, f64)]) -> usize {
+    fn tick(
+        &mut self,
+        _store: &dyn SharedStore,
+        _now_ms: u64,
+        _completed: &[(&str, f64)],
+    ) -> usize {
         0
     }
 
-    /// The request was answered (see [`Answer`]): settle what [`routed`](Self::routed) taught.
-    fn answered(&self, _store: &dyn SharedStore, _answer: &Answer) -> Settled {
+    /// The request routed with `ticket` was answered: settle what [`routed`](Self::routed)
+    /// taught.
+    fn answered(&self, _store: &dyn SharedStore, _ticket: Ticket, _answer: &Answer) -> Settled {
         Settled::default()
     }
 }

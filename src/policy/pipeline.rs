@@ -2,8 +2,10 @@
 //! each kept candidate a score in [0, 1], and the picker takes the highest weighted sum, ties
 //! going to the earliest in the request's order. The decision is named by the scorer whose
 //! weighted score counted most for the pick; when the filters keep no candidate, the policy's
-//! fallback decides.
+//! fallback decides. Revisers come last: each may send the request elsewhere, weighing its signal
+//! against the pick itself rather than scoring candidates alone.
 
+use super::cache_aware::Held;
 use super::{Candidate, Decision, Input};
 use crate::affinity::Match;
 
@@ -15,6 +17,8 @@ pub struct Scoring<'a> {
     pub order: &'a [usize],
     /// The longest prefix of the request some endpoint holds, from the policy's prefix index.
     pub matched: Option<&'a Match>,
+    /// Who the engines report holding the request's longest prefix (precise mode).
+    pub engine: Option<&'a Held>,
     /// The candidates' mean load.
     pub mean_load: f64,
 }
@@ -33,6 +37,23 @@ pub trait Scorer {
     fn score(&self, s: &Scoring, i: usize) -> f64;
     /// The decision to count when this scorer's weighted score counted most for picking `i`.
     fn decision(&self, s: &Scoring, i: usize) -> Decision;
+}
+
+/// Weighs a signal against the pick the scorers (or the fallback) made.
+pub trait Reviser {
+    /// Where the request goes instead of `picked`, and why; `None` keeps the pick.
+    fn revise(&self, s: &Scoring, picked: usize) -> Option<(usize, Decision)>;
+}
+
+/// The pick after each reviser in turn had its say.
+pub fn revise(
+    s: &Scoring,
+    picked: (usize, Decision),
+    revisers: &[Box<dyn Reviser>],
+) -> (usize, Decision) {
+    revisers
+        .iter()
+        .fold(picked, |pick, r| r.revise(s, pick.0).unwrap_or(pick))
 }
 
 /// The candidate the stages pick and why; `None` when the filters keep none.
@@ -103,6 +124,7 @@ mod tests {
             input: &input,
             order: &[2, 0, 1],
             matched: None,
+            engine: None,
             mean_load: 0.0,
         };
         let a: Box<dyn Scorer> = Box::new(Table(vec![0.0, 1.0, 0.0], 2.0, Decision::Affinity));

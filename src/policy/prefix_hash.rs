@@ -9,7 +9,7 @@ pub struct PrefixHash {
 }
 
 impl Policy for PrefixHash {
-    fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
+    fn pick(&mut self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
         let key = input.keys.keys.first().copied().unwrap_or(input.keys.group);
         let order = rendezvous_order(candidates, key);
         let index = first_not_overloaded(candidates, &order, &self.overload)
@@ -30,10 +30,10 @@ mod tests {
             keys("shared system prompt, then a question"),
             MemoryStore::new(),
         );
-        let p = PrefixHash {
+        let mut p = PrefixHash {
             overload: overload(),
         };
-        let pick = |loads: &[u64]| {
+        let mut pick = |loads: &[u64]| {
             p.pick(&candidates(loads), &input(&k, &store))
                 .unwrap()
                 .index

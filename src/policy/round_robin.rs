@@ -10,7 +10,7 @@ const VERSION: u8 = 1;
 pub struct RoundRobin;
 
 impl Policy for RoundRobin {
-    fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
+    fn pick(&mut self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
         let ticket = next_ticket(input.store);
         let index = (ticket % candidates.len() as u64) as usize;
         Some(Pick::new(index, Decision::RoundRobin))

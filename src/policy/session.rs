@@ -13,7 +13,7 @@ impl Policy for Session {
         }
     }
 
-    fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
+    fn pick(&mut self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
         let index = *rendezvous_order(candidates, input.session?).first()?;
         Some(Pick::new(index, Decision::Session))
     }

@@ -1,8 +1,6 @@
 //! Precise mode's signal: which endpoints' engines hold the longest prefix of a request, from the
 //! engine index ([`engine_index`](crate::engine_index)), and where that sends a request.
 
-use std::cell::RefCell;
-
 use crate::engine_index::{EngineIndex, Status};
 use crate::policy::OverloadBound;
 use crate::policy::{Candidate, Input};
@@ -20,7 +18,7 @@ pub struct EngineHolders {
     max_age_ms: u64,
     cache_threshold: f64,
     /// The index's status as this worker last read it, and when.
-    status: RefCell<(Option<Status>, Option<u64>)>,
+    status: (Option<Status>, Option<u64>),
 }
 
 impl EngineHolders {
@@ -29,7 +27,7 @@ impl EngineHolders {
             capacity,
             max_age_ms,
             cache_threshold,
-            status: RefCell::new((None, None)),
+            status: (None, None),
         }
     }
 
@@ -37,9 +35,9 @@ impl EngineHolders {
     /// that prefix covers at least `cache_threshold` of the request and the index is fresh. A
     /// prefix no engine holds, or a shallow one (a short preamble many groups share), gives none:
     /// the request is placed as without the index.
-    pub fn lookup(&self, input: &Input) -> Option<Held> {
+    pub fn lookup(&mut self, input: &Input) -> Option<Held> {
         let now = input.now_ms;
-        let mut cached = self.status.borrow_mut();
+        let cached = &mut self.status;
         if cached
             .1
             .is_none_or(|at| now.saturating_sub(at) >= STATUS_MS)

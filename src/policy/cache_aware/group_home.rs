@@ -4,7 +4,6 @@
 //! group. Kept up to date on the worker's tick, by the leading worker's weights
 //! ([`leader`](crate::placement::leader)).
 
-use std::cell::RefCell;
 use std::hash::{BuildHasher, RandomState};
 
 use crate::placement::homes::Homes;
@@ -18,7 +17,7 @@ use crate::store::SharedStore;
 /// them.
 pub struct GroupHomes {
     warmup_ms: u64,
-    view: RefCell<View>,
+    view: View,
 }
 
 #[derive(Default)]
@@ -60,11 +59,11 @@ impl GroupHomes {
     pub fn new(warmup_ms: u64, hold_ms: u64) -> GroupHomes {
         GroupHomes {
             warmup_ms,
-            view: RefCell::new(View {
+            view: View {
                 homes: Homes::new(hold_ms),
                 token: RandomState::new().hash_one(0u8),
                 ..View::default()
-            }),
+            },
         }
     }
 
@@ -72,7 +71,7 @@ impl GroupHomes {
     /// group spans several: its place in the balanced assignment once this gateway has warmed up
     /// and counts the group, else its first rendezvous choice (`order`'s first).
     pub fn home(
-        &self,
+        &mut self,
         candidates: &[Candidate],
         keys: &PrefixKeys,
         order: &[usize],
@@ -80,7 +79,7 @@ impl GroupHomes {
     ) -> usize {
         let group = keys.group;
         let first = order.first().copied().unwrap_or(0);
-        let mut view = self.view.borrow_mut();
+        let view = &mut self.view;
         let warm = view.warm_ms.is_some_and(|warm| now_ms >= warm);
         if !warm
             || view
@@ -100,16 +99,22 @@ impl GroupHomes {
     }
 
     /// Counts one request of `group`.
-    pub fn count(&self, store: &dyn SharedStore, group: u64, now_ms: u64) {
-        (self.view.borrow_mut().tally).count(store, group, now_ms);
+    pub fn count(&mut self, store: &dyn SharedStore, group: u64, now_ms: u64) {
+        self.view.tally.count(store, group, now_ms);
     }
 
     /// Counts this worker's requests into the groups table; then, if this worker leads
     /// ([`leader`]), weighs the groups and publishes the weights, else adopts the leader's.
     /// `completed` holds each engine's finished-requests counter. Returns how many groups the
     /// assignment places (0 while warming up).
-    pub fn tick(&self, store: &dyn SharedStore, now_ms: u64, completed: &[(&str, f64)]) -> usize {
-        let mut view = self.view.borrow_mut();
+    pub fn tick(
+        &mut self,
+        store: &dyn SharedStore,
+        now_ms: u64,
+        completed: &[(&str, f64)],
+    ) -> usize {
+        let warmup_ms = self.warmup_ms;
+        let view = &mut self.view;
         let born = *view.born_ms.get_or_insert(now_ms);
         view.tally.sync(store, now_ms);
         view.fleet.observe(completed.iter().copied(), now_ms);
@@ -132,9 +137,7 @@ impl GroupHomes {
             let next = Published {
                 author: view.token,
                 written_ms: now_ms,
-                warm_ms: published
-                    .as_ref()
-                    .map_or(born + self.warmup_ms, |p| p.warm_ms),
+                warm_ms: published.as_ref().map_or(born + warmup_ms, |p| p.warm_ms),
                 weights_ms,
                 weights,
             };

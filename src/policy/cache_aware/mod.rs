@@ -19,14 +19,16 @@
 //!   so a hot group grows onto a few replicas, always the same ones, and comes back home when it
 //!   drains;
 //! - every endpoint overloaded: the least loaded (`balance`);
-//! - in precise mode, last: where the engines report holding the request's longest prefix and
-//!   the pick's engine is not a holder, instead of that pick the least-loaded holder, if the prefix
-//!   covers at least `cache_threshold` of the request, the engine index is fresh, and its load
-//!   is within the pick's band: `rel` × the pick's load + `abs` for a conversation's history, the
-//!   pick's load + `abs` for a group's head ([`engine_prefix`]; `engine`).
+//! - in precise mode, last, a reviser ([`stages::EngineHolder`]): where the engines report
+//!   holding the request's longest prefix and the pick's engine is not a holder, instead of that
+//!   pick the least-loaded holder, if the prefix covers at least `cache_threshold` of the
+//!   request, the engine index is fresh, and its load is within the pick's band: `rel` × the
+//!   pick's load + `abs` for a conversation's history, the pick's load + `abs` for a group's head
+//!   ([`engine_prefix`]; `engine`).
 //!
 //! The prefix index records which endpoint served which prefix, settled by the engines' reports
-//! once each response is in ([`PrefixIndex::answered`]).
+//! once each response is in ([`PrefixIndex::answered`]), from what the request's [`Ticket`]
+//! kept ([`Pending`]).
 
 mod engine_prefix;
 mod group_home;
@@ -37,12 +39,13 @@ mod tests;
 
 pub use engine_prefix::{EngineHolders, Held};
 pub use group_home::GroupHomes;
-pub use prefix_index::{AffinityIndex, Answer, PrefixIndex, Settled, REFRESH_MS};
+pub use prefix_index::{AffinityIndex, Found, PrefixIndex, Recorded, REFRESH_MS};
 
 use super::load::{least_loaded, mean_load, rendezvous_order, OverloadBound};
-use super::pipeline::{self, Filter, Scorer, Scoring};
-use super::{Candidate, Decision, Input, Pick, Policy};
+use super::pipeline::{self, Filter, Reviser, Scorer, Scoring};
+use super::{Answer, Candidate, Decision, Input, Pick, Policy, Settled, Ticket};
 use crate::affinity::Match;
+use crate::eviction::Predicted;
 use crate::store::SharedStore;
 
 /// Poll intervals (`stats_interval_ms`) a gateway waits, seeing groups, before it places them
@@ -58,9 +61,18 @@ pub struct CacheAware {
     /// What the engines hold, in precise mode.
     engine: Option<EngineHolders>,
     homes: GroupHomes,
-    overload: OverloadBound,
     filters: Vec<Box<dyn Filter>>,
     scorers: Vec<Box<dyn Scorer>>,
+    revisers: Vec<Box<dyn Reviser>>,
+    overload: OverloadBound,
+}
+
+/// What cache_aware keeps of a request in its [`Ticket`]: what its lookup found, for
+/// [`Policy::routed`], and what it records, for [`Policy::answered`].
+#[derive(Debug)]
+pub struct Pending {
+    found: Found,
+    recorded: Recorded,
 }
 
 impl CacheAware {
@@ -77,19 +89,22 @@ impl CacheAware {
             index: Box::new(AffinityIndex::new(capacity, 0)),
             engine: None,
             homes: GroupHomes::new(warmup_ms, hold_ms),
-            overload,
             filters: vec![Box::new(stages::NotOverloaded(overload))],
             scorers: vec![
                 Box::new(stages::HistoryHolder { cache_threshold }),
                 Box::new(stages::GroupHome),
             ],
+            revisers: Vec::new(),
+            overload,
         }
     }
 
     /// Precise mode: sends a request where the engines hold its longest prefix, if that endpoint
-    /// is within the band of the one the stages pick ([`engine_prefix::instead_of`]).
+    /// is within the band of the one the stages pick ([`stages::EngineHolder`]).
     pub fn with_engine_index(mut self, engine: EngineHolders) -> Self {
         self.engine = Some(engine);
+        self.revisers
+            .push(Box::new(stages::EngineHolder(self.overload)));
         self
     }
 
@@ -111,8 +126,9 @@ fn held_chunks(c: &Candidate, matched: Option<&Match>, engine: Option<&Held>) ->
 }
 
 impl Policy for CacheAware {
-    fn pick(&self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
-        let matched = self.index.lookup(input);
+    fn pick(&mut self, candidates: &[Candidate], input: &Input) -> Option<Pick> {
+        let found = self.index.lookup(input);
+        let held = self.engine.as_mut().and_then(|e| e.lookup(input));
         let group = input.keys.group;
         let mut order = rendezvous_order(candidates, group);
         let home = self
@@ -121,41 +137,61 @@ impl Policy for CacheAware {
         if let Some(at) = order.iter().position(|&i| i == home) {
             order[..=at].rotate_right(1);
         }
+        let matched = found.matched.as_ref();
         let scoring = Scoring {
             candidates,
             input,
             order: &order,
-            matched: matched.as_ref(),
+            matched,
+            engine: held.as_ref(),
             mean_load: mean_load(candidates),
         };
         let placed = pipeline::pick(&scoring, &self.filters, &self.scorers)
             .unwrap_or_else(|| (least_loaded(candidates, group), Decision::Balance));
-        let held = self.engine.as_ref().and_then(|e| e.lookup(input));
-        let engine = held.as_ref().and_then(|h| {
-            engine_prefix::instead_of(placed.0, h, candidates, &order, &self.overload)
-        });
-        let (index, decision) = engine.map_or(placed, |h| (h, Decision::Engine));
-        let chunks = held_chunks(&candidates[index], matched.as_ref(), held.as_ref());
+        let (index, decision) = pipeline::revise(&scoring, placed, &self.revisers);
+        let chosen = &candidates[index];
+        let chunks = held_chunks(chosen, matched, held.as_ref());
+        let served = matched.filter(|m| m.record.holders.contains(&chosen.id));
+        let predicted = Predicted {
+            held: served.map_or(0, |m| m.depth),
+            stamp_ms: served.map_or(0, |m| m.record.stamp_ms),
+            prompt_bytes: input.prompt_bytes,
+            chunk_size: input.chunk_size,
+            routed_ms: input.now_ms,
+        };
+        let keys = &input.keys.keys;
+        let match_fraction = matched.map(|m| m.depth as f64 / keys.len().max(1) as f64);
+        let recorded = Recorded {
+            keys: keys.clone(),
+            predicted,
+        };
         Some(Pick {
             index,
             decision,
-            matched,
             held_bytes: (chunks * input.chunk_size).min(input.prompt_bytes),
+            match_fraction,
+            ticket: Ticket(Some(Pending { found, recorded })),
         })
     }
 
-    fn routed(&self, candidates: &[Candidate], input: &Input, pick: &Pick) -> usize {
+    fn routed(&mut self, candidates: &[Candidate], input: &Input, pick: &Pick) -> usize {
         self.homes
             .count(input.store, input.keys.group, input.now_ms);
+        let Some(pending) = &pick.ticket.0 else {
+            return 0;
+        };
         let chosen = candidates[pick.index].id;
-        self.index.routed(input, pick.matched.as_ref(), chosen)
+        self.index.routed(input, &pending.found, chosen)
     }
 
-    fn tick(&self, store: &dyn SharedStore, now_ms: u64, completed: &[(&str, f64)]) -> usize {
+    fn tick(&mut self, store: &dyn SharedStore, now_ms: u64, completed: &[(&str, f64)]) -> usize {
         self.homes.tick(store, now_ms, completed)
     }
 
-    fn answered(&self, store: &dyn SharedStore, answer: &Answer) -> Settled {
-        self.index.answered(store, answer)
+    fn answered(&self, store: &dyn SharedStore, ticket: Ticket, answer: &Answer) -> Settled {
+        match ticket.0 {
+            Some(pending) => self.index.answered(store, &pending.recorded, answer),
+            None => Settled::default(),
+        }
     }
 }

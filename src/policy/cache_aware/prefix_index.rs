@@ -2,59 +2,44 @@
 //! this gateway routed and settled by what their engines report. Behind a trait, so an index the
 //! engines report themselves can stand in for the affinity map.
 
-use std::cell::RefCell;
-
 use hashbrown::HashMap;
 
 use crate::affinity::{AffinityMap, Match};
 use crate::eviction::{self, Predicted};
-use crate::policy::Input;
+use crate::policy::{Answer, Input, Settled};
 use crate::prefix::PrefixKeys;
 use crate::store::SharedStore;
-use crate::usage::Usage;
 
 /// A prefix record younger than this is not rewritten when a request follows it: it keeps hot
 /// prefixes' writes to a handful per second instead of one per chunk per request.
 pub const REFRESH_MS: u64 = 1000;
 
-/// How a routed request was answered, for the index to settle what it recorded.
-pub struct Answer<'a> {
-    /// The endpoint kvroute chose.
-    pub chosen: &'a str,
-    /// The host that gave the final answer, when known.
-    pub served: Option<&'a str>,
-    /// The response succeeded.
-    pub ok: bool,
-    /// What the engine reported using (successful responses only).
-    pub usage: Option<Usage>,
-    /// The request's prefix keys and what the index predicted the chosen endpoint held.
-    pub keys: &'a [u64],
-    pub predicted: &'a Predicted,
-    /// The time, read only when something is recorded (a host call).
-    pub now_ms: &'a dyn Fn() -> u64,
+/// What the index found for one request: its longest held prefix, and the eviction horizons
+/// that judged its holders, which also judge the holders of what the request then records.
+#[derive(Debug, Default)]
+pub struct Found {
+    pub matched: Option<Match>,
+    horizons: HashMap<u32, u64>,
 }
 
-/// What settling an answer changed in the index.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Settled {
-    /// Records taken back from a chosen endpoint that did not serve the request.
-    pub withdrawn: usize,
-    /// Records written for the first time (for the host that served instead).
-    pub recorded: usize,
-    /// The engine cached clearly less than predicted: its eviction horizon rose.
-    pub eviction_seen: bool,
+/// What a request routed to an endpoint is to settle once answered: its keys, and what the index
+/// said that endpoint held of them.
+#[derive(Debug)]
+pub struct Recorded {
+    pub keys: Vec<u64>,
+    pub predicted: Predicted,
 }
 
 /// Where a request's prefixes are held.
 pub trait PrefixIndex {
     /// The longest prefix of the request past its head that some endpoint holds, with the holders
     /// that still count.
-    fn lookup(&self, input: &Input) -> Option<Match>;
-    /// The request goes to `endpoint` (its match `matched`): what it will hold. Returns the
-    /// shared-data keys written for the first time.
-    fn routed(&self, input: &Input, matched: Option<&Match>, endpoint: u32) -> usize;
+    fn lookup(&self, input: &Input) -> Found;
+    /// The request goes to `endpoint`, with what the lookup `found`: what it will hold. Returns
+    /// the shared-data keys written for the first time.
+    fn routed(&self, input: &Input, found: &Found, endpoint: u32) -> usize;
     /// The request was answered: settles what [`routed`](Self::routed) recorded.
-    fn answered(&self, store: &dyn SharedStore, answer: &Answer) -> Settled;
+    fn answered(&self, store: &dyn SharedStore, recorded: &Recorded, answer: &Answer) -> Settled;
 }
 
 /// The affinity map ([`AffinityMap`]) with the engines' eviction horizons ([`eviction`]).
@@ -63,9 +48,6 @@ pub struct AffinityIndex {
     capacity: u32,
     /// How old a record must be before an engine's report may show it evicted.
     eviction_grace_ms: u64,
-    /// Each endpoint's eviction horizon as the last request that found a match read it: the
-    /// holders its record keeps when [`PrefixIndex::routed`] rewrites it.
-    horizons: RefCell<HashMap<u32, u64>>,
 }
 
 impl AffinityIndex {
@@ -73,54 +55,56 @@ impl AffinityIndex {
         AffinityIndex {
             capacity,
             eviction_grace_ms,
-            horizons: RefCell::default(),
         }
     }
 }
 
 impl PrefixIndex for AffinityIndex {
-    fn lookup(&self, input: &Input) -> Option<Match> {
+    fn lookup(&self, input: &Input) -> Found {
         let (store, keys) = (input.store, input.keys);
         // Only a match past the head counts (the head's place is its group's home): a request
         // without earlier turns looks nothing up, and one with them only at its history.
         let map = AffinityMap::new(store, self.capacity);
-        let mut matched = map.longest_match(&keys.keys, keys.head_chunks)?;
+        let Some(mut matched) = map.longest_match(&keys.keys, keys.head_chunks) else {
+            return Found::default();
+        };
         // Holders whose engines were since found to evict what they last used by then. Read
         // now, not on the tick: what any worker learnt counts from its next request on.
         let horizons = eviction::read(store);
         let stamp = matched.record.stamp_ms;
         (matched.record.holders).retain(|&h| eviction::still_held(&horizons, h, stamp));
-        *self.horizons.borrow_mut() = horizons;
-        Some(matched)
+        Found {
+            matched: Some(matched),
+            horizons,
+        }
     }
 
-    fn routed(&self, input: &Input, matched: Option<&Match>, endpoint: u32) -> usize {
+    fn routed(&self, input: &Input, found: &Found, endpoint: u32) -> usize {
         let (keys, now_ms) = (input.keys, input.now_ms);
-        let from = first_to_record(keys, matched, endpoint, now_ms);
-        let horizons = self.horizons.borrow();
+        let from = first_to_record(keys, found.matched.as_ref(), endpoint, now_ms);
         AffinityMap::new(input.store, self.capacity).record_keeping(
             &keys.keys[from..],
             endpoint,
             now_ms,
-            |holder, stamp| eviction::still_held(&horizons, holder, stamp),
+            |holder, stamp| eviction::still_held(&found.horizons, holder, stamp),
         )
     }
 
-    fn answered(&self, store: &dyn SharedStore, answer: &Answer) -> Settled {
+    fn answered(&self, store: &dyn SharedStore, recorded: &Recorded, answer: &Answer) -> Settled {
         let now_ms = answer.now_ms;
         let mut settled = Settled::default();
-        let keys = answer.keys;
+        let keys = &recorded.keys;
         if keys.is_empty() {
             return settled;
         }
         let map = AffinityMap::new(store, self.capacity);
         let chosen = crate::rendezvous::endpoint_id(answer.chosen);
-        let held = answer.predicted.held.min(keys.len());
+        let predicted = &recorded.predicted;
+        let held = predicted.held.min(keys.len());
         if answer.ok && answer.served == Some(answer.chosen) {
             // The engine says what it had cached: less than the map predicted is an eviction.
             let grace = self.eviction_grace_ms;
-            let horizon =
-                (answer.usage).and_then(|u| eviction::horizon(answer.predicted, u, grace));
+            let horizon = (answer.usage).and_then(|u| eviction::horizon(predicted, u, grace));
             settled.eviction_seen = horizon.is_some_and(|h| eviction::raise(store, chosen, h));
             if settled.eviction_seen {
                 // This request computed its prefix there again: the deepest key it followed

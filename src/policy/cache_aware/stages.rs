@@ -1,11 +1,12 @@
 //! cache_aware's stages: the load guardrail as a filter, the prefix's holders and the group's
-//! home as scorers. The holder scorer's weight outranks any home score, so the pick is the
-//! cascade: a holder of the request's history if one is kept, else the first kept endpoint in
-//! the group's order (its home first), else, with every endpoint overloaded, the policy's
-//! fallback.
+//! home as scorers, the engines' holders (precise mode) as a reviser. The holder scorer's weight
+//! outranks any home score, so the pick is the cascade: a holder of the request's history if one
+//! is kept, else the first kept endpoint in the group's order (its home first), else, with every
+//! endpoint overloaded, the policy's fallback; then, in precise mode, an engine that holds more.
 
+use super::engine_prefix;
 use crate::policy::load::OverloadBound;
-use crate::policy::pipeline::{Filter, Scorer, Scoring};
+use crate::policy::pipeline::{Filter, Reviser, Scorer, Scoring};
 use crate::policy::Decision;
 
 /// Drops overloaded endpoints: an engine that queues, or a load above the bound over the mean.
@@ -74,5 +75,17 @@ impl Scorer for GroupHome {
         } else {
             Decision::Spread
         }
+    }
+}
+
+/// Precise mode: the request goes where the engines report holding its longest prefix, if that
+/// endpoint is within the band of the pick ([`engine_prefix::instead_of`]).
+pub struct EngineHolder(pub OverloadBound);
+
+impl Reviser for EngineHolder {
+    fn revise(&self, s: &Scoring, picked: usize) -> Option<(usize, Decision)> {
+        let held = s.engine?;
+        let holder = engine_prefix::instead_of(picked, held, s.candidates, s.order, &self.0)?;
+        Some((holder, Decision::Engine))
     }
 }

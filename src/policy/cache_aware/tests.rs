@@ -13,8 +13,13 @@ fn policy() -> CacheAware {
     CacheAware::new(1024, 0.3, overload(), 1000, 0)
 }
 
+/// What the pick's lookup found in the affinity map.
+fn matched(pick: &Pick) -> Option<&Match> {
+    pick.ticket.0.as_ref()?.found.matched.as_ref()
+}
+
 /// Picks for `keys` and records the pick, as the router does.
-fn route(p: &CacheAware, c: &[Candidate], keys: &PrefixKeys, store: &MemoryStore) -> Pick {
+fn route(p: &mut CacheAware, c: &[Candidate], keys: &PrefixKeys, store: &MemoryStore) -> Pick {
     let input = input(keys, store);
     let pick = p.pick(c, &input).unwrap();
     p.routed(c, &input, &pick);
@@ -24,7 +29,7 @@ fn route(p: &CacheAware, c: &[Candidate], keys: &PrefixKeys, store: &MemoryStore
 /// Sends one request of each group in `groups` (asking `question`) through `p` at `now`, as
 /// the router does: the endpoints picked.
 fn send_each(
-    p: &CacheAware,
+    p: &mut CacheAware,
     c: &[Candidate],
     store: &MemoryStore,
     groups: &[String],
@@ -54,11 +59,11 @@ fn eight_groups() -> Vec<String> {
 /// [`eight_groups`] seen twice each: the first has ticked since, so it leads.
 fn two_workers() -> (MemoryStore, Vec<Candidate<'static>>, CacheAware, CacheAware) {
     let (store, c) = (MemoryStore::new(), candidates(&[0, 0, 0, 0]));
-    let (first, second) = (policy(), policy());
+    let (mut first, mut second) = (policy(), policy());
     first.tick(&store, 0, &[]);
     second.tick(&store, 0, &[]);
     for now in [10, 20] {
-        send_each(&first, &c, &store, &eight_groups(), "the question", now);
+        send_each(&mut first, &c, &store, &eight_groups(), "the question", now);
     }
     first.tick(&store, 2000, &[]);
     (store, c, first, second)
@@ -104,70 +109,85 @@ fn a_group_goes_home_whatever_this_gateway_remembers() {
     let home = order(&c, &ask("g", ""))[0];
     let (fresh, used) = (MemoryStore::new(), MemoryStore::new());
     for q in 0..3 {
-        route(&policy(), &c, &ask("g", &format!("question {q}")), &used);
+        route(
+            &mut policy(),
+            &c,
+            &ask("g", &format!("question {q}")),
+            &used,
+        );
     }
-    let restarted = route(&policy(), &c, &ask("g", "question 9"), &fresh);
+    let restarted = route(&mut policy(), &c, &ask("g", "question 9"), &fresh);
     assert_eq!(
         (restarted.index, restarted.decision),
         (home, Decision::Home)
     );
-    let remembered = route(&policy(), &c, &ask("g", "question 9"), &used);
+    let remembered = route(&mut policy(), &c, &ask("g", "question 9"), &used);
     assert_eq!(
         (remembered.index, remembered.decision),
         (home, Decision::Home)
     );
     assert!(
-        remembered.matched.is_none(),
+        matched(&remembered).is_none(),
         "a first turn looks nothing up: its place is its group's"
     );
 }
 
 #[test]
 fn once_warm_a_gateway_gives_the_groups_it_has_seen_balanced_homes() {
-    let (p, store, c) = (policy(), MemoryStore::new(), candidates(&[0, 0, 0, 0]));
+    let (mut p, store, c) = (policy(), MemoryStore::new(), candidates(&[0, 0, 0, 0]));
     p.tick(&store, 0, &[]);
     let groups = eight_groups();
-    let home = |now| send_each(&p, &c, &store, &groups, &format!("question at {now}"), now);
-    home(10);
-    home(20); // each group seen twice
+    let home = |p: &mut CacheAware, now| {
+        send_each(p, &c, &store, &groups, &format!("question at {now}"), now)
+    };
+    home(&mut p, 10);
+    home(&mut p, 20); // each group seen twice
     p.tick(&store, 2000, &[]); // counts written, past the warm-up
     assert_eq!(
         p.tick(&store, 2001, &[]),
         8,
         "all 8 groups placed by balance"
     );
-    let homes = home(2002);
+    let homes = home(&mut p, 2002);
     for e in 0..4 {
         let n = homes.iter().filter(|&&h| h == e).count();
         assert_eq!(n, 2, "endpoint {e} has {n} of 8 groups: {homes:?}");
     }
-    assert_eq!(home(2003), homes, "stable");
+    assert_eq!(home(&mut p, 2003), homes, "stable");
 }
 
 #[test]
 fn a_gateways_workers_give_every_group_the_same_home() {
-    let (store, c, first, second) = two_workers();
+    let (store, c, mut first, mut second) = two_workers();
     let groups = eight_groups();
     // The question is the same at every call: a split group's home depends on it.
-    let homes = |p, now| send_each(p, &c, &store, &groups, "the question", now);
+    let homes =
+        |p: &mut CacheAware, now: u64| send_each(p, &c, &store, &groups, "the question", now);
     // The second worker alone then sees group 0 turn hot: its own weights would differ.
     for n in 0..40 {
-        send_each(&second, &c, &store, &groups[..1], "the question", 2100 + n);
+        send_each(
+            &mut second,
+            &c,
+            &store,
+            &groups[..1],
+            "the question",
+            2100 + n,
+        );
     }
     second.tick(&store, 2500, &[]);
-    assert_eq!(homes(&second, 2600), homes(&first, 2600));
+    assert_eq!(homes(&mut second, 2600), homes(&mut first, 2600));
     first.tick(&store, 3000, &[]); // the leader weighs the hot group too
     second.tick(&store, 3100, &[]);
-    let by_first = homes(&first, 3200);
-    assert_eq!(homes(&second, 3200), by_first);
+    let by_first = homes(&mut first, 3200);
+    assert_eq!(homes(&mut second, 3200), by_first);
     // A worker that starts now (a reloaded VM) needs no warm-up of its own.
-    let late = policy();
+    let mut late = policy();
     assert_eq!(
         late.tick(&store, 3200, &[]),
         8,
         "places by the assignment at once"
     );
-    assert_eq!(homes(&late, 3201), by_first);
+    assert_eq!(homes(&mut late, 3201), by_first);
 }
 
 #[test]
@@ -176,10 +196,11 @@ fn a_worker_that_routes_nothing_while_homes_move_holds_them_where_the_leader_doe
     // the second only ticks, until the end.
     let (store, c) = (MemoryStore::new(), candidates(&[0, 0, 0, 0]));
     let holding = || CacheAware::new(1024, 0.3, overload(), 1000, 1000);
-    let (first, second) = (holding(), holding());
+    let (mut first, mut second) = (holding(), holding());
     let groups = eight_groups();
-    let homes = |p, now| send_each(p, &c, &store, &groups, "the question", now);
-    let hot = |p, group: usize, now: u64| {
+    let homes =
+        |p: &mut CacheAware, now: u64| send_each(p, &c, &store, &groups, "the question", now);
+    let hot = |p: &mut CacheAware, group: usize, now: u64| {
         for n in 0..40 {
             send_each(
                 p,
@@ -193,28 +214,28 @@ fn a_worker_that_routes_nothing_while_homes_move_holds_them_where_the_leader_doe
     };
     first.tick(&store, 0, &[]);
     second.tick(&store, 0, &[]);
-    homes(&first, 10);
-    homes(&first, 20);
+    homes(&mut first, 10);
+    homes(&mut first, 20);
     first.tick(&store, 2000, &[]);
     second.tick(&store, 2100, &[]);
-    let before = homes(&second, 2200);
-    assert_eq!(homes(&first, 2200), before);
+    let before = homes(&mut second, 2200);
+    assert_eq!(homes(&mut first, 2200), before);
     // Group 0 turns hot: the next assignment moves groups, which hold from 3000 on.
-    hot(&first, 0, 2300);
+    hot(&mut first, 0, 2300);
     first.tick(&store, 3000, &[]);
     second.tick(&store, 3100, &[]);
-    let moved = homes(&first, 4500);
+    let moved = homes(&mut first, 4500);
     assert_ne!(
         moved, before,
         "the hot group moved others once their homes held"
     );
     // Group 1 turns hot too; the second worker's next request comes after that assignment.
-    hot(&first, 1, 4600);
+    hot(&mut first, 1, 4600);
     first.tick(&store, 5000, &[]);
     second.tick(&store, 5100, &[]);
     assert_eq!(
-        homes(&second, 5200),
-        homes(&first, 5200),
+        homes(&mut second, 5200),
+        homes(&mut first, 5200),
         "the homes that held by 4000 moved at the second worker too, though none of their \
          requests came by it"
     );
@@ -222,12 +243,13 @@ fn a_worker_that_routes_nothing_while_homes_move_holds_them_where_the_leader_doe
 
 #[test]
 fn when_the_leading_worker_is_gone_another_takes_over_and_nobody_moves() {
-    let (store, c, first, second) = two_workers();
+    let (store, c, mut first, mut second) = two_workers();
     let groups = eight_groups();
-    let homes = |p, now| send_each(p, &c, &store, &groups, "the question", now);
+    let homes =
+        |p: &mut CacheAware, now: u64| send_each(p, &c, &store, &groups, "the question", now);
     second.tick(&store, 2100, &[]);
-    let before = homes(&second, 2200);
-    assert_eq!(homes(&first, 2200), before);
+    let before = homes(&mut second, 2200);
+    assert_eq!(homes(&mut first, 2200), before);
     let author = |store: &MemoryStore| leader::read(store).0.map(|p| p.author);
     let led_by_first = author(&store);
     // The first stops ticking (its VM is gone): until the lease runs out the second follows.
@@ -235,14 +257,14 @@ fn when_the_leading_worker_is_gone_another_takes_over_and_nobody_moves() {
     assert_eq!(author(&store), led_by_first);
     second.tick(&store, 2000 + leader::LEAD_TTL_MS, &[]);
     assert_ne!(author(&store), led_by_first, "the second took over");
-    assert_eq!(homes(&second, 2000 + leader::LEAD_TTL_MS + 1), before);
+    assert_eq!(homes(&mut second, 2000 + leader::LEAD_TTL_MS + 1), before);
 }
 
 #[test]
 fn once_warm_a_lone_groups_conversations_spread_and_each_keeps_its_home() {
-    let (p, store, c) = (policy(), MemoryStore::new(), candidates(&[0, 0, 0, 0]));
+    let (mut p, store, c) = (policy(), MemoryStore::new(), candidates(&[0, 0, 0, 0]));
     p.tick(&store, 0, &[]);
-    let pick = |conversation: usize, now| {
+    let pick = |p: &mut CacheAware, conversation: usize, now| {
         let opener = format!("conversation {conversation}");
         let keys = ask("app", &format!("{opener} at {now}")).opened_by(&opener);
         let input = Input {
@@ -253,11 +275,11 @@ fn once_warm_a_lone_groups_conversations_spread_and_each_keeps_its_home() {
         p.routed(&c, &input, &pick);
         (pick.index, pick.decision)
     };
-    pick(0, 10);
-    pick(1, 20);
+    pick(&mut p, 0, 10);
+    pick(&mut p, 1, 20);
     p.tick(&store, 2000, &[]);
     assert_eq!(p.tick(&store, 2001, &[]), 1);
-    let homes: Vec<usize> = (0..40).map(|n| pick(n, 2002).0).collect();
+    let homes: Vec<usize> = (0..40).map(|n| pick(&mut p, n, 2002).0).collect();
     let used: std::collections::HashSet<_> = homes.iter().collect();
     assert_eq!(
         used.len(),
@@ -265,7 +287,11 @@ fn once_warm_a_lone_groups_conversations_spread_and_each_keeps_its_home() {
         "one group, all the traffic, every endpoint: {homes:?}"
     );
     for (n, &home) in homes.iter().enumerate() {
-        assert_eq!(pick(n, 2003), (home, Decision::Home), "conversation {n}");
+        assert_eq!(
+            pick(&mut p, n, 2003),
+            (home, Decision::Home),
+            "conversation {n}"
+        );
     }
 }
 
@@ -274,7 +300,7 @@ fn groups_spread_over_endpoints_by_their_key() {
     let c = candidates(&[0, 0, 0, 0]);
     let store = MemoryStore::new();
     let homes: std::collections::HashSet<usize> = (0..40)
-        .map(|g| route(&policy(), &c, &keys(&format!("group {g} ")), &store).index)
+        .map(|g| route(&mut policy(), &c, &keys(&format!("group {g} ")), &store).index)
         .collect();
     assert_eq!(homes.len(), 4);
 }
@@ -287,15 +313,15 @@ fn an_overloaded_home_spills_to_the_next_in_order_and_the_group_comes_back() {
     loads[o[0]] = 20;
     let hot = candidates(&loads);
     for q in 0..3 {
-        let spilled = route(&policy(), &hot, &ask("hot", &format!("q{q}")), &store);
+        let spilled = route(&mut policy(), &hot, &ask("hot", &format!("q{q}")), &store);
         assert_eq!((spilled.index, spilled.decision), (o[1], Decision::Spread));
     }
     loads[o[1]] = 20;
-    let hotter = route(&policy(), &candidates(&loads), &ask("hot", "q"), &store);
+    let hotter = route(&mut policy(), &candidates(&loads), &ask("hot", "q"), &store);
     assert_eq!((hotter.index, hotter.decision), (o[2], Decision::Spread));
     // Drained: home again, although this gateway saw only the spill replicas serve it.
     let calm = route(
-        &policy(),
+        &mut policy(),
         &candidates(&[1, 1, 1, 1]),
         &ask("hot", "q9"),
         &store,
@@ -309,7 +335,7 @@ fn a_queueing_engine_takes_no_group_even_at_low_load() {
     let mut c = candidates(&[0, 0, 0, 0]);
     let home = order(&c, &k)[0];
     c[home].queueing = true;
-    let p = route(&policy(), &c, &k, &MemoryStore::new());
+    let p = route(&mut policy(), &c, &k, &MemoryStore::new());
     assert_ne!(p.index, home);
     assert_eq!(p.decision, Decision::Spread);
 }
@@ -322,11 +348,11 @@ fn a_conversation_follows_its_history_to_where_it_was_served() {
     let o = order(&candidates(&[0, 0, 0, 0]), &turn1);
     let mut loads = [0u64; 4];
     loads[o[0]] = 30; // home overloaded when turn 1 came
-    let first = route(&policy(), &candidates(&loads), &turn1, &store);
+    let first = route(&mut policy(), &candidates(&loads), &turn1, &store);
     assert_eq!(first.index, o[1]);
     let turn2 = follow_up("g", &format!("{history}next question"));
     assert_eq!(turn2.group, turn1.group);
-    let second = route(&policy(), &candidates(&[0, 0, 0, 0]), &turn2, &store);
+    let second = route(&mut policy(), &candidates(&[0, 0, 0, 0]), &turn2, &store);
     assert_eq!((second.index, second.decision), (o[1], Decision::Affinity));
 }
 
@@ -341,16 +367,16 @@ fn a_first_turn_shorter_than_a_chunk_is_found_from_the_chunk_that_crosses_the_he
     let o = order(&candidates(&[0, 0, 0, 0]), &turn1);
     let mut loads = [0u64; 4];
     loads[o[0]] = 30; // home overloaded when turn 1 came
-    let first = route(&policy(), &candidates(&loads), &turn1, &store);
+    let first = route(&mut policy(), &candidates(&loads), &turn1, &store);
     assert_eq!(first.index, o[1]);
     let turn2 = turn("question one, its answer. next", true);
-    let second = route(&policy(), &candidates(&[0, 0, 0, 0]), &turn2, &store);
+    let second = route(&mut policy(), &candidates(&[0, 0, 0, 0]), &turn2, &store);
     assert_eq!((second.index, second.decision), (o[1], Decision::Affinity));
 }
 
 /// Routes `turn1` through `p` while its group's home is overloaded, so it goes to the next in
 /// the group's order: that order.
-fn spilled(p: &CacheAware, turn1: &PrefixKeys, store: &MemoryStore) -> Vec<usize> {
+fn spilled(p: &mut CacheAware, turn1: &PrefixKeys, store: &MemoryStore) -> Vec<usize> {
     let o = order(&candidates(&[0, 0, 0, 0]), turn1);
     let mut loads = [0u64; 4];
     loads[o[0]] = 30; // home overloaded when turn 1 came
@@ -360,29 +386,29 @@ fn spilled(p: &CacheAware, turn1: &PrefixKeys, store: &MemoryStore) -> Vec<usize
 
 #[test]
 fn a_history_its_engine_evicted_no_longer_draws_the_conversation() {
-    let (p, store) = (policy(), MemoryStore::new());
+    let (mut p, store) = (policy(), MemoryStore::new());
     let history = "first question, first answer. ".repeat(4);
-    let o = spilled(&p, &ask("g", &history), &store);
+    let o = spilled(&mut p, &ask("g", &history), &store);
     let c = candidates(&[0, 0, 0, 0]);
     // Its engine reported an eviction of what it last used at the record's stamp.
     eviction::raise(&store, c[o[1]].id, 1);
     let turn2 = follow_up("g", &format!("{history}next question"));
-    let second = route(&p, &c, &turn2, &store);
+    let second = route(&mut p, &c, &turn2, &store);
     assert_eq!((second.index, second.decision), (o[0], Decision::Home));
     // The rewritten record names where it was served now, not the holder that lost it.
-    let depth = second.matched.map(|m| m.depth).unwrap();
+    let depth = matched(&second).map(|m| m.depth).unwrap();
     let record = AffinityMap::new(&store, 1024).get(turn2.keys[depth - 1]);
     assert_eq!(record.map(|r| r.holders), Some(vec![c[o[0]].id]));
     let turn3 = follow_up("g", &format!("{history}next question, its answer. third"));
-    let third = route(&p, &c, &turn3, &store);
+    let third = route(&mut p, &c, &turn3, &store);
     assert_eq!((third.index, third.decision), (o[0], Decision::Affinity));
 }
 
 #[test]
 fn a_history_older_than_its_engine_keeps_what_nobody_uses_goes_home() {
-    let (p, store) = (policy(), MemoryStore::new());
+    let (mut p, store) = (policy(), MemoryStore::new());
     let history = "first question, first answer. ".repeat(4);
-    let o = spilled(&p, &ask("g", &history), &store);
+    let o = spilled(&mut p, &ask("g", &history), &store);
     // Each engine writes its free cache over in 2 s (its metrics say so).
     let mut churned = candidates(&[0, 0, 0, 0]);
     for c in churned.iter_mut() {
@@ -410,14 +436,14 @@ fn a_match_covering_too_little_of_the_request_does_not_count_as_affinity() {
     // 6 of 26 chunks in common, past the 4-chunk head: under the 0.3 threshold.
     let shared = "x".repeat(60);
     route(
-        &policy(),
+        &mut policy(),
         &c,
         &keys(&format!("{shared}{}", "a".repeat(200))),
         &store,
     );
     let other = keys(&format!("{shared}{}", "b".repeat(200)));
-    let p = route(&policy(), &c, &other, &store);
-    assert_eq!(p.matched.map(|m| m.depth), Some(6));
+    let p = route(&mut policy(), &c, &other, &store);
+    assert_eq!(matched(&p).map(|m| m.depth), Some(6));
     assert_eq!(p.decision, Decision::Home);
 }
 
@@ -425,7 +451,7 @@ fn a_match_covering_too_little_of_the_request_does_not_count_as_affinity() {
 fn everything_overloaded_balances() {
     let mut c = candidates(&[5, 3, 9, 4]);
     c.iter_mut().for_each(|c| c.queueing = true);
-    let p = route(&policy(), &c, &keys("q"), &MemoryStore::new());
+    let p = route(&mut policy(), &c, &keys("q"), &MemoryStore::new());
     assert_eq!((p.index, p.decision), (1, Decision::Balance));
 }
 
@@ -465,7 +491,7 @@ fn the_endpoint_whose_engine_holds_the_prefix_wins_over_the_home() {
     let keys = follow_up("g", "an earlier turn and a new question");
     let (c, home, other) = home_and_next(&keys);
     let store = MemoryStore::new();
-    let p = indexed(&store, &keys, c[other].addr, keys.keys.len() - 1, 1);
+    let mut p = indexed(&store, &keys, c[other].addr, keys.keys.len() - 1, 1);
     let pick = p.pick(&c, &input(&keys, &store)).unwrap();
     assert_eq!((pick.index, pick.decision), (other, Decision::Engine));
     // Overloaded, it is passed over: the request goes home as without the index.
@@ -484,11 +510,11 @@ fn a_stale_index_or_a_shallow_match_leaves_the_request_to_its_home() {
     let (c, home, other) = home_and_next(&keys);
     let store = MemoryStore::new();
     // A shared preamble: one chunk of many.
-    let shallow = indexed(&store, &keys, c[other].addr, 1, 1);
+    let mut shallow = indexed(&store, &keys, c[other].addr, 1, 1);
     let pick = shallow.pick(&c, &input(&keys, &store)).unwrap();
     assert_eq!((pick.index, pick.decision), (home, Decision::Home));
     let store = MemoryStore::new();
-    let deep = indexed(&store, &keys, c[other].addr, keys.keys.len(), 1);
+    let mut deep = indexed(&store, &keys, c[other].addr, keys.keys.len(), 1);
     let at = |now_ms| Input {
         now_ms,
         ..input(&keys, &store)
@@ -503,8 +529,8 @@ fn a_holder_off_home_wins_only_within_the_homes_load_band() {
     let keys = follow_up("g", "an earlier turn and a new question");
     let (c, home, other) = home_and_next(&keys);
     let store = MemoryStore::new();
-    let p = indexed(&store, &keys, c[other].addr, keys.keys.len() - 1, 1);
-    let pick_at = |loads: &[(usize, u64)], queueing: usize| {
+    let mut p = indexed(&store, &keys, c[other].addr, keys.keys.len() - 1, 1);
+    let mut pick_at = |loads: &[(usize, u64)], queueing: usize| {
         let mut c = c.clone();
         for &(i, load) in loads {
             c[i].load = load;
@@ -536,8 +562,8 @@ fn with_every_endpoint_overloaded_a_holder_near_the_least_load_takes_the_request
     let keys = follow_up("g", "an earlier turn and a new question");
     let (c, _, holder) = home_and_next(&keys);
     let store = MemoryStore::new();
-    let p = indexed(&store, &keys, c[holder].addr, keys.keys.len() - 1, 1);
-    let pick_at = |holder_load: u64| {
+    let mut p = indexed(&store, &keys, c[holder].addr, keys.keys.len() - 1, 1);
+    let mut pick_at = |holder_load: u64| {
         let mut c = c.clone();
         for (i, e) in c.iter_mut().enumerate() {
             e.queueing = true;
@@ -574,7 +600,7 @@ fn where_the_home_holds_the_prefix_too_the_home_keeps_it_however_busy_the_others
     crate::engine_index::EngineIndex::new(&store, 64)
         .apply(&feed, 1)
         .unwrap();
-    let p = policy().with_engine_index(EngineHolders::new(64, 1000, 0.3));
+    let mut p = policy().with_engine_index(EngineHolders::new(64, 1000, 0.3));
     c[home].load = 2;
     let pick = p.pick(&c, &input(&keys, &store)).unwrap();
     assert_eq!((pick.index, pick.decision), (home, Decision::Engine));
@@ -585,8 +611,8 @@ fn a_groups_head_held_off_home_keeps_requests_only_within_abs_of_the_home() {
     let keys = ask("g", "a new question");
     let (c, home, other) = home_and_next(&keys);
     let store = MemoryStore::new();
-    let p = indexed(&store, &keys, c[other].addr, keys.head_chunks, 1);
-    let pick_at = |home_load: u64, other_load: u64| {
+    let mut p = indexed(&store, &keys, c[other].addr, keys.head_chunks, 1);
+    let mut pick_at = |home_load: u64, other_load: u64| {
         let mut c = c.clone();
         c[home].load = home_load;
         c[other].load = other_load;
