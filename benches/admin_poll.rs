@@ -6,7 +6,7 @@
 //! multiple of this.
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvroute::endpoints::{decode_snapshot, encode_snapshot, parse_admin_clusters, PolledClusters};
+use kvroute::hosts::{decode_snapshot, encode_snapshot, parse_admin_clusters, PolledClusters};
 use kvroute_harness::mesh::clusters_json;
 
 const POOL: &str = "outbound|8000||vllm.llm.svc.cluster.local";

@@ -8,8 +8,8 @@
 
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
 use kvroute::config::Config;
-use kvroute::counters::Local;
-use kvroute::endpoints::Host;
+use kvroute::hosts::Host;
+use kvroute::in_flight::Local;
 use kvroute::policy::cache_aware::REFRESH_MS;
 use kvroute::prefill::PrefillModel;
 use kvroute::prefix::{PrefixKeys, Shape};

@@ -13,7 +13,7 @@
 use hashbrown::HashMap;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::endpoints::Host;
+use crate::hosts::Host;
 use crate::rendezvous;
 
 /// Tick period while paused streams are watched: how long a withheld body waits at most.

@@ -2,8 +2,8 @@
 //!
 //! The routing core is plain Rust that knows nothing about the host and is tested natively:
 //! [`request`] parses the OpenAI body, [`prefix`] hashes its prompt into chained chunk keys,
-//! [`affinity`] remembers which endpoints hold which prefixes, [`endpoints`], [`engine`] and
-//! [`counters`] say which endpoints exist and how loaded they are, [`prefill`] what a request
+//! [`holders`] says which endpoints hold which prefixes, [`hosts`], [`engine_load`] and
+//! [`in_flight`] say which endpoints exist and how loaded they are, [`prefill`] what a request
 //! waits there for its first token, [`policy`] picks one, and
 //! [`router`] runs that pipeline for one request. [`gateway`] is a worker's whole routing core
 //! behind one entry type (its tick, the poll's answers, each request from its headers to its
@@ -11,16 +11,15 @@
 //! in-memory ones in tests. The proxy-wasm adapter (`wasm/`) only turns Envoy's callbacks into
 //! the gateway's calls.
 
-pub mod affinity;
 pub mod body_access;
 pub mod config;
-pub mod counters;
-pub mod endpoints;
-pub mod engine;
-pub mod engine_index;
+pub mod engine_load;
 pub mod eviction;
 pub mod freshness;
 pub mod gateway;
+pub mod holders;
+pub mod hosts;
+pub mod in_flight;
 pub mod placement;
 pub mod policy;
 pub mod prefill;
@@ -30,7 +29,6 @@ pub mod request;
 pub mod retention;
 pub mod router;
 pub mod shared_keys;
-pub mod slots;
 pub mod store;
 pub mod suspects;
 pub mod template;

@@ -8,8 +8,8 @@ use strum::{EnumCount, IntoStaticStr, VariantArray};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::config::Config;
-use crate::counters::Table;
-use crate::endpoints::Host;
+use crate::hosts::Host;
+use crate::in_flight::Table;
 use crate::policy::{self, Answer, Candidate, Decision, Input, Needs, Policy, Settled, Ticket};
 use crate::prefill::{Expected, PrefillModel};
 use crate::prefix::PrefixKeys;
@@ -117,7 +117,7 @@ pub struct Routed {
     /// The chosen `ip:port` first, then fallbacks for retries.
     pub endpoints: Vec<String>,
     /// Id of the chosen endpoint: the caller counts the request in flight there
-    /// ([`counters::Local`](crate::counters::Local)) until the stream ends.
+    /// ([`in_flight::Local`](crate::in_flight::Local)) until the stream ends.
     pub endpoint_id: u32,
     pub decision: Decision,
     /// Share of the request's chunks found in the affinity map (cache_aware only).
@@ -156,8 +156,8 @@ impl Router {
     }
 
     /// Routes one request whose body is complete, given the requests in flight (`inflight`, a
-    /// worker's [`counters::Local`] view), which the caller then counts the request in, and what
-    /// the worker has learnt of the endpoints' prefill.
+    /// worker's [`in_flight::Local`](crate::in_flight::Local) view), which the caller then counts
+    /// the request in, and what the worker has learnt of the endpoints' prefill.
     pub fn route_with(
         &mut self,
         store: &dyn SharedStore,
@@ -348,8 +348,8 @@ fn endpoint_list(
 mod tests {
     use super::*;
     use crate::config::PolicyKind;
-    use crate::counters::Local;
-    use crate::engine::{EngineLoad, Metrics, Own};
+    use crate::engine_load::{EngineLoad, Metrics, Own};
+    use crate::in_flight::Local;
     use crate::policy::cache_aware::REFRESH_MS;
     use crate::store::MemoryStore;
 

@@ -12,23 +12,23 @@ pub const ENGINE_LOADS: &str = "kvroute.engine";
 /// Endpoints that just failed a request, marked by any worker (`suspects`).
 pub const SUSPECTS: &str = "kvroute.suspects";
 /// kvroute's requests in flight per endpoint and the prefill they queue, every worker's
-/// (`counters`).
+/// (`in_flight`).
 pub const LOAD: &str = "kvroute.load";
 /// Each endpoint's eviction horizon (`eviction`).
 pub const EVICTIONS: &str = "kvroute.evictions";
-/// The engine index's status: the indexer's feed it follows, how far it got (`engine_index`).
+/// The engine index's status: the indexer's feed it follows, how far it got (`holders::engine`).
 pub const ENGINE_INDEX_STATUS: &str = "kvroute.engine_index.status";
 /// The group weights the leading worker published (`placement::leader`).
 pub const GROUPS_PUBLISHED: &str = "kvroute.groups.published";
 /// The round-robin baseline's ticket (`policy::round_robin`).
 pub const TICKET: &str = "kvroute.ticket";
 
-/// Slot `slot` of the affinity map: records of who served which prefix (`affinity`).
+/// Slot `slot` of the affinity map: records of who served which prefix (`holders::affinity`).
 pub fn affinity_slot(slot: u64) -> String {
     format!("kvroute.affinity.{slot}")
 }
 
-/// Slot `slot` of the engine index: which engines report holding which prefix (`engine_index`).
+/// Slot `slot` of the engine index: which engines report holding which prefix (`holders::engine`).
 pub fn engine_index_slot(slot: u64) -> String {
     format!("kvroute.engine_index.{slot}")
 }

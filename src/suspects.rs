@@ -6,7 +6,7 @@
 //! on their tick. The encoded value starts with a format version byte, so a value written by
 //! another build is ignored instead of misread.
 
-use crate::endpoints::Host;
+use crate::hosts::Host;
 use crate::store::{self, SharedStore};
 
 /// How long a failed endpoint stays out of routing: as long as the shipped config's outlier

@@ -9,16 +9,17 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use kvroute::affinity::AffinityMap;
 use kvroute::config::{Config, PolicyKind};
-use kvroute::endpoints::{self, Host};
+use kvroute::holders::affinity::AffinityMap;
+use kvroute::holders::Holders;
+use kvroute::hosts::{self, Host};
 use kvroute::prefill::PrefillModel;
 use kvroute::prefix::{PrefixKeys, Shape};
 use kvroute::request::{self, Api};
 use kvroute::router::{self, RequestInfo, Router};
 use kvroute::store::{MemoryStore, SharedStore};
 use kvroute::suspects::Suspects;
-use kvroute::{body_access, counters, engine, eviction, placement, shared_keys};
+use kvroute::{body_access, engine_load, eviction, in_flight, placement, shared_keys};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
 
@@ -319,7 +320,7 @@ fn a_routed_request_names_only_configured_healthy_hosts_whatever_it_sends() {
                 .collect();
             let mut router = router(policy);
             let prefill = PrefillModel::new(router.config.prefill_bytes_per_ms);
-            let mut inflight = counters::Local::default();
+            let mut inflight = in_flight::Local::default();
             let req = RequestInfo {
                 api: Api::Chat,
                 body: &body,
@@ -363,8 +364,8 @@ fn shared_data_and_admin_decoders_never_panic() {
             let _ = map.longest_match(&[key, key ^ 1, key], 0);
             map.record(&[key], 1, 2);
             let _ = store.set(shared_keys::LOAD, &bytes, None);
-            let _ = counters::read(&store);
-            let mut inflight = counters::Local::default();
+            let _ = in_flight::read(&store);
+            let mut inflight = in_flight::Local::default();
             inflight.add(3, -1);
             inflight.flush(&store);
             for shard in 0..placement::SHARDS {
@@ -375,15 +376,12 @@ fn shared_data_and_admin_decoders_never_panic() {
             let _ = eviction::read(&store);
             eviction::raise(&store, 1, key);
             let _ = Suspects::decode(&bytes);
-            let _ = endpoints::decode_snapshot(&bytes);
-            let _ = endpoints::parse_admin_clusters(&bytes, endpoints::PolledClusters::ALL);
+            let _ = hosts::decode_snapshot(&bytes);
+            let _ = hosts::parse_admin_clusters(&bytes, hosts::PolledClusters::ALL);
             let only = ["inference_pool".to_string()];
-            let _ = endpoints::parse_admin_clusters(
-                &bytes,
-                endpoints::PolledClusters::new(&only, None),
-            );
-            let _ = engine::parse(&bytes);
-            let _ = engine::parse_loads(&bytes);
+            let _ = hosts::parse_admin_clusters(&bytes, hosts::PolledClusters::new(&only, None));
+            let _ = engine_load::parse(&bytes);
+            let _ = engine_load::parse_loads(&bytes);
             let _ = body_access::body_received(&bytes, key);
             Ok(())
         },

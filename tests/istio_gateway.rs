@@ -12,7 +12,7 @@ use crate::common::istio;
 
 use common::{ask, chat_body, client, reached_since, received, served_by, system_prompt};
 use common::{warm_up, Fleet};
-use kvroute::endpoints::{admin_clusters_path, PolledClusters};
+use kvroute::hosts::{admin_clusters_path, PolledClusters};
 use kvroute_harness::backend::Backend;
 use kvroute_harness::{paths, Envoy, EnvoyOptions, HarnessError};
 use serde_json::{json, Value as Json};

@@ -250,7 +250,7 @@ async fn metrics_kvroute_polls(fleet: &VllmFleet) -> Check {
                 })?;
             }
         }
-        let m = kvroute::engine::parse(page.as_bytes())
+        let m = kvroute::engine_load::parse(page.as_bytes())
             .ok_or_else(|| format!("engine {i}: kvroute parses no load from its /metrics"))?;
         let capacity = (BLOCKS * BLOCK_SIZE) as f64;
         ensure(m.kv.capacity_tokens == Some(capacity), || {
@@ -332,11 +332,11 @@ async fn sim_metrics_match(fleet: &VllmFleet) -> Check {
             )),
         }
     }
-    let parse = |page: &str| kvroute::engine::parse(page.as_bytes());
+    let parse = |page: &str| kvroute::engine_load::parse(page.as_bytes());
     let real_page = fleet.metrics(0).await.map_err(|e| e.to_string())?;
     let sim_page = get_text(&format!("{sim_url}/metrics")).await?;
     let (r, s) = (parse(&real_page), parse(&sim_page));
-    let fields = |m: Option<kvroute::engine::Metrics>| {
+    let fields = |m: Option<kvroute::engine_load::Metrics>| {
         m.map(|m| {
             [
                 m.completed.is_some(),

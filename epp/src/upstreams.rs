@@ -173,7 +173,7 @@ impl Upstreams {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvroute::endpoints::{parse_admin_clusters, PolledClusters};
+    use kvroute::hosts::{parse_admin_clusters, PolledClusters};
 
     #[test]
     fn the_pool_reads_back_as_a_cluster_of_healthy_hosts() {

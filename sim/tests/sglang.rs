@@ -134,7 +134,7 @@ async fn sglang_replicas_serve_sglangs_metrics_and_loads_and_vllm_replicas_vllms
     }
     assert!(!page.contains("vllm:"));
     // kvroute's filter reads an SGLang page as load.
-    let read = kvroute::engine::parse(page.as_bytes()).expect("kvroute reads the page");
+    let read = kvroute::engine_load::parse(page.as_bytes()).expect("kvroute reads the page");
     assert_eq!((read.running, read.waiting), (0, 0));
     assert_eq!(read.completed, Some(1.0));
     assert_eq!(read.kv.capacity_tokens, Some(131_072.0));
@@ -155,11 +155,14 @@ async fn sglang_replicas_serve_sglangs_metrics_and_loads_and_vllm_replicas_vllms
     );
     // kvroute's filter asks an SGLang engine for the prefill queued there.
     assert!(read.serves_loads);
-    let core = get(&format!("{sglang}{}", kvroute::engine::LOADS_PATH)).await;
-    assert_eq!(kvroute::engine::parse_loads(core.body.as_bytes()), Some(0));
+    let core = get(&format!("{sglang}{}", kvroute::engine_load::LOADS_PATH)).await;
+    assert_eq!(
+        kvroute::engine_load::parse_loads(core.body.as_bytes()),
+        Some(0)
+    );
 
     let vllm_page = get(&format!("{vllm}/metrics")).await.body;
     assert!(vllm_page.contains("vllm:num_requests_running{") && !vllm_page.contains("sglang:"));
-    assert!(!kvroute::engine::parse(vllm_page.as_bytes()).is_some_and(|m| m.serves_loads));
+    assert!(!kvroute::engine_load::parse(vllm_page.as_bytes()).is_some_and(|m| m.serves_loads));
     assert_eq!(get(&format!("{vllm}/v1/loads")).await.status, 404);
 }

@@ -188,7 +188,7 @@ impl<H: HostApi> Gateway<H> {
             return None;
         }
         let config = &self.router.config;
-        let hosts = super::hosts(
+        let hosts = super::candidate_hosts(
             config,
             &self.snapshot,
             &self.suspects,
@@ -225,7 +225,7 @@ impl<H: HostApi> Gateway<H> {
                 .route_with(&self.host, &inflight, &self.prefill, &hosts, &req, now);
         drop(hosts);
         if let Some(outcome) = routing.template {
-            self.metrics.template(outcome);
+            self.stats.template(outcome);
         }
         match routing.result {
             Ok(routed) => {
@@ -265,7 +265,7 @@ impl<H: HostApi> Gateway<H> {
                 }
             }
         }
-        self.metrics.fallback(&self.host, Fallback::NoBodyAccess);
+        self.stats.fallback(&self.host, Fallback::NoBodyAccess);
         value
     }
 
@@ -281,7 +281,7 @@ impl<H: HostApi> Gateway<H> {
             addr: primary.clone(),
             ticket: routed.ticket,
         });
-        let m = &mut self.metrics;
+        let m = &mut self.stats;
         m.routed(routed.decision);
         if let Some(fraction) = routed.match_fraction {
             m.match_percent(&self.host, (fraction * 100.0).round() as u64);
@@ -306,7 +306,7 @@ impl<H: HostApi> Gateway<H> {
 
     /// The request is left to Envoy's load balancer, for `reason`.
     fn fallback(&mut self, ex: &mut Exchange, reason: Fallback) {
-        self.metrics.fallback(&self.host, reason);
+        self.stats.fallback(&self.host, reason);
         ex.fallback = Some(reason);
         ex.outcome = Some(format!("fallback:{}", reason.name()));
     }

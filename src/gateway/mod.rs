@@ -11,10 +11,10 @@
 
 mod exchange;
 mod host;
-mod metrics;
 mod poll;
 mod settle;
 pub mod stat_names;
+mod stats;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 #[cfg(test)]
@@ -22,15 +22,15 @@ mod tests;
 
 pub use exchange::{Body, Exchange, RequestHeaders};
 pub use host::{HostApi, Level, MetricKind, StreamApi};
-pub use metrics::Metrics;
 pub use stat_names::{Counter, Gauge};
+pub use stats::Stats;
 
 use std::borrow::Cow;
 
 use crate::config::Config;
-use crate::counters;
-use crate::endpoints::{self, Host, Snapshot};
 use crate::freshness::{self, Age, MonoClock, RoundLease};
+use crate::hosts::{self, Host, Snapshot};
+use crate::in_flight;
 use crate::prefill::PrefillModel;
 use crate::rendezvous::endpoint_id;
 use crate::router::Router;
@@ -48,9 +48,9 @@ const MAX_TICK_MS: u64 = 100;
 pub struct Gateway<H: HostApi> {
     host: H,
     router: Router,
-    metrics: Metrics,
+    stats: Stats,
     /// This worker's view of the requests in flight, written to shared data on each tick.
-    inflight: counters::Local,
+    inflight: in_flight::Local,
     /// What this worker has learnt of the endpoints' prefill.
     prefill: PrefillModel,
     snapshot: Snapshot,
@@ -69,13 +69,13 @@ pub struct Gateway<H: HostApi> {
 impl<H: HostApi> Gateway<H> {
     /// A gateway for `config`, its stats defined.
     pub fn new(config: Config, host: H) -> Gateway<H> {
-        let metrics = Metrics::new(&host);
+        let stats = Stats::new(&host);
         Gateway {
             host,
             prefill: PrefillModel::new(config.prefill_bytes_per_ms),
             router: Router::new(config),
-            metrics,
-            inflight: counters::Local::default(),
+            stats,
+            inflight: in_flight::Local::default(),
             snapshot: Snapshot::new(),
             snapshot_cas: None,
             suspects: Suspects::new(),
@@ -112,12 +112,12 @@ impl<H: HostApi> Gateway<H> {
         let mono = self.clock.advance(now, tick_ms.max(1));
         self.refresh_snapshot();
         self.flush_inflight();
-        self.metrics.flush(&self.host);
+        self.stats.flush(&self.host);
         self.snapshot_age.observe(self.snapshot_cas, mono);
         self.refresh_suspects(now);
-        let completed = endpoints::completed(&self.snapshot);
+        let completed = hosts::completed(&self.snapshot);
         let placed = self.router.tick(&self.host, now, &completed);
-        self.metrics
+        self.stats
             .gauge(&self.host, Gauge::GroupsPlaced, placed as u64);
         let config = &self.router.config;
         if let Some(admin) = config.admin_cluster.clone() {
@@ -167,7 +167,7 @@ impl<H: HostApi> Gateway<H> {
         let Gateway {
             host,
             inflight,
-            metrics,
+            stats,
             snapshot,
             router,
             ..
@@ -175,16 +175,16 @@ impl<H: HostApi> Gateway<H> {
         let polled = snapshot.values().flatten().map(|h| h.addr.as_str());
         let count = |addr: &str| u64::from(inflight.inflight(endpoint_id(addr)));
         for addr in polled.chain(router.config.endpoints.iter().map(String::as_str)) {
-            if !metrics.shows_inflight(addr) {
-                metrics.inflight(host, addr, count(addr));
+            if !stats.shows_inflight(addr) {
+                stats.inflight(host, addr, count(addr));
             }
         }
-        metrics.refresh_inflight(host, count);
+        stats.refresh_inflight(host, count);
     }
 
-    /// The hosts a request to `cluster` may go to ([`hosts`]).
+    /// The hosts a request to `cluster` may go to ([`candidate_hosts`]).
     fn hosts(&self, cluster: Option<&str>, now_ms: u64) -> Option<Cow<'_, [Host]>> {
-        hosts(
+        candidate_hosts(
             &self.router.config,
             &self.snapshot,
             &self.suspects,
@@ -212,7 +212,7 @@ impl<H: HostApi> Gateway<H> {
             return;
         }
         suspects::mark_shared(&self.host, shared_keys::SUSPECTS, addr, now_ms);
-        self.metrics.count(&self.host, Counter::SuspectMarked);
+        self.stats.count(&self.host, Counter::SuspectMarked);
         self.host.log(
             Level::Info,
             &format!(
@@ -229,8 +229,7 @@ impl<H: HostApi> Gateway<H> {
             let learned = shared.map_or(0, |shared| self.suspects.merge(&shared, now_ms));
             if learned > 0 {
                 let learned = learned as i64;
-                self.metrics
-                    .add(&self.host, Counter::SuspectLearned, learned);
+                self.stats.add(&self.host, Counter::SuspectLearned, learned);
             }
             self.suspects_cas = cas;
         }
@@ -252,7 +251,7 @@ impl<H: HostApi> Gateway<H> {
         if cas == self.snapshot_cas {
             return;
         }
-        if let Some(snapshot) = value.as_deref().and_then(endpoints::decode_snapshot) {
+        if let Some(snapshot) = value.as_deref().and_then(hosts::decode_snapshot) {
             self.snapshot = snapshot;
             self.snapshot_cas = cas;
         }
@@ -263,7 +262,7 @@ impl<H: HostApi> Gateway<H> {
 /// load from the last poll where known), else the cluster's hosts from the last poll. Borrowed
 /// from the snapshot in the common case: nothing is copied per request. A suspect endpoint is
 /// reported unhealthy, so the router's candidate filter drops it.
-fn hosts<'s>(
+fn candidate_hosts<'s>(
     config: &Config,
     snapshot: &'s Snapshot,
     suspects: &Suspects,

@@ -11,10 +11,10 @@ use super::host::{HostApi, Level};
 use super::stat_names::{Counter, Gauge};
 use super::Gateway;
 use crate::config::Config;
-use crate::counters;
-use crate::endpoints::{self, Snapshot};
-use crate::engine::{self, EngineLoad, EngineLoads, Metrics, Own};
-use crate::engine_index::{EngineIndex, Feed, Status};
+use crate::engine_load::{self, EngineLoad, EngineLoads, Metrics, Own};
+use crate::holders::engine::{EngineIndex, Feed, Status};
+use crate::hosts::{self, Snapshot};
+use crate::in_flight;
 use crate::rendezvous::endpoint_id;
 use crate::shared_keys;
 use crate::store::{self, SharedStore};
@@ -59,17 +59,17 @@ impl<H: HostApi> Gateway<H> {
         // Calls of the last round still unanswered after a whole interval (a jammed admin or
         // engine) failed: their late answers are ignored, so count them here or never.
         if self.poller.admin.take().is_some() {
-            self.metrics.count(&self.host, Counter::StatsPollFailed);
+            self.stats.count(&self.host, Counter::StatsPollFailed);
         }
         let late = [
             (self.poller.engines.len(), Counter::EnginePollFailed),
             (self.poller.loads.len(), Counter::LoadsPollFailed),
         ];
         for (n, counter) in late.into_iter().filter(|(n, _)| *n > 0) {
-            self.metrics.add(&self.host, counter, n as i64);
+            self.stats.add(&self.host, counter, n as i64);
         }
         if self.poller.index.take().is_some() {
-            self.metrics.count(&self.host, Counter::IndexPollFailed);
+            self.stats.count(&self.host, Counter::IndexPollFailed);
         }
         self.poller.reports.clear();
         self.poller.engines.clear();
@@ -78,18 +78,16 @@ impl<H: HostApi> Gateway<H> {
         let Gateway {
             host,
             router,
-            metrics,
+            stats,
             snapshot,
             poller,
             ..
         } = self;
         let config = &router.config;
         let timeout_ms = config.stats_interval_ms.max(1000);
-        let keep = endpoints::PolledClusters::new(
-            &config.clusters,
-            config.engine_metrics_cluster.as_deref(),
-        );
-        let path = endpoints::admin_clusters_path(keep);
+        let keep =
+            hosts::PolledClusters::new(&config.clusters, config.engine_metrics_cluster.as_deref());
+        let path = hosts::admin_clusters_path(keep);
         let headers = [
             (":method", "GET"),
             (":path", path.as_str()),
@@ -97,7 +95,7 @@ impl<H: HostApi> Gateway<H> {
         ];
         match host.http_call(admin_cluster, &headers, timeout_ms) {
             Some(token) => poller.admin = Some(token),
-            None => metrics.count(host, Counter::StatsPollFailed),
+            None => stats.count(host, Counter::StatsPollFailed),
         }
         let Some(cluster) = config.engine_metrics_cluster.as_deref() else {
             return;
@@ -110,7 +108,7 @@ impl<H: HostApi> Gateway<H> {
                 Some(token) => {
                     poller.engines.insert(token, h.addr.clone());
                 }
-                None => metrics.count(host, Counter::EnginePollFailed),
+                None => stats.count(host, Counter::EnginePollFailed),
             }
         }
     }
@@ -121,11 +119,11 @@ impl<H: HostApi> Gateway<H> {
         let Some(cluster) = config.engine_metrics_cluster.as_deref() else {
             return;
         };
-        match engine_call(&self.host, config, cluster, addr, engine::LOADS_PATH) {
+        match engine_call(&self.host, config, cluster, addr, engine_load::LOADS_PATH) {
             Some(token) => {
                 self.poller.loads.insert(token, addr.to_string());
             }
-            None => self.metrics.count(&self.host, Counter::LoadsPollFailed),
+            None => self.stats.count(&self.host, Counter::LoadsPollFailed),
         }
     }
 
@@ -146,7 +144,7 @@ impl<H: HostApi> Gateway<H> {
         let timeout_ms = config.stats_interval_ms.max(1000);
         match self.host.http_call(cluster, &headers, timeout_ms) {
             Some(token) => self.poller.index = Some(token),
-            None => self.metrics.count(&self.host, Counter::IndexPollFailed),
+            None => self.stats.count(&self.host, Counter::IndexPollFailed),
         }
     }
 
@@ -154,13 +152,13 @@ impl<H: HostApi> Gateway<H> {
     fn index_answer(&mut self, body: Option<Vec<u8>>) {
         let feed = body.and_then(|b| serde_json::from_slice::<Feed>(&b).ok());
         let Some(feed) = feed else {
-            self.metrics.count(&self.host, Counter::IndexPollFailed);
+            self.stats.count(&self.host, Counter::IndexPollFailed);
             return;
         };
         let capacity = self.router.config.engine_index_capacity;
         let now = self.host.now_ms();
         let applied = EngineIndex::new(&self.host, capacity).apply(&feed, now);
-        let (h, m) = (&self.host, &mut self.metrics);
+        let (h, m) = (&self.host, &mut self.stats);
         match applied {
             Ok(applied) => {
                 m.count(h, Counter::IndexPollOk);
@@ -197,7 +195,7 @@ impl<H: HostApi> Gateway<H> {
             }
             self.poller.snapshot = snapshot;
         } else if let Some(addr) = self.poller.engines.remove(&token) {
-            match ok_body.as_deref().and_then(engine::parse) {
+            match ok_body.as_deref().and_then(engine_load::parse) {
                 Some(metrics) => {
                     // What kvroute itself has there as the engine answers: what it sends from
                     // now on comes on top of the engine's numbers.
@@ -210,21 +208,21 @@ impl<H: HostApi> Gateway<H> {
                         self.dispatch_loads_poll(&addr);
                     }
                     self.poller.reports.insert(addr, (metrics, own));
-                    self.metrics.count(&self.host, Counter::EnginePollOk);
+                    self.stats.count(&self.host, Counter::EnginePollOk);
                 }
-                None => self.metrics.count(&self.host, Counter::EnginePollFailed),
+                None => self.stats.count(&self.host, Counter::EnginePollFailed),
             }
         } else if let Some(addr) = self.poller.loads.remove(&token) {
-            let tokens = ok_body.as_deref().and_then(engine::parse_loads);
+            let tokens = ok_body.as_deref().and_then(engine_load::parse_loads);
             let report = self.poller.reports.get_mut(&addr);
             match tokens.zip(report) {
                 Some((tokens, (metrics, own))) => {
                     metrics.waiting_uncached_tokens = Some(tokens);
                     // The queue as the snapshot saw it, against kvroute's own prefill then.
                     own.prefill = self.inflight.prefill(endpoint_id(&addr));
-                    self.metrics.count(&self.host, Counter::LoadsPollOk);
+                    self.stats.count(&self.host, Counter::LoadsPollOk);
                 }
-                None => self.metrics.count(&self.host, Counter::LoadsPollFailed),
+                None => self.stats.count(&self.host, Counter::LoadsPollFailed),
             }
         }
         let answered = self.poller.engines.is_empty() && self.poller.loads.is_empty();
@@ -249,7 +247,7 @@ impl<H: HostApi> Gateway<H> {
                 a.0 = a.0.max(h.rq_active);
             }
         }
-        let table = counters::read(&self.host);
+        let table = in_flight::read(&self.host);
         let mut excess = HashMap::new();
         let mut caps = Vec::new();
         for (&id, &(rq_active, _)) in &active {
@@ -272,16 +270,16 @@ impl<H: HostApi> Gateway<H> {
         if caps.is_empty() {
             return;
         }
-        let removed = counters::correct(&self.host, &caps);
+        let removed = in_flight::correct(&self.host, &caps);
         if removed > 0 {
             let removed = removed as i64;
-            (self.metrics).add(&self.host, Counter::InflightCorrected, removed);
+            (self.stats).add(&self.host, Counter::InflightCorrected, removed);
             // Shown now, from the corrected table, rather than at this worker's next flush.
-            let table = counters::read(&self.host);
+            let table = in_flight::read(&self.host);
             for (id, _) in &caps {
                 if let Some((_, addr)) = active.get(id) {
                     let count = u64::from(table.inflight(*id));
-                    self.metrics.inflight(&self.host, addr, count);
+                    self.stats.inflight(&self.host, addr, count);
                 }
             }
         }
@@ -295,15 +293,13 @@ impl<H: HostApi> Gateway<H> {
             let stale = loads.values().filter(|l| l.stale()).count();
             if stale > 0 {
                 let stale = stale as i64;
-                (self.metrics).add(&self.host, Counter::EnginePollStale, stale);
+                (self.stats).add(&self.host, Counter::EnginePollStale, stale);
             }
-            endpoints::apply_engine_loads(&mut snapshot, &loads);
+            hosts::apply_engine_loads(&mut snapshot, &loads);
         }
-        let _ = self.host.set(
-            shared_keys::HOSTS,
-            &endpoints::encode_snapshot(&snapshot),
-            None,
-        );
+        let _ = self
+            .host
+            .set(shared_keys::HOSTS, &hosts::encode_snapshot(&snapshot), None);
         self.refresh_snapshot();
     }
 
@@ -312,11 +308,11 @@ impl<H: HostApi> Gateway<H> {
         let config = &self.router.config;
         let parsed = match body {
             Some(body) => {
-                let keep = endpoints::PolledClusters::new(
+                let keep = hosts::PolledClusters::new(
                     &config.clusters,
                     config.engine_metrics_cluster.as_deref(),
                 );
-                endpoints::parse_admin_clusters(&body, keep)
+                hosts::parse_admin_clusters(&body, keep)
             }
             None => Err(format!("admin answered status {status:?}")),
         };
@@ -325,7 +321,7 @@ impl<H: HostApi> Gateway<H> {
             Err(e) => {
                 let message = format!("kvroute: stats poll failed: {e}");
                 self.host.log(Level::Warn, &message);
-                self.metrics.count(&self.host, Counter::StatsPollFailed);
+                self.stats.count(&self.host, Counter::StatsPollFailed);
                 return None;
             }
         };
@@ -335,9 +331,9 @@ impl<H: HostApi> Gateway<H> {
             .flat_map(|(_, hosts)| hosts)
             .filter(|h| h.healthy)
             .count();
-        self.metrics
+        self.stats
             .gauge(&self.host, Gauge::EndpointsKnown, known as u64);
-        self.metrics.count(&self.host, Counter::StatsPollOk);
+        self.stats.count(&self.host, Counter::StatsPollOk);
         Some(snapshot)
     }
 }

@@ -152,7 +152,7 @@ impl<H: HostApi> Gateway<H> {
             let waited = at.saturating_sub(p.routed_ms);
             let work = p.expected.ahead + p.expected.uncached;
             self.prefill.first_byte(*id, work, waited);
-            self.metrics
+            self.stats
                 .ttft_estimate(&self.host, addr, p.expected.ttft_ms, waited);
         }
     }
@@ -191,7 +191,7 @@ impl<H: HostApi> Gateway<H> {
             self.inflight.add_prefill(*id, -bytes);
             self.inflight.add_prefill(served_id, bytes);
         }
-        self.metrics.count(&self.host, Counter::ServedElsewhere);
+        self.stats.count(&self.host, Counter::ServedElsewhere);
         ex.counted = Some((served_id, served.clone()));
     }
 
@@ -200,7 +200,7 @@ impl<H: HostApi> Gateway<H> {
     fn settle(&mut self, ex: &mut Exchange, ok: bool, usage: Option<Usage>) {
         let usage = usage.filter(|_| ok);
         if let Some(u) = usage {
-            self.metrics.usage(ex.served.as_deref(), u);
+            self.stats.usage(ex.served.as_deref(), u);
         }
         let Some(chosen) = ex.chosen.take() else {
             return;
@@ -214,7 +214,7 @@ impl<H: HostApi> Gateway<H> {
             now_ms: &|| host.now_ms(),
         };
         let settled = self.router.answered(host, chosen.ticket, &answer);
-        let m = &mut self.metrics;
+        let m = &mut self.stats;
         if settled.eviction_seen {
             m.count(host, Counter::EvictionsSeen);
         }

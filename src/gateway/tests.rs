@@ -2,7 +2,7 @@
 
 use super::testing::{MemoryHost, MemoryStream};
 use super::*;
-use crate::counters;
+use crate::in_flight;
 use crate::policy::Decision;
 use crate::rendezvous::endpoint_id;
 use crate::router::Fallback;
@@ -69,7 +69,7 @@ fn usage_body(prompt: u64, cached: u64) -> Vec<u8> {
 
 /// The shared in-flight count of endpoint `addr`.
 fn inflight(gw: &Gateway<MemoryHost>, addr: &str) -> u32 {
-    counters::read(&*gw.host().store).inflight(endpoint_id(addr))
+    in_flight::read(&*gw.host().store).inflight(endpoint_id(addr))
 }
 
 #[test]
@@ -139,7 +139,7 @@ fn a_request_routed_then_served_by_another_host_after_a_retry_settles_there_and_
     assert_eq!(inflight(&gw, &chosen), 0);
     assert_eq!(inflight(&gw, &retried), 0);
     assert!(
-        counters::read(&*gw.host().store).counts.is_empty(),
+        in_flight::read(&*gw.host().store).counts.is_empty(),
         "counts back to zero"
     );
     let chosen_seg = crate::usage::stat_segment(&chosen);
@@ -220,7 +220,7 @@ fn a_response_its_chosen_host_served_keeps_the_affinity_and_blames_nobody() {
     assert_eq!(h.stat(Counter::ServedElsewhere.name()), 0);
     assert_eq!(h.stat(Counter::AffinityWithdrawn.name()), 0);
     assert_eq!(h.stat(Counter::UsageCachedTokens.name()), 100);
-    assert!(counters::read(&*h.store).counts.is_empty());
+    assert!(in_flight::read(&*h.store).counts.is_empty());
 }
 
 /// A gateway that routed one request, answered by the endpoint it chose with `status` and
@@ -240,7 +240,7 @@ fn answered_by_chosen(status: u16, flags: u64, complete: bool) -> Gateway<Memory
     gw.on_response_headers(&mut ex, complete, &response);
     gw.on_end(&mut ex, &response);
     gw.tick(100);
-    assert!(counters::read(&*gw.host().store).counts.is_empty());
+    assert!(in_flight::read(&*gw.host().store).counts.is_empty());
     gw
 }
 
@@ -371,12 +371,12 @@ fn the_first_poll_publishes_the_hosts_and_requests_wait_for_it() {
 /// Counts `n` requests in flight at endpoint `id` in the shared table, as another worker's flush
 /// would.
 fn in_flight_elsewhere(gw: &Gateway<MemoryHost>, id: u32, n: i64) {
-    let d = counters::Delta {
+    let d = in_flight::Delta {
         id,
         inflight: n,
         prefill: 0,
     };
-    counters::add_all(&*gw.host().store, &[d]);
+    in_flight::add_all(&*gw.host().store, &[d]);
 }
 
 #[test]
@@ -552,7 +552,7 @@ fn a_subset_with_no_eligible_endpoint_falls_back_as_no_healthy_endpoint() {
 
 /// The shared queued prefill of endpoint `addr`.
 fn queued_prefill(gw: &Gateway<MemoryHost>, addr: &str) -> u32 {
-    counters::read(&*gw.host().store).prefill(endpoint_id(addr))
+    in_flight::read(&*gw.host().store).prefill(endpoint_id(addr))
 }
 
 #[test]
@@ -656,7 +656,7 @@ fn an_sglang_engines_load_snapshot_gives_the_prefill_queued_there() {
     gw.on_poll_answer(admin.0, Some(200), Some(admin_answer(&[0, 0, 0, 0])));
     let loads = gw.host().take_calls();
     let paths: Vec<&str> = loads.iter().map(|c| c.2.as_str()).collect();
-    assert_eq!(paths, [crate::engine::LOADS_PATH; 2]);
+    assert_eq!(paths, [crate::engine_load::LOADS_PATH; 2]);
     let page = b"sglang_num_waiting_uncached_tokens{dp_rank=\"0\"} 5000\n";
     gw.on_poll_answer(loads[0].0, Some(200), Some(page.to_vec()));
     gw.on_poll_answer(loads[1].0, Some(404), None);

@@ -5,9 +5,8 @@
 //! fallback decides. Revisers come last: each may send the request elsewhere, weighing its signal
 //! against the pick itself rather than scoring candidates alone.
 
-use super::cache_aware::Held;
 use super::{Candidate, Decision, Input};
-use crate::affinity::Match;
+use crate::holders::Held;
 
 /// What the stages see of one request.
 pub struct Scoring<'a> {
@@ -16,7 +15,7 @@ pub struct Scoring<'a> {
     /// Candidate indices in the order ties break in (the request's group order, its home first).
     pub order: &'a [usize],
     /// The longest prefix of the request some endpoint holds, from the policy's prefix index.
-    pub matched: Option<&'a Match>,
+    pub matched: Option<&'a Held>,
     /// Who the engines report holding the request's longest prefix (precise mode).
     pub engine: Option<&'a Held>,
     /// The candidates' mean load.

@@ -1,9 +1,11 @@
 //! Precise mode's signal: which endpoints' engines hold the longest prefix of a request, from the
-//! engine index ([`engine_index`](crate::engine_index)), and where that sends a request.
+//! engine index ([`holders::engine`](crate::holders::engine)), and where that sends a request.
 
-use crate::engine_index::{EngineIndex, Status};
+use crate::holders::engine::{EngineIndex, Status};
+use crate::holders::{Held, Holders};
+use crate::policy::pipeline::Scoring;
+use crate::policy::Input;
 use crate::policy::OverloadBound;
-use crate::policy::{Candidate, Input};
 
 /// How long a worker goes by the engine index's status it read (a request reads it again after
 /// that): the records it reads must be of the generation the status names, and a full resync
@@ -49,28 +51,16 @@ impl EngineHolders {
             .as_ref()
             .filter(|s| s.fresh(now, self.max_age_ms))?;
         let keys = &input.keys.keys;
-        let (depth, holders) =
-            EngineIndex::new(input.store, self.capacity).longest_match(keys, status)?;
-        ((depth as f64) >= self.cache_threshold * keys.len() as f64).then_some(Held {
-            holders,
-            depth,
-            history: depth > input.keys.head_chunks,
-        })
+        let index = EngineIndex::new(input.store, self.capacity);
+        let held = index.as_of(status).longest_match(keys, 0)?;
+        ((held.depth as f64) >= self.cache_threshold * keys.len() as f64).then_some(held)
     }
 }
 
-/// Who holds a request's longest engine-held prefix.
-pub struct Held {
-    pub holders: Vec<u32>,
-    /// Leading chunks of the request they hold.
-    pub depth: usize,
-    /// The prefix reaches past the request's head into its conversation's history.
-    pub history: bool,
-}
-
 /// The endpoint precise mode sends the request to instead of `placed`, the one the stages picked
-/// without the engine index, when the engines hold the request's longest prefix: `placed` itself
-/// if it is a holder; else the least loaded holder (ties to the earliest in the group's `order`)
+/// without the engine index, when the engines hold the request's longest prefix (`held`):
+/// `placed` itself if it is a holder; else the least loaded holder (ties to the earliest in the
+/// group's order)
 /// if its load (running and waiting) is within `placed`'s band. A hit saves the request's
 /// prefill, which is worth some wait, not any wait, and how much depends on what it saves:
 /// - a conversation's history is the request's alone, and nowhere else can it be had without
@@ -79,23 +69,19 @@ pub struct Held {
 ///   the group is split, this conversation): its holder keeps it only within `abs` of `placed`'s
 ///   load, so a group first served where the balanced assignment would not put it moves home
 ///   once its traffic weighs on that holder, and a split group's conversations reach their homes.
-pub fn instead_of(
-    placed: usize,
-    held: &Held,
-    candidates: &[Candidate],
-    order: &[usize],
-    band: &OverloadBound,
-) -> Option<usize> {
+pub fn instead_of(placed: usize, held: &Held, s: &Scoring, band: &OverloadBound) -> Option<usize> {
+    let candidates = s.candidates;
     let holds = |i: usize| held.holders.contains(&candidates[i].id);
     if holds(placed) {
         return Some(placed);
     }
     let load = |i: usize| candidates[i].load as f64;
-    let holder = order
+    let holder = (s.order)
         .iter()
         .copied()
         .filter(|&i| holds(i))
         .min_by_key(|&i| candidates[i].load)?;
-    let rel = if held.history { band.rel } else { 1.0 };
+    let history = held.depth > s.input.keys.head_chunks;
+    let rel = if history { band.rel } else { 1.0 };
     (load(holder) <= rel * load(placed) + band.abs as f64).then_some(holder)
 }

@@ -37,15 +37,15 @@ mod stages;
 #[cfg(test)]
 mod tests;
 
-pub use engine_prefix::{EngineHolders, Held};
+pub use engine_prefix::EngineHolders;
 pub use group_home::GroupHomes;
 pub use prefix_index::{AffinityIndex, Found, PrefixIndex, Recorded, REFRESH_MS};
 
 use super::load::{least_loaded, mean_load, rendezvous_order, OverloadBound};
 use super::pipeline::{self, Filter, Reviser, Scorer, Scoring};
 use super::{Answer, Candidate, Decision, Input, Pick, Policy, Settled, Ticket};
-use crate::affinity::Match;
 use crate::eviction::Predicted;
+use crate::holders::Held;
 use crate::store::SharedStore;
 
 /// Poll intervals (`stats_interval_ms`) a gateway waits, seeing groups, before it places them
@@ -117,8 +117,8 @@ impl CacheAware {
 
 /// Leading chunks of the request `c` is known to hold: the affinity map's longest match if it
 /// served it, the engines' longest held prefix if its engine reports it, the deeper.
-fn held_chunks(c: &Candidate, matched: Option<&Match>, engine: Option<&Held>) -> usize {
-    let served = matched.filter(|m| m.record.holders.contains(&c.id));
+fn held_chunks(c: &Candidate, matched: Option<&Held>, engine: Option<&Held>) -> usize {
+    let served = matched.filter(|m| m.holders.contains(&c.id));
     let reported = engine.filter(|e| e.holders.contains(&c.id));
     served
         .map_or(0, |m| m.depth)
@@ -151,10 +151,10 @@ impl Policy for CacheAware {
         let (index, decision) = pipeline::revise(&scoring, placed, &self.revisers);
         let chosen = &candidates[index];
         let chunks = held_chunks(chosen, matched, held.as_ref());
-        let served = matched.filter(|m| m.record.holders.contains(&chosen.id));
+        let served = matched.filter(|m| m.holders.contains(&chosen.id));
         let predicted = Predicted {
             held: served.map_or(0, |m| m.depth),
-            stamp_ms: served.map_or(0, |m| m.record.stamp_ms),
+            stamp_ms: served.and_then(|m| m.stamp_ms).unwrap_or(0),
             prompt_bytes: input.prompt_bytes,
             chunk_size: input.chunk_size,
             routed_ms: input.now_ms,

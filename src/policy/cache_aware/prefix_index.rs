@@ -4,8 +4,9 @@
 
 use hashbrown::HashMap;
 
-use crate::affinity::{AffinityMap, Match};
 use crate::eviction::{self, Predicted};
+use crate::holders::affinity::AffinityMap;
+use crate::holders::{Held, Holders};
 use crate::policy::{Answer, Input, Settled};
 use crate::prefix::PrefixKeys;
 use crate::store::SharedStore;
@@ -18,7 +19,7 @@ pub const REFRESH_MS: u64 = 1000;
 /// that judged its holders, which also judge the holders of what the request then records.
 #[derive(Debug, Default)]
 pub struct Found {
-    pub matched: Option<Match>,
+    pub matched: Option<Held>,
     horizons: HashMap<u32, u64>,
 }
 
@@ -71,8 +72,8 @@ impl PrefixIndex for AffinityIndex {
         // Holders whose engines were since found to evict what they last used by then. Read
         // now, not on the tick: what any worker learnt counts from its next request on.
         let horizons = eviction::read(store);
-        let stamp = matched.record.stamp_ms;
-        (matched.record.holders).retain(|&h| eviction::still_held(&horizons, h, stamp));
+        let stamp = matched.stamp_ms.unwrap_or(0);
+        (matched.holders).retain(|&h| eviction::still_held(&horizons, h, stamp));
         Found {
             matched: Some(matched),
             horizons,
@@ -127,16 +128,11 @@ impl PrefixIndex for AffinityIndex {
 /// map), and the deepest matched one too when it is stale or lacks `endpoint`, which is what the
 /// next turn finds first. Without a match, every key past the head (the head's place is its
 /// group's home, which needs no record).
-fn first_to_record(
-    keys: &PrefixKeys,
-    matched: Option<&Match>,
-    endpoint: u32,
-    now_ms: u64,
-) -> usize {
+fn first_to_record(keys: &PrefixKeys, matched: Option<&Held>, endpoint: u32, now_ms: u64) -> usize {
     match matched {
         Some(m)
-            if m.record.holders.contains(&endpoint)
-                && now_ms.saturating_sub(m.record.stamp_ms) < REFRESH_MS =>
+            if m.holders.contains(&endpoint)
+                && now_ms.saturating_sub(m.stamp_ms.unwrap_or(0)) < REFRESH_MS =>
         {
             m.depth
         }

@@ -41,7 +41,10 @@ impl Scorer for HistoryHolder {
             return 0.0;
         }
         let c = &s.candidates[i];
-        let holds = m.record.holders.contains(&c.id) && c.keeps(m.record.stamp_ms, s.input.now_ms);
+        let kept = m
+            .stamp_ms
+            .is_none_or(|stamp| c.keeps(stamp, s.input.now_ms));
+        let holds = m.holders.contains(&c.id) && kept;
         if holds {
             1.0
         } else {
@@ -85,7 +88,7 @@ pub struct EngineHolder(pub OverloadBound);
 impl Reviser for EngineHolder {
     fn revise(&self, s: &Scoring, picked: usize) -> Option<(usize, Decision)> {
         let held = s.engine?;
-        let holder = engine_prefix::instead_of(picked, held, s.candidates, s.order, &self.0)?;
+        let holder = engine_prefix::instead_of(picked, held, s, &self.0)?;
         Some((holder, Decision::Engine))
     }
 }

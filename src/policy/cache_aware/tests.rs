@@ -1,8 +1,8 @@
 //! The cascade's decisions, pinned: the picks the stages make for given inputs.
 
 use super::*;
-use crate::affinity::AffinityMap;
 use crate::eviction;
+use crate::holders::affinity::AffinityMap;
 use crate::placement::leader;
 use crate::policy::testing::{candidates, input, keys, overload};
 use crate::policy::{Candidate, Decision, Input, Pick, Policy};
@@ -14,7 +14,7 @@ fn policy() -> CacheAware {
 }
 
 /// What the pick's lookup found in the affinity map.
-fn matched(pick: &Pick) -> Option<&Match> {
+fn matched(pick: &Pick) -> Option<&Held> {
     pick.ticket.0.as_ref()?.found.matched.as_ref()
 }
 
@@ -472,7 +472,7 @@ fn indexed(
     depth: usize,
     now: u64,
 ) -> CacheAware {
-    let feed = crate::engine_index::Feed {
+    let feed = crate::holders::engine::Feed {
         epoch: 1,
         version: 1,
         full: true,
@@ -480,7 +480,7 @@ fn indexed(
         stale: Vec::new(),
         changes: keys.keys[..depth].iter().map(|&k| (0, 1, k)).collect(),
     };
-    crate::engine_index::EngineIndex::new(store, 64)
+    crate::holders::engine::EngineIndex::new(store, 64)
         .apply(&feed, now)
         .unwrap();
     policy().with_engine_index(EngineHolders::new(64, 1000, 0.3))
@@ -589,7 +589,7 @@ fn where_the_home_holds_the_prefix_too_the_home_keeps_it_however_busy_the_others
     let (mut c, home, other) = home_and_next(&keys);
     let store = MemoryStore::new();
     let held = |e: usize| keys.keys.iter().map(move |&k| (e, 1, k));
-    let feed = crate::engine_index::Feed {
+    let feed = crate::holders::engine::Feed {
         epoch: 1,
         version: 1,
         full: true,
@@ -597,7 +597,7 @@ fn where_the_home_holds_the_prefix_too_the_home_keeps_it_however_busy_the_others
         stale: Vec::new(),
         changes: held(0).chain(held(1)).collect(),
     };
-    crate::engine_index::EngineIndex::new(&store, 64)
+    crate::holders::engine::EngineIndex::new(&store, 64)
         .apply(&feed, 1)
         .unwrap();
     let mut p = policy().with_engine_index(EngineHolders::new(64, 1000, 0.3));

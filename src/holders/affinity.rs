@@ -11,8 +11,8 @@
 //! galloping back from its last key (the newest keys of a conversation are the ones its next turn
 //! finds), then bisecting: about 2·log2(new chunks) reads. Older keys of a conversation are never
 //! refreshed and age out of their slots first, which a search from the end does not mind.
+use super::{slots, Held, Holders};
 use crate::shared_keys;
-use crate::slots;
 use crate::store::{self, SharedStore, Update};
 
 /// Records per slot.
@@ -32,16 +32,7 @@ pub struct Record {
     pub holders: Vec<u32>,
 }
 
-/// The longest prefix some endpoint holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Match {
-    /// Number of leading chunk keys found.
-    pub depth: usize,
-    /// The record of the deepest key found.
-    pub record: Record,
-}
-
-/// The affinity table over a [`SharedStore`].
+/// The affinity table over a [`SharedStore`]; a held prefix's stamp is its deepest key's last use.
 pub struct AffinityMap<'s, S: SharedStore + ?Sized> {
     store: &'s S,
     capacity: u32,
@@ -64,15 +55,6 @@ impl<'s, S: SharedStore + ?Sized> AffinityMap<'s, S> {
     pub fn get(&self, key: u64) -> Option<Record> {
         let (value, _) = self.store.get(&self.slot_key(key));
         find(value.as_deref()?, key)
-    }
-
-    /// The deepest of `keys[from..]` present in the map, as the number of leading keys it stands
-    /// for (chained keys: the key of chunk i implies the whole prefix up to it). Probes the last
-    /// key, then 2, 4, 8, ... back from it, then bisects between the deepest hit and the
-    /// shallowest miss above it.
-    pub fn longest_match(&self, keys: &[u64], from: usize) -> Option<Match> {
-        let (depth, record) = slots::longest(keys.len(), from, |i| self.get(keys[i]))?;
-        Some(Match { depth, record })
     }
 
     /// Records that `endpoint` now holds the prefixes `keys`, stamped `now_ms`. Returns how many
@@ -159,6 +141,19 @@ impl<'s, S: SharedStore + ?Sized> AffinityMap<'s, S> {
     }
 }
 
+impl<S: SharedStore + ?Sized> Holders for AffinityMap<'_, S> {
+    /// Probes the last key, then 2, 4, 8, ... back from it, then bisects between the deepest hit
+    /// and the shallowest miss above it.
+    fn longest_match(&self, keys: &[u64], from: usize) -> Option<Held> {
+        let (depth, record) = slots::longest(keys.len(), from, |i| self.get(keys[i]))?;
+        Some(Held {
+            depth,
+            holders: record.holders,
+            stamp_ms: Some(record.stamp_ms),
+        })
+    }
+}
+
 fn encode(records: &[Record]) -> Vec<u8> {
     let mut out = Vec::with_capacity(1 + records.len() * RECORD_LEN);
     out.push(VERSION);
@@ -210,7 +205,7 @@ mod tests {
         map.record(&[1, 2, 3, 4, 5], 7, 100);
         let m = map.longest_match(&[1, 2, 3, 9, 9, 9, 9], 0).unwrap();
         assert_eq!(m.depth, 3);
-        assert_eq!(m.record.holders, vec![7]);
+        assert_eq!((m.holders, m.stamp_ms), (vec![7], Some(100)));
         let full = map.longest_match(&[1, 2, 3, 4, 5], 0).unwrap();
         assert_eq!(full.depth, 5);
         assert!(map.longest_match(&[8, 12, 13], 0).is_none());
@@ -246,7 +241,7 @@ mod tests {
         turn2.extend(1000..1003);
         store.1.set(0);
         let m = map.longest_match(&turn2, 10).unwrap();
-        assert_eq!((m.depth, m.record.holders.clone()), (200, vec![4]));
+        assert_eq!((m.depth, m.holders.clone()), (200, vec![4]));
         assert!(store.1.get() <= 5, "{} reads", store.1.get());
     }
 

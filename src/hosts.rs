@@ -7,7 +7,7 @@ use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess,
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
-use crate::engine::{EngineLoad, EngineLoads};
+use crate::engine_load::{EngineLoad, EngineLoads};
 use crate::rendezvous::endpoint_id;
 
 /// One upstream host as Envoy sees it.

@@ -4,7 +4,7 @@
 //! Stats of the same name are one stat across all worker VMs. A request formats no stat name
 //! and hashes none but its endpoint's address (for per-endpoint gauges, resolved when the
 //! endpoint is first seen); the decisions and the engines' reported usage cost no metric call per
-//! request: [`Metrics::flush`] writes them.
+//! request: [`Stats::flush`] writes them.
 
 use hashbrown::HashMap;
 use strum::{EnumCount, VariantArray};
@@ -17,7 +17,7 @@ use crate::template::Outcome;
 use crate::usage::{self, Usage};
 
 #[derive(Default)]
-pub struct Metrics {
+pub struct Stats {
     ids: HashMap<String, u32>,
     routed: [Option<u32>; Decision::COUNT],
     fallback: [Option<u32>; Fallback::COUNT],
@@ -49,11 +49,11 @@ struct Unwritten {
     by_endpoint: HashMap<String, [i64; 2]>,
 }
 
-impl Metrics {
+impl Stats {
     /// Defines the per-request metrics and the counters (all at zero, so dashboards see them
     /// before they move).
-    pub fn new<H: HostApi + ?Sized>(h: &H) -> Metrics {
-        let mut m = Metrics::default();
+    pub fn new<H: HostApi + ?Sized>(h: &H) -> Stats {
+        let mut m = Stats::default();
         for &d in Decision::VARIANTS {
             m.routed[d as usize] = m.id(h, MetricKind::Counter, &stat_names::routed(d));
         }
@@ -122,7 +122,7 @@ impl Metrics {
         if self.inflight_shown.get(addr) == Some(&value) {
             return;
         }
-        let Metrics {
+        let Stats {
             ids,
             inflight,
             inflight_shown,
@@ -146,7 +146,7 @@ impl Metrics {
     /// Rewrites every in-flight gauge this worker has shown whose count (`count` of its address)
     /// moved since, also of an endpoint no longer polled whose last requests just ended.
     pub fn refresh_inflight<H: HostApi + ?Sized>(&mut self, h: &H, count: impl Fn(&str) -> u64) {
-        let Metrics {
+        let Stats {
             inflight,
             inflight_shown,
             ..
@@ -174,7 +174,7 @@ impl Metrics {
         expected_ms: f64,
         measured_ms: u64,
     ) {
-        let Metrics {
+        let Stats {
             ids, ttft_estimate, ..
         } = self;
         let resolved = per_endpoint(h, ids, ttft_estimate, addr, |seg| {
@@ -212,7 +212,7 @@ impl Metrics {
         if self.unwritten.responses == 0 {
             return;
         }
-        let Metrics {
+        let Stats {
             ids,
             usage,
             unwritten,

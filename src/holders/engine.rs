@@ -17,9 +17,9 @@
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
+use super::{slots, Held, Holders};
 use crate::rendezvous::endpoint_id;
 use crate::shared_keys;
-use crate::slots;
 use crate::store::{self, SharedStore, Update};
 
 /// Records per slot.
@@ -155,11 +155,12 @@ impl<'s, S: SharedStore + ?Sized> EngineIndex<'s, S> {
         (!holders.is_empty()).then_some(holders)
     }
 
-    /// The deepest of `keys` some engine holds, as the number of leading keys it stands for, and
-    /// who holds it. Engines hold a prefix's blocks from the first, so presence is monotone along
-    /// the chain: probes the last key, then 2, 4, 8, ... back from it, then bisects.
-    pub fn longest_match(&self, keys: &[u64], status: &Status) -> Option<(usize, Vec<u32>)> {
-        slots::longest(keys.len(), 0, |i| self.holders(keys[i], status))
+    /// The index as `status` has it (its generation, its stale endpoints), to look prefixes up in.
+    pub fn as_of<'a>(&'a self, status: &'a Status) -> AsOf<'a, 's, S> {
+        AsOf {
+            index: self,
+            status,
+        }
     }
 
     /// Applies one answer of the feed, at `now_ms`, and records the new status. Changes are
@@ -215,6 +216,26 @@ impl<'s, S: SharedStore + ?Sized> EngineIndex<'s, S> {
         status.stale = feed.stale.iter().map(|a| endpoint_id(a)).collect();
         status.write(self.store);
         Ok(applied)
+    }
+}
+
+/// The engine index as one status has it.
+pub struct AsOf<'a, 's, S: SharedStore + ?Sized> {
+    index: &'a EngineIndex<'s, S>,
+    status: &'a Status,
+}
+
+impl<S: SharedStore + ?Sized> Holders for AsOf<'_, '_, S> {
+    /// Engines hold a prefix's blocks from the first, so presence is monotone along the chain:
+    /// probes the last key, then 2, 4, 8, ... back from it, then bisects.
+    fn longest_match(&self, keys: &[u64], from: usize) -> Option<Held> {
+        let found = |i: usize| self.index.holders(keys[i], self.status);
+        let (depth, holders) = slots::longest(keys.len(), from, found)?;
+        Some(Held {
+            depth,
+            holders,
+            stamp_ms: None,
+        })
     }
 }
 
@@ -319,12 +340,33 @@ mod tests {
         let s = status(&store);
         let (a, b) = (endpoint_id(A), endpoint_id(B));
         assert_eq!(
-            index.longest_match(&[1, 2, 3, 9, 9], &s),
+            index
+                .as_of(&s)
+                .longest_match(&[1, 2, 3, 9, 9], 0)
+                .map(|h| (h.depth, h.holders)),
             Some((3, vec![a]))
         );
-        assert_eq!(index.longest_match(&[1, 2, 8], &s), Some((2, vec![a, b])));
-        assert_eq!(index.longest_match(&[6, 7], &s), None);
-        assert_eq!(index.longest_match(&[], &s), None);
+        assert_eq!(
+            index
+                .as_of(&s)
+                .longest_match(&[1, 2, 8], 0)
+                .map(|h| (h.depth, h.holders)),
+            Some((2, vec![a, b]))
+        );
+        assert_eq!(
+            index
+                .as_of(&s)
+                .longest_match(&[6, 7], 0)
+                .map(|h| (h.depth, h.holders)),
+            None
+        );
+        assert_eq!(
+            index
+                .as_of(&s)
+                .longest_match(&[], 0)
+                .map(|h| (h.depth, h.holders)),
+            None
+        );
     }
 
     #[test]
@@ -384,7 +426,10 @@ mod tests {
         index.apply(&answer, 100).unwrap();
         let s = status(&store);
         assert_eq!(
-            index.longest_match(&[1, 2], &s),
+            index
+                .as_of(&s)
+                .longest_match(&[1, 2], 0)
+                .map(|h| (h.depth, h.holders)),
             Some((1, vec![endpoint_id(A)]))
         );
         assert!(s.fresh(1100, 1000));
