@@ -1,31 +1,10 @@
 //! kvroute-bench: drives one workload through several routers, each against a fresh simulated
 //! fleet, and writes results.json / results.md / ttft.svg. `demo` is the short `make run` tour.
 
-mod ceiling;
-mod compare;
-mod demo;
-mod driver;
-mod epp;
-mod instructions;
-mod keys;
-mod lab;
-mod misses;
-mod oracle;
-mod overhead;
-mod paths;
-mod peers;
-mod precise;
-mod precise_lines;
-mod real_fleet;
-mod repeats;
-mod report;
-mod routers;
-mod sim_process;
-mod stamp;
-mod stats;
-mod workload;
-
 use clap::{Parser, Subcommand};
+use kvroute_bench::{
+    cli, compare, demo, keys, lab, precise_lines, repeats, report, routers, workload,
+};
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -105,49 +84,6 @@ enum Cmd {
         /// lines (repeatable).
         #[arg(long, value_name = "FILE")]
         readme: Vec<PathBuf>,
-    },
-    /// CPU per request and latency kvroute adds, as a filter and as kvroute-epp, next to plain
-    /// Envoy, the floor filter, smg and vllm-router, all measured in one interleaved run.
-    Overhead {
-        /// Seconds per measured phase.
-        #[arg(long, default_value_t = 10)]
-        seconds: u64,
-        /// kvroute plugin config laid over the shipped one (JSON object), e.g.
-        /// '{"policy":"round_robin"}'; kvroute-epp runs with the same.
-        #[arg(long, default_value = "{}")]
-        plugin_config: String,
-        /// The configs to measure, comma-separated (plain, the baseline, always runs), e.g.
-        /// `floor,kvroute` to compare builds quickly. Default: all.
-        #[arg(long, value_delimiter = ',')]
-        configs: Vec<String>,
-        /// Also write the rows (config, prompt_bytes, cpu_us_per_request, added_p50_us,
-        /// added_p99_us, ...) as JSON to FILE.
-        #[arg(long, value_name = "FILE")]
-        json: Option<PathBuf>,
-        /// Also measure this other build of the filter, as config `kvroute-b`, side by side with
-        /// `kvroute` (a change's cost: before and after).
-        #[arg(long, value_name = "WASM")]
-        compare_wasm: Option<PathBuf>,
-    },
-    /// Instructions per request of plain Envoy, the floor filter and kvroute, each Envoy run
-    /// under valgrind's callgrind: counts that do not move with the machine's load (minutes).
-    Instructions {
-        /// Requests counted per config and prompt size.
-        #[arg(long, default_value_t = 200)]
-        requests: usize,
-        /// kvroute plugin config laid over the shipped one (JSON object).
-        #[arg(long, default_value = "{}")]
-        plugin_config: String,
-        /// The configs to count, comma-separated (plain, the baseline, always runs). Default: all.
-        #[arg(long, value_delimiter = ',')]
-        configs: Vec<String>,
-        /// Also count this other build of the filter, as config `kvroute-b`.
-        #[arg(long, value_name = "WASM")]
-        compare_wasm: Option<PathBuf>,
-        /// Keep callgrind's dumps in DIR (one per config and kind, for `callgrind_annotate`)
-        /// instead of deleting them.
-        #[arg(long, value_name = "DIR")]
-        keep_dumps: Option<PathBuf>,
     },
     /// Routers against the simulator's engine model in virtual time (no sockets, no clock),
     /// every router on the same K workload seeds: each figure's mean and 95% interval, and with
@@ -240,109 +176,66 @@ enum Cmd {
 
 fn main() {
     let cli = Cli::parse();
+    if let Err(e) = run(cli.command) {
+        cli::fail("kvroute-bench", e);
+    }
+}
+
+fn run(command: Cmd) -> Result<(), String> {
     if let Cmd::Keys {
         chat_template,
         request,
         chunk_size,
         model,
         tokenizer_config,
-    } = &cli.command
+    } = &command
     {
-        let args = keys::KeysArgs {
+        return keys::keys(&keys::KeysArgs {
             chat_template,
             request,
             chunk_size: *chunk_size as usize,
             model: model.as_deref(),
             tokenizer_config: tokenizer_config.as_deref(),
-        };
-        if let Err(e) = keys::keys(&args) {
-            fail(e);
-        }
-        return;
+        });
     }
-    if let Some(outcome) = run_lab(&cli.command) {
-        if let Err(e) = outcome {
-            fail(e);
-        }
-        return;
+    if let Some(outcome) = run_lab(&command) {
+        return outcome;
     }
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => fail(format!("tokio runtime: {e}")),
-    };
-    let outcome = rt.block_on(async {
-        let work = async {
-            match cli.command {
-                Cmd::Compare {
-                    fleet,
-                    workload,
-                    routers,
-                    out,
-                    repeat,
-                    compare_wasm,
-                    envoy_workers,
-                } => {
-                    let b = compare_wasm.as_deref();
-                    let n = repeat as usize;
-                    run_compare(fleet, workload, routers, out, n, b, envoy_workers).await
-                }
-                Cmd::Demo { precise, epp } => demo::demo(precise, epp).await,
-                Cmd::Summary {
-                    results,
-                    workloads,
-                    readme,
-                } => {
-                    let table = report::summary(&results, &workloads)?;
-                    write_summary(&results, &table, "results", readme.as_slice())
-                }
-                Cmd::PreciseSummary { results, readme } => {
-                    let table = precise_lines::summary(&results)?;
-                    write_summary(&results, &table, "precise", &readme)
-                }
-                Cmd::Overhead {
-                    seconds,
-                    plugin_config,
-                    configs,
-                    json,
-                    compare_wasm,
-                } => {
-                    let config = parse_plugin_config(&plugin_config)?;
-                    let (json, b) = (json.as_deref(), compare_wasm.as_deref());
-                    overhead::overhead(seconds, config, &configs, json, b).await
-                }
-                Cmd::Instructions {
-                    requests,
-                    plugin_config,
-                    configs,
-                    compare_wasm,
-                    keep_dumps,
-                } => {
-                    let config = parse_plugin_config(&plugin_config)?;
-                    let (b, keep) = (compare_wasm.as_deref(), keep_dumps.as_deref());
-                    instructions::instructions(requests, config, &configs, b, keep).await
-                }
-                Cmd::Keys { .. }
-                | Cmd::Lab { .. }
-                | Cmd::LabPrecise { .. }
-                | Cmd::LabCalibrate { .. }
-                | Cmd::LabDiff { .. } => Ok(()),
+    cli::run_until_stopped(async {
+        match command {
+            Cmd::Compare {
+                fleet,
+                workload,
+                routers,
+                out,
+                repeat,
+                compare_wasm,
+                envoy_workers,
+            } => {
+                let b = compare_wasm.as_deref();
+                let n = repeat as usize;
+                run_compare(fleet, workload, routers, out, n, b, envoy_workers).await
             }
-        };
-        // Stopped by a signal, the run's future is dropped, and with it the Envoys, sims and peer
-        // routers it started (each kills its process on drop); a bare exit would leave them running.
-        tokio::select! {
-            outcome = work => outcome,
-            signal = stop_signal() => Err(format!("stopped by {signal}")),
+            Cmd::Demo { precise, epp } => demo::demo(precise, epp).await,
+            Cmd::Summary {
+                results,
+                workloads,
+                readme,
+            } => {
+                let table = report::summary(&results, &workloads)?;
+                write_summary(&results, &table, "results", readme.as_slice())
+            }
+            Cmd::PreciseSummary { results, readme } => {
+                let table = precise_lines::summary(&results)?;
+                write_summary(&results, &table, "precise", &readme)
+            }
+            Cmd::Keys { .. }
+            | Cmd::Lab { .. }
+            | Cmd::LabPrecise { .. }
+            | Cmd::LabCalibrate { .. }
+            | Cmd::LabDiff { .. } => Ok(()),
         }
-    });
-    // Tasks the run spawned hold processes too: end them before exiting.
-    rt.shutdown_timeout(std::time::Duration::from_secs(5));
-    if let Err(e) = outcome {
-        fail(e);
-    }
+    })
 }
 
 /// The lab's commands, which run on threads of their own rather than on the tokio runtime;
@@ -419,26 +312,6 @@ fn write_summary(
     Ok(())
 }
 
-/// `--plugin-config`: a JSON object laid over the shipped plugin config.
-fn parse_plugin_config(text: &str) -> Result<serde_json::Value, String> {
-    serde_json::from_str(text).map_err(|e| format!("--plugin-config: {e}"))
-}
-
-/// The first SIGINT or SIGTERM, by name; never, where signals cannot be watched.
-async fn stop_signal() -> &'static str {
-    use tokio::signal::unix::{signal, SignalKind};
-    match (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-    ) {
-        (Ok(mut int), Ok(mut term)) => tokio::select! {
-            _ = int.recv() => "SIGINT",
-            _ = term.recv() => "SIGTERM",
-        },
-        _ => std::future::pending().await,
-    }
-}
-
 async fn run_compare(
     fleet: PathBuf,
     workload: PathBuf,
@@ -477,9 +350,4 @@ async fn run_compare(
     println!("{}", results.markdown());
     eprintln!("wrote {}/results.json, results.md, ttft.svg", out.display());
     Ok(())
-}
-
-fn fail(msg: String) -> ! {
-    eprintln!("kvroute-bench: {msg}");
-    std::process::exit(1)
 }

@@ -9,7 +9,7 @@ use kvroute_harness::EnvoyOptions;
 use serde_json::Value;
 
 use super::Row;
-use crate::epp::{self, Gateway, Picker};
+use kvroute_bench::epp::{self, Gateway, Picker};
 
 /// The config's name, in table order after the precise ones.
 pub(crate) const CONFIG: &str = "kvroute-epp";
