@@ -92,7 +92,7 @@ bench-placement: deps build peers
 
 # Precise mode's lines: kvroute-precise first (repeats.md pairs it with each other router), a
 # workload on a fleet (agentic-pressure: agentic on the pressure fleet). Their targets are in
-# bench/src/precise_lines.rs; `precise-summary` refuses a line whose repeats.json is not its
+# bench/targets/precise.toml; `precise-summary` refuses a line whose repeats.json is not its
 # workload, fleet and routers. PRECISE_REPEAT must be at least 2 (one run writes no repeats.json).
 PRECISE_DIR := bench/results/precise
 PRECISE_ALL := zipf-pressure grouped-pressure llm-d llm-d-sglang agentic tenants agentic-pressure

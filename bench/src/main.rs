@@ -3,7 +3,7 @@
 
 use clap::{Parser, Subcommand};
 use kvroute_bench::{
-    cli, compare, demo, keys, lab, precise_lines, repeats, report, routers, workload,
+    cli, compare, demo, keys, lab, repeats, report, routers, targets, workload,
 };
 use std::path::PathBuf;
 
@@ -112,7 +112,7 @@ enum Cmd {
         #[command(flatten)]
         knobs: lab::Knobs,
     },
-    /// Precise mode's lines (bench/src/precise_lines.rs) decided in the lab: each line's routers
+    /// Precise mode's lines (bench/targets/precise.toml) decided in the lab: each line's routers
     /// over --seeds paired seeds into DIR/<line>/results.{json,md}, then the table of each
     /// check's paired interval against its target (met, missed or undecided), printed, written
     /// to DIR/summary.md and into each --readme's `lab-precise` block.
@@ -226,7 +226,7 @@ fn run(command: Cmd) -> Result<(), String> {
                 write_summary(&results, &table, "results", readme.as_slice())
             }
             Cmd::PreciseSummary { results, readme } => {
-                let table = precise_lines::summary(&results)?;
+                let table = targets::repeats::summary(&results)?;
                 write_summary(&results, &table, "precise", &readme)
             }
             Cmd::Keys { .. }
@@ -278,7 +278,7 @@ fn run_lab(cmd: &Cmd) -> Option<Result<(), String>> {
             seeds,
             knobs,
         } => (|| {
-            let table = lab::calibrate(&lab::calibration_sources(results), *seeds, knobs)?;
+            let table = lab::calibrate(&lab::calibration_sources(results)?, *seeds, knobs)?;
             write_summary(
                 &results.join("lab/calibration"),
                 &table,
