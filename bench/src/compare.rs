@@ -9,20 +9,21 @@ use crate::routers::{Router, Running};
 use crate::sim_process::SimFleet;
 use crate::stamp::Stamp;
 use crate::workload::{Api, Workload};
+use kvroute::gateway::stat_names::Counter;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The counters of kvroute's corrections printed after each run: the engine reported less cached
 /// than predicted, affinity withdrawn from a host that did not serve, and another host served.
-const CORRECTIONS: [&str; 3] = [
-    "kvroute.affinity.evictions_seen",
-    "kvroute.affinity.withdrawn",
-    "kvroute.served_elsewhere",
+const CORRECTIONS: [Counter; 3] = [
+    Counter::EvictionsSeen,
+    Counter::AffinityWithdrawn,
+    Counter::ServedElsewhere,
 ];
 
 /// kvroute's counters of its polls of the indexer: answered and applied, and not.
-const INDEX_POLLS: [&str; 2] = ["kvroute.index.poll_ok", "kvroute.index.poll_failed"];
+const INDEX_POLLS: [Counter; 2] = [Counter::IndexPollOk, Counter::IndexPollFailed];
 
 /// How long a started router may take to serve its first request before it is skipped.
 const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);

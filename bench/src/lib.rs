@@ -9,6 +9,7 @@ pub mod demo;
 pub mod driver;
 pub mod epp;
 pub mod keys;
+pub mod kvroute_stats;
 pub mod lab;
 pub mod misses;
 pub mod oracle;

@@ -2,9 +2,7 @@
 //! fleet, and writes results.json / results.md / ttft.svg. `demo` is the short `make run` tour.
 
 use clap::{Parser, Subcommand};
-use kvroute_bench::{
-    cli, compare, demo, keys, lab, repeats, report, routers, targets, workload,
-};
+use kvroute_bench::{cli, compare, demo, keys, lab, repeats, report, routers, targets, workload};
 use std::path::PathBuf;
 
 #[derive(Parser)]

@@ -3,9 +3,9 @@
 //! table shows each figure side by side with whether it is within the tolerances.
 
 use super::{measure, report, Knobs};
-use crate::targets::{self, table_row};
 use crate::report::{Measured, RouterResult};
 use crate::routers::Router;
+use crate::targets::{self, table_row};
 use crate::workload::Workload;
 use serde_json::Value;
 use std::fmt::Write as _;

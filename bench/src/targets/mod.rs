@@ -231,7 +231,10 @@ pub trait Judge {
 /// The table of every line under `dir` (`dir/<line>/<J::FILE>`), judged by `judge`; a line
 /// without its file shows its targets as not measured.
 pub fn table<J: Judge>(dir: &Path, judge: &J) -> Result<String, String> {
-    let columns = J::HEADER.lines().next().map_or(0, |h| h.matches('|').count() - 1);
+    let columns = J::HEADER
+        .lines()
+        .next()
+        .map_or(0, |h| h.matches('|').count() - 1);
     let mut s = J::HEADER.to_string();
     for line in lines()? {
         let path = dir.join(&line.name).join(J::FILE);
@@ -274,7 +277,11 @@ pub fn rows<J: Judge>(
                 (cells, String::new())
             }
             Some(f) => {
-                let stamp = if i == 0 { judge.stamp(f) } else { String::new() };
+                let stamp = if i == 0 {
+                    judge.stamp(f)
+                } else {
+                    String::new()
+                };
                 (judge.cells(c, f)?, stamp)
             }
         };

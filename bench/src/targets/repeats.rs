@@ -244,9 +244,7 @@ mod tests {
     fn a_file_of_another_workload_fleet_or_routers_is_refused() {
         let mut r: Value = serde_json::from_str(ZIPF).unwrap();
         r["fleet"] = json!("default");
-        let e = Repeats
-            .check_file(&line("zipf-pressure"), &r)
-            .unwrap_err();
+        let e = Repeats.check_file(&line("zipf-pressure"), &r).unwrap_err();
         assert!(e.contains("fleet is \"default\""), "{e}");
         let r: Value = serde_json::from_str(ZIPF).unwrap();
         let e = Repeats.check_file(&line("llm-d"), &r).unwrap_err();
