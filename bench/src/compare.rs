@@ -1,7 +1,7 @@
 //! `compare`: runs one workload through each router, each against a fresh (cold) sim fleet.
 
+use crate::analyze;
 use crate::driver::{self, Sample};
-use crate::misses;
 use crate::precise::{self, IndexFreshness};
 use crate::real_fleet::RealFleet;
 use crate::report::{measure, Measured, Results, RouterResult};
@@ -134,7 +134,7 @@ pub async fn compare(
     }
     // The bounds count tokens as the sim does; real engines' tokenizer counts others.
     let bounds = (sent > 0 && real.is_none())
-        .then(|| crate::ceiling::bounds(workload, fleet_spec, sent))
+        .then(|| analyze::ceiling::bounds(workload, fleet_spec, sent))
         .transpose()?;
     if let Some(b) = bounds {
         eprintln!(
@@ -156,15 +156,15 @@ pub async fn compare(
             }
         }
     }
-    let round = |x: f64| (x * 1e5).round() / 1e5;
+    let rounded = bounds.map(analyze::ceiling::Bounds::rounded);
     Ok(Results {
         stamp: Some(stamp),
         workload: serde_json::to_value(workload).map_err(|e| e.to_string())?,
         fleet: shown_spec,
         envoy_workers: workers,
-        ceiling_hit_rate: bounds.map(|b| round(b.ceiling)),
-        capacity_bound_hit_rate: bounds.map(|b| round(b.capacity)),
-        fleet_lru_hit_rate: bounds.map(|b| round(b.fleet_lru)),
+        ceiling_hit_rate: rounded.map(|b| b.ceiling),
+        capacity_bound_hit_rate: rounded.map(|b| b.capacity),
+        fleet_lru_hit_rate: rounded.map(|b| b.fleet_lru),
         results,
         samples,
     })
@@ -348,13 +348,13 @@ impl ReplicaChanges {
 /// How often a group's request went to another replica than the group's previous request (in
 /// the order they were sent), and how many of those found less than half their prompt cached
 /// there, by why kvroute sent it there. The group is the workload's user tag without its member
-/// and episode ([`misses::group_of`]); requests outside any group (`u-unique-...`) and failed
+/// and episode ([`analyze::group_of`]); requests outside any group (`u-unique-...`) and failed
 /// ones are left out. A
 /// router that keeps each group on one replica scores 0; one that splits a group scores its
 /// alternations. Every cold request of a group is also counted by whether its replica had served
 /// the group before.
 pub fn group_replica_changes(samples: &[Sample]) -> ReplicaChanges {
-    let mut sorted = misses::in_send_order(samples);
+    let mut sorted = analyze::in_send_order(samples);
     sorted.retain(|s| !s.user.starts_with("u-"));
     let mut last: std::collections::HashMap<&str, (usize, Option<&str>)> =
         std::collections::HashMap::new();
@@ -364,7 +364,7 @@ pub fn group_replica_changes(samples: &[Sample]) -> ReplicaChanges {
         let Some(replica) = s.replica else {
             continue;
         };
-        let group = misses::group_of(&s.user);
+        let group = analyze::group_of(&s.user);
         let cold = s.cached_tokens.unwrap_or(0) * 2 < s.prompt_tokens.unwrap_or(0);
         if cold {
             match served.contains(&(group, replica)) {

@@ -21,7 +21,8 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
 const MAX_IN_FLIGHT: usize = 512;
 
 /// What the client saw of one request.
-#[derive(Debug, Clone, Default, serde::Serialize)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct Sample {
     /// The workload's user tag (`u<group>-<member>-<episode>`).
     pub user: String,

@@ -2,7 +2,7 @@
 //! wall-clock comparison and the lab, their reports, and the analyses of a run's samples. The
 //! binaries (`kvroute-bench`, `kvroute-overhead`) are command lines over it.
 
-pub mod ceiling;
+pub mod analyze;
 pub mod cli;
 pub mod compare;
 pub mod demo;
@@ -11,7 +11,6 @@ pub mod epp;
 pub mod keys;
 pub mod kvroute_stats;
 pub mod lab;
-pub mod misses;
 pub mod oracle;
 pub mod paths;
 pub mod peers;

@@ -1,8 +1,12 @@
 //! kvroute-bench: drives one workload through several routers, each against a fresh simulated
-//! fleet, and writes results.json / results.md / ttft.svg. `demo` is the short `make run` tour.
+//! fleet (`compare`, writing results.json / results.md / ttft.svg / samples.jsonl) or in virtual
+//! time (`lab`), writes the READMEs' tables, and reads a run's samples again (`analyze`). `demo`
+//! is the short `make run` tour.
 
 use clap::{Parser, Subcommand};
-use kvroute_bench::{cli, compare, demo, keys, lab, repeats, report, routers, targets, workload};
+use kvroute_bench::{
+    analyze, cli, compare, demo, keys, lab, repeats, report, routers, targets, workload,
+};
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -151,6 +155,11 @@ enum Cmd {
         /// results.json (or its directory) of the build with it.
         after: PathBuf,
     },
+    /// Analyses of a run `compare` wrote, from its samples.jsonl (and results.json), printed.
+    Analyze {
+        #[command(subcommand)]
+        analysis: Analysis,
+    },
     /// One chat request rendered by a chat template, and kvroute's prefix keys over it:
     /// prints {"rendered": "...", "keys": ["<hex>", ...]}.
     Keys {
@@ -169,6 +178,28 @@ enum Cmd {
         /// A tokenizer_config.json whose special tokens (bos_token, ...) a raw template gets.
         #[arg(long, value_name = "FILE")]
         tokenizer_config: Option<PathBuf>,
+    },
+}
+
+/// What `analyze` looks at; RUN is a run's directory (`compare --out`, or `run-<r>` of a
+/// `--repeat`), or its samples.jsonl.
+#[derive(Subcommand)]
+enum Analysis {
+    /// What the workload allows on the run's fleet: the ceiling, the capacity bound, the fleet's
+    /// blocks as one LRU cache (as results.md says them; needs the run's results.json).
+    Ceiling { run: PathBuf },
+    /// Where each router's uncached prompt tokens were: a group's first request, a group or a
+    /// conversation on another replica than its last one, or on the same.
+    Misses { run: PathBuf },
+    /// Where each router's cold prefills came from (a group's first request on the replica, or
+    /// evicted there), and its requests after 25 s to a replica crowded with groups.
+    Crowding { run: PathBuf },
+    /// The first router's requests replayed through kvroute's own placement (GroupHomes over a
+    /// shared store per gateway): moves, balance, crowding, and the workers' agreement.
+    Placement {
+        run: PathBuf,
+        #[command(flatten)]
+        setup: analyze::placement::Setup,
     },
 }
 
@@ -199,6 +230,10 @@ fn run(command: Cmd) -> Result<(), String> {
     if let Some(outcome) = run_lab(&command) {
         return outcome;
     }
+    if let Cmd::Analyze { analysis } = &command {
+        print!("{}", run_analysis(analysis)?);
+        return Ok(());
+    }
     cli::run_until_stopped(async {
         match command {
             Cmd::Compare {
@@ -228,6 +263,7 @@ fn run(command: Cmd) -> Result<(), String> {
                 write_summary(&results, &table, "precise", &readme)
             }
             Cmd::Keys { .. }
+            | Cmd::Analyze { .. }
             | Cmd::Lab { .. }
             | Cmd::LabPrecise { .. }
             | Cmd::LabCalibrate { .. }
@@ -286,6 +322,24 @@ fn run_lab(cmd: &Cmd) -> Option<Result<(), String>> {
         })(),
         Cmd::LabDiff { before, after } => lab::diff(before, after).map(|t| print!("{t}")),
         _ => return None,
+    })
+}
+
+/// The text of `analysis`.
+fn run_analysis(analysis: &Analysis) -> Result<String, String> {
+    Ok(match analysis {
+        Analysis::Ceiling { run } => analyze::ceiling(run)? + "\n",
+        Analysis::Misses { run } => {
+            let table = analyze::misses::table(&analyze::samples(run)?);
+            match table.is_empty() {
+                true => "no request of the run reported usage\n".into(),
+                false => table.trim_start().to_string(),
+            }
+        }
+        Analysis::Crowding { run } => analyze::crowding::table(&analyze::samples(run)?),
+        Analysis::Placement { run, setup } => {
+            analyze::placement::report(&analyze::samples(run)?, setup)
+        }
     })
 }
 
