@@ -181,26 +181,42 @@ enum Cmd {
     },
 }
 
-/// What `analyze` looks at; RUN is a run's directory (`compare --out`, or `run-<r>` of a
-/// `--repeat`), or its samples.jsonl.
+/// What `analyze` looks at.
 #[derive(Subcommand)]
 enum Analysis {
     /// What the workload allows on the run's fleet: the ceiling, the capacity bound, the fleet's
     /// blocks as one LRU cache (as results.md says them; needs the run's results.json).
-    Ceiling { run: PathBuf },
+    Ceiling {
+        #[command(flatten)]
+        run: Run,
+    },
     /// Where each router's uncached prompt tokens were: a group's first request, a group or a
     /// conversation on another replica than its last one, or on the same.
-    Misses { run: PathBuf },
+    Misses {
+        #[command(flatten)]
+        run: Run,
+    },
     /// Where each router's cold prefills came from (a group's first request on the replica, or
     /// evicted there), and its requests after 25 s to a replica crowded with groups.
-    Crowding { run: PathBuf },
+    Crowding {
+        #[command(flatten)]
+        run: Run,
+    },
     /// The first router's requests replayed through kvroute's own placement (GroupHomes over a
     /// shared store per gateway): moves, balance, crowding, and the workers' agreement.
     Placement {
-        run: PathBuf,
+        #[command(flatten)]
+        run: Run,
         #[command(flatten)]
         setup: analyze::placement::Setup,
     },
+}
+
+/// The run an analysis reads.
+#[derive(clap::Args)]
+struct Run {
+    /// The run's directory (`compare --out`, or a `--repeat`'s `run-<r>`), or its samples.jsonl.
+    run: PathBuf,
 }
 
 fn main() {
@@ -328,17 +344,17 @@ fn run_lab(cmd: &Cmd) -> Option<Result<(), String>> {
 /// The text of `analysis`.
 fn run_analysis(analysis: &Analysis) -> Result<String, String> {
     Ok(match analysis {
-        Analysis::Ceiling { run } => analyze::ceiling(run)? + "\n",
+        Analysis::Ceiling { run } => analyze::ceiling(&run.run)? + "\n",
         Analysis::Misses { run } => {
-            let table = analyze::misses::table(&analyze::samples(run)?);
+            let table = analyze::misses::table(&analyze::samples(&run.run)?);
             match table.is_empty() {
                 true => "no request of the run reported usage\n".into(),
                 false => table.trim_start().to_string(),
             }
         }
-        Analysis::Crowding { run } => analyze::crowding::table(&analyze::samples(run)?),
+        Analysis::Crowding { run } => analyze::crowding::table(&analyze::samples(&run.run)?),
         Analysis::Placement { run, setup } => {
-            analyze::placement::report(&analyze::samples(run)?, setup)
+            analyze::placement::report(&analyze::samples(&run.run)?, setup)
         }
     })
 }

@@ -9,8 +9,9 @@ use clap::{Parser, Subcommand};
 use kvroute_bench::cli;
 use std::path::PathBuf;
 
+/// What kvroute costs per request, beside plain Envoy, the floor filter and the peer routers.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(version)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
