@@ -423,6 +423,7 @@ pub fn hit_rate_by_phase(samples: &[Sample]) -> Vec<(&'static str, Option<f64>)>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::driver::served as sample;
 
     #[test]
     fn hit_rate_by_phase_weighs_tokens_of_the_requests_sent_in_each_phase() {
@@ -441,17 +442,6 @@ mod tests {
         assert_eq!(phases[1], ("10-25 s", Some(0.9)));
         assert_eq!(phases[2], ("after 25 s", Some(1.0)));
         assert_eq!(hit_rate_by_phase(&samples[..2])[2], ("after 25 s", None));
-    }
-
-    fn sample(user: &str, sent_ms: f64, replica: usize, cached: u64) -> Sample {
-        Sample {
-            user: user.into(),
-            sent_ms,
-            replica: Some(replica),
-            prompt_tokens: Some(100),
-            cached_tokens: Some(cached),
-            ..Sample::default()
-        }
     }
 
     #[test]

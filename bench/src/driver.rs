@@ -402,6 +402,20 @@ impl SseParser {
     }
 }
 
+/// For tests: a request of `user` sent at `sent_ms`, served by `replica` with `cached` of its 100
+/// prompt tokens cached.
+#[cfg(test)]
+pub fn served(user: &str, sent_ms: f64, replica: usize, cached: u64) -> Sample {
+    Sample {
+        user: user.into(),
+        sent_ms,
+        replica: Some(replica),
+        prompt_tokens: Some(100),
+        cached_tokens: Some(cached),
+        ..Sample::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -116,17 +116,7 @@ pub fn table(runs: &[(String, Vec<Sample>)]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn sample(user: &str, sent_ms: f64, replica: usize, cached: u64) -> Sample {
-        Sample {
-            user: user.into(),
-            sent_ms,
-            replica: Some(replica),
-            prompt_tokens: Some(100),
-            cached_tokens: Some(cached),
-            ..Sample::default()
-        }
-    }
+    use crate::driver::served as sample;
 
     #[test]
     fn a_cold_request_is_first_on_its_replica_or_evicted_there() {
