@@ -5,7 +5,7 @@
 #   make bench  the llm-d-shaped comparison across every router, prints the table
 #               (results.json, results.md, ttft.svg in $(BENCH_OUT))
 #   make bench-overhead  CPU and latency kvroute adds (as the filter and as kvroute-epp), next to
-#               plain Envoy, the floor filter, smg and vllm-router (kvroute-bench overhead; the
+#               plain Envoy, the floor filter, smg and vllm-router (kvroute-overhead cpu; the
 #               rows in $(BENCH_OUT)/overhead.json)
 #   make bench-instructions  instructions per request of plain Envoy, the floor filter and
 #               kvroute, each Envoy under valgrind's callgrind (counts that ignore the machine's load)
@@ -35,6 +35,7 @@
 .PHONY: run bench peers bench-all bench-overhead bench-instructions bench-placement bench-precise bench-precise-summary bench-results bench-summary real
 
 BENCH := target/release/kvroute-bench
+OVERHEAD := target/release/kvroute-overhead
 PEERS := .work/peers
 BENCH_OUT ?= .work/bench
 BENCH_FLEET ?= bench/fleets/default.json
@@ -67,11 +68,11 @@ real: deps build epp peers vllm
 
 bench-overhead: deps build epp peers
 	@mkdir -p $(BENCH_OUT)
-	$(BENCH) overhead --json $(BENCH_OUT)/overhead.json
+	$(OVERHEAD) cpu --json $(BENCH_OUT)/overhead.json
 
 bench-instructions: deps build
 	command -v valgrind >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind; }
-	$(BENCH) instructions
+	$(OVERHEAD) instructions
 
 # Every default workload in turn (takes much longer than `make bench`).
 bench-all: deps build epp peers
@@ -91,7 +92,7 @@ bench-placement: deps build peers
 
 # Precise mode's lines: kvroute-precise first (repeats.md pairs it with each other router), a
 # workload on a fleet (agentic-pressure: agentic on the pressure fleet). Their targets are in
-# bench/src/precise_lines.rs; `precise-summary` refuses a line whose repeats.json is not its
+# bench/targets/precise.toml; `precise-summary` refuses a line whose repeats.json is not its
 # workload, fleet and routers. PRECISE_REPEAT must be at least 2 (one run writes no repeats.json).
 PRECISE_DIR := bench/results/precise
 PRECISE_ALL := zipf-pressure grouped-pressure llm-d llm-d-sglang agentic tenants agentic-pressure

@@ -8,8 +8,8 @@ every 100 ms, with the poll round (the admin `/clusters` and each engine's `/met
 The stand-in host answers the calls the filter makes the way Envoy does for the shipped config
 (the admin `/clusters` and engine `/metrics` polls, shared data, headers, bodies, properties)
 and drives each request through its callbacks: a chat request to one of 16 groups (128 distinct
-bodies, as `kvroute-bench overhead` sends), then a JSON response with `usage`. What Envoy itself
-spends (its side of each host call, the wasm boundary) is not here: `kvroute-bench instructions`
+bodies, as `kvroute-overhead cpu` sends), then a JSON response with `usage`. What Envoy itself
+spends (its side of each host call, the wasm boundary) is not here: `kvroute-overhead instructions`
 counts that. With `--perf`, no fuel is counted and wasmtime writes /tmp/perf-<pid>.map, so
 `perf record -g` over this script names the filter's functions.
 

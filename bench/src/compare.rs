@@ -1,7 +1,7 @@
 //! `compare`: runs one workload through each router, each against a fresh (cold) sim fleet.
 
+use crate::analyze;
 use crate::driver::{self, Sample};
-use crate::misses;
 use crate::precise::{self, IndexFreshness};
 use crate::real_fleet::RealFleet;
 use crate::report::{measure, Measured, Results, RouterResult};
@@ -9,20 +9,21 @@ use crate::routers::{Router, Running};
 use crate::sim_process::SimFleet;
 use crate::stamp::Stamp;
 use crate::workload::{Api, Workload};
+use kvroute::gateway::stat_names::Counter;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The counters of kvroute's corrections printed after each run: the engine reported less cached
 /// than predicted, affinity withdrawn from a host that did not serve, and another host served.
-const CORRECTIONS: [&str; 3] = [
-    "kvroute.affinity.evictions_seen",
-    "kvroute.affinity.withdrawn",
-    "kvroute.served_elsewhere",
+const CORRECTIONS: [Counter; 3] = [
+    Counter::EvictionsSeen,
+    Counter::AffinityWithdrawn,
+    Counter::ServedElsewhere,
 ];
 
 /// kvroute's counters of its polls of the indexer: answered and applied, and not.
-const INDEX_POLLS: [&str; 2] = ["kvroute.index.poll_ok", "kvroute.index.poll_failed"];
+const INDEX_POLLS: [Counter; 2] = [Counter::IndexPollOk, Counter::IndexPollFailed];
 
 /// How long a started router may take to serve its first request before it is skipped.
 const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
@@ -133,7 +134,7 @@ pub async fn compare(
     }
     // The bounds count tokens as the sim does; real engines' tokenizer counts others.
     let bounds = (sent > 0 && real.is_none())
-        .then(|| crate::ceiling::bounds(workload, fleet_spec, sent))
+        .then(|| analyze::ceiling::bounds(workload, fleet_spec, sent))
         .transpose()?;
     if let Some(b) = bounds {
         eprintln!(
@@ -155,15 +156,15 @@ pub async fn compare(
             }
         }
     }
-    let round = |x: f64| (x * 1e5).round() / 1e5;
+    let rounded = bounds.map(analyze::ceiling::Bounds::rounded);
     Ok(Results {
         stamp: Some(stamp),
         workload: serde_json::to_value(workload).map_err(|e| e.to_string())?,
         fleet: shown_spec,
         envoy_workers: workers,
-        ceiling_hit_rate: bounds.map(|b| round(b.ceiling)),
-        capacity_bound_hit_rate: bounds.map(|b| round(b.capacity)),
-        fleet_lru_hit_rate: bounds.map(|b| round(b.fleet_lru)),
+        ceiling_hit_rate: rounded.map(|b| b.ceiling),
+        capacity_bound_hit_rate: rounded.map(|b| b.capacity),
+        fleet_lru_hit_rate: rounded.map(|b| b.fleet_lru),
         results,
         samples,
     })
@@ -347,13 +348,13 @@ impl ReplicaChanges {
 /// How often a group's request went to another replica than the group's previous request (in
 /// the order they were sent), and how many of those found less than half their prompt cached
 /// there, by why kvroute sent it there. The group is the workload's user tag without its member
-/// and episode ([`misses::group_of`]); requests outside any group (`u-unique-...`) and failed
+/// and episode ([`analyze::group_of`]); requests outside any group (`u-unique-...`) and failed
 /// ones are left out. A
 /// router that keeps each group on one replica scores 0; one that splits a group scores its
 /// alternations. Every cold request of a group is also counted by whether its replica had served
 /// the group before.
 pub fn group_replica_changes(samples: &[Sample]) -> ReplicaChanges {
-    let mut sorted = misses::in_send_order(samples);
+    let mut sorted = analyze::in_send_order(samples);
     sorted.retain(|s| !s.user.starts_with("u-"));
     let mut last: std::collections::HashMap<&str, (usize, Option<&str>)> =
         std::collections::HashMap::new();
@@ -363,7 +364,7 @@ pub fn group_replica_changes(samples: &[Sample]) -> ReplicaChanges {
         let Some(replica) = s.replica else {
             continue;
         };
-        let group = misses::group_of(&s.user);
+        let group = analyze::group_of(&s.user);
         let cold = s.cached_tokens.unwrap_or(0) * 2 < s.prompt_tokens.unwrap_or(0);
         if cold {
             match served.contains(&(group, replica)) {
@@ -422,6 +423,7 @@ pub fn hit_rate_by_phase(samples: &[Sample]) -> Vec<(&'static str, Option<f64>)>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::driver::served as sample;
 
     #[test]
     fn hit_rate_by_phase_weighs_tokens_of_the_requests_sent_in_each_phase() {
@@ -440,17 +442,6 @@ mod tests {
         assert_eq!(phases[1], ("10-25 s", Some(0.9)));
         assert_eq!(phases[2], ("after 25 s", Some(1.0)));
         assert_eq!(hit_rate_by_phase(&samples[..2])[2], ("after 25 s", None));
-    }
-
-    fn sample(user: &str, sent_ms: f64, replica: usize, cached: u64) -> Sample {
-        Sample {
-            user: user.into(),
-            sent_ms,
-            replica: Some(replica),
-            prompt_tokens: Some(100),
-            cached_tokens: Some(cached),
-            ..Sample::default()
-        }
     }
 
     #[test]

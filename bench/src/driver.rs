@@ -21,7 +21,8 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
 const MAX_IN_FLIGHT: usize = 512;
 
 /// What the client saw of one request.
-#[derive(Debug, Clone, Default, serde::Serialize)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct Sample {
     /// The workload's user tag (`u<group>-<member>-<episode>`).
     pub user: String,
@@ -398,6 +399,20 @@ impl SseParser {
             });
         }
         events
+    }
+}
+
+/// For tests: a request of `user` sent at `sent_ms`, served by `replica` with `cached` of its 100
+/// prompt tokens cached.
+#[cfg(test)]
+pub fn served(user: &str, sent_ms: f64, replica: usize, cached: u64) -> Sample {
+    Sample {
+        user: user.into(),
+        sent_ms,
+        replica: Some(replica),
+        prompt_tokens: Some(100),
+        cached_tokens: Some(cached),
+        ..Sample::default()
     }
 }
 

@@ -12,11 +12,13 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use kvroute::gateway::stat_names::Counter;
 use kvroute_harness::epp::Shape;
 use kvroute_harness::{bootstrap, paths, Envoy, EnvoyOptions};
 use serde_json::Value;
 use tokio::process::{Child, Command};
 
+use crate::kvroute_stats;
 use crate::sim_process::{spawn_logging, TempFile};
 
 /// How long the picker may take to serve, then to have polled its Envoy's admin once.
@@ -164,10 +166,8 @@ impl Picker {
                 return Err(format!("kvroute-epp exited with {status}"));
             }
             let stats = self.stats().await.unwrap_or_default();
-            if stats
-                .iter()
-                .any(|(n, v)| n == "kvroute_stats_poll_ok" && *v > 0)
-            {
+            let polled = kvroute_stats::prometheus(Counter::StatsPollOk.name());
+            if stats.iter().any(|(n, v)| *n == polled && *v > 0) {
                 return Ok(());
             }
             if Instant::now() > deadline {

@@ -1,31 +1,12 @@
 //! kvroute-bench: drives one workload through several routers, each against a fresh simulated
-//! fleet, and writes results.json / results.md / ttft.svg. `demo` is the short `make run` tour.
-
-mod ceiling;
-mod compare;
-mod demo;
-mod driver;
-mod epp;
-mod instructions;
-mod keys;
-mod lab;
-mod misses;
-mod oracle;
-mod overhead;
-mod paths;
-mod peers;
-mod precise;
-mod precise_lines;
-mod real_fleet;
-mod repeats;
-mod report;
-mod routers;
-mod sim_process;
-mod stamp;
-mod stats;
-mod workload;
+//! fleet (`compare`, writing results.json / results.md / ttft.svg / samples.jsonl) or in virtual
+//! time (`lab`), writes the READMEs' tables, and reads a run's samples again (`analyze`). `demo`
+//! is the short `make run` tour.
 
 use clap::{Parser, Subcommand};
+use kvroute_bench::{
+    analyze, cli, compare, demo, keys, lab, repeats, report, routers, targets, workload,
+};
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -106,49 +87,6 @@ enum Cmd {
         #[arg(long, value_name = "FILE")]
         readme: Vec<PathBuf>,
     },
-    /// CPU per request and latency kvroute adds, as a filter and as kvroute-epp, next to plain
-    /// Envoy, the floor filter, smg and vllm-router, all measured in one interleaved run.
-    Overhead {
-        /// Seconds per measured phase.
-        #[arg(long, default_value_t = 10)]
-        seconds: u64,
-        /// kvroute plugin config laid over the shipped one (JSON object), e.g.
-        /// '{"policy":"round_robin"}'; kvroute-epp runs with the same.
-        #[arg(long, default_value = "{}")]
-        plugin_config: String,
-        /// The configs to measure, comma-separated (plain, the baseline, always runs), e.g.
-        /// `floor,kvroute` to compare builds quickly. Default: all.
-        #[arg(long, value_delimiter = ',')]
-        configs: Vec<String>,
-        /// Also write the rows (config, prompt_bytes, cpu_us_per_request, added_p50_us,
-        /// added_p99_us, ...) as JSON to FILE.
-        #[arg(long, value_name = "FILE")]
-        json: Option<PathBuf>,
-        /// Also measure this other build of the filter, as config `kvroute-b`, side by side with
-        /// `kvroute` (a change's cost: before and after).
-        #[arg(long, value_name = "WASM")]
-        compare_wasm: Option<PathBuf>,
-    },
-    /// Instructions per request of plain Envoy, the floor filter and kvroute, each Envoy run
-    /// under valgrind's callgrind: counts that do not move with the machine's load (minutes).
-    Instructions {
-        /// Requests counted per config and prompt size.
-        #[arg(long, default_value_t = 200)]
-        requests: usize,
-        /// kvroute plugin config laid over the shipped one (JSON object).
-        #[arg(long, default_value = "{}")]
-        plugin_config: String,
-        /// The configs to count, comma-separated (plain, the baseline, always runs). Default: all.
-        #[arg(long, value_delimiter = ',')]
-        configs: Vec<String>,
-        /// Also count this other build of the filter, as config `kvroute-b`.
-        #[arg(long, value_name = "WASM")]
-        compare_wasm: Option<PathBuf>,
-        /// Keep callgrind's dumps in DIR (one per config and kind, for `callgrind_annotate`)
-        /// instead of deleting them.
-        #[arg(long, value_name = "DIR")]
-        keep_dumps: Option<PathBuf>,
-    },
     /// Routers against the simulator's engine model in virtual time (no sockets, no clock),
     /// every router on the same K workload seeds: each figure's mean and 95% interval, and with
     /// --baseline each router's paired difference from it and a verdict. Prints the table; writes
@@ -176,7 +114,7 @@ enum Cmd {
         #[command(flatten)]
         knobs: lab::Knobs,
     },
-    /// Precise mode's lines (bench/src/precise_lines.rs) decided in the lab: each line's routers
+    /// Precise mode's lines (bench/targets/precise.toml) decided in the lab: each line's routers
     /// over --seeds paired seeds into DIR/<line>/results.{json,md}, then the table of each
     /// check's paired interval against its target (met, missed or undecided), printed, written
     /// to DIR/summary.md and into each --readme's `lab-precise` block.
@@ -217,6 +155,11 @@ enum Cmd {
         /// results.json (or its directory) of the build with it.
         after: PathBuf,
     },
+    /// Analyses of a run `compare` wrote, from its samples.jsonl (and results.json), printed.
+    Analyze {
+        #[command(subcommand)]
+        analysis: Analysis,
+    },
     /// One chat request rendered by a chat template, and kvroute's prefix keys over it:
     /// prints {"rendered": "...", "keys": ["<hex>", ...]}.
     Keys {
@@ -238,111 +181,111 @@ enum Cmd {
     },
 }
 
+/// What `analyze` looks at.
+#[derive(Subcommand)]
+enum Analysis {
+    /// What the workload allows on the run's fleet: the ceiling, the capacity bound, the fleet's
+    /// blocks as one LRU cache (as results.md says them; needs the run's results.json).
+    Ceiling {
+        #[command(flatten)]
+        run: Run,
+    },
+    /// Where each router's uncached prompt tokens were: a group's first request, a group or a
+    /// conversation on another replica than its last one, or on the same.
+    Misses {
+        #[command(flatten)]
+        run: Run,
+    },
+    /// Where each router's cold prefills came from (a group's first request on the replica, or
+    /// evicted there), and its requests after 25 s to a replica crowded with groups.
+    Crowding {
+        #[command(flatten)]
+        run: Run,
+    },
+    /// The first router's requests replayed through kvroute's own placement (GroupHomes over a
+    /// shared store per gateway): moves, balance, crowding, and the workers' agreement.
+    Placement {
+        #[command(flatten)]
+        run: Run,
+        #[command(flatten)]
+        setup: analyze::placement::Setup,
+    },
+}
+
+/// The run an analysis reads.
+#[derive(clap::Args)]
+struct Run {
+    /// The run's directory (`compare --out`, or a `--repeat`'s `run-<r>`), or its samples.jsonl.
+    run: PathBuf,
+}
+
 fn main() {
     let cli = Cli::parse();
+    if let Err(e) = run(cli.command) {
+        cli::fail("kvroute-bench", e);
+    }
+}
+
+fn run(command: Cmd) -> Result<(), String> {
     if let Cmd::Keys {
         chat_template,
         request,
         chunk_size,
         model,
         tokenizer_config,
-    } = &cli.command
+    } = &command
     {
-        let args = keys::KeysArgs {
+        return keys::keys(&keys::KeysArgs {
             chat_template,
             request,
             chunk_size: *chunk_size as usize,
             model: model.as_deref(),
             tokenizer_config: tokenizer_config.as_deref(),
-        };
-        if let Err(e) = keys::keys(&args) {
-            fail(e);
-        }
-        return;
+        });
     }
-    if let Some(outcome) = run_lab(&cli.command) {
-        if let Err(e) = outcome {
-            fail(e);
-        }
-        return;
+    if let Some(outcome) = run_lab(&command) {
+        return outcome;
     }
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => fail(format!("tokio runtime: {e}")),
-    };
-    let outcome = rt.block_on(async {
-        let work = async {
-            match cli.command {
-                Cmd::Compare {
-                    fleet,
-                    workload,
-                    routers,
-                    out,
-                    repeat,
-                    compare_wasm,
-                    envoy_workers,
-                } => {
-                    let b = compare_wasm.as_deref();
-                    let n = repeat as usize;
-                    run_compare(fleet, workload, routers, out, n, b, envoy_workers).await
-                }
-                Cmd::Demo { precise, epp } => demo::demo(precise, epp).await,
-                Cmd::Summary {
-                    results,
-                    workloads,
-                    readme,
-                } => {
-                    let table = report::summary(&results, &workloads)?;
-                    write_summary(&results, &table, "results", readme.as_slice())
-                }
-                Cmd::PreciseSummary { results, readme } => {
-                    let table = precise_lines::summary(&results)?;
-                    write_summary(&results, &table, "precise", &readme)
-                }
-                Cmd::Overhead {
-                    seconds,
-                    plugin_config,
-                    configs,
-                    json,
-                    compare_wasm,
-                } => {
-                    let config = parse_plugin_config(&plugin_config)?;
-                    let (json, b) = (json.as_deref(), compare_wasm.as_deref());
-                    overhead::overhead(seconds, config, &configs, json, b).await
-                }
-                Cmd::Instructions {
-                    requests,
-                    plugin_config,
-                    configs,
-                    compare_wasm,
-                    keep_dumps,
-                } => {
-                    let config = parse_plugin_config(&plugin_config)?;
-                    let (b, keep) = (compare_wasm.as_deref(), keep_dumps.as_deref());
-                    instructions::instructions(requests, config, &configs, b, keep).await
-                }
-                Cmd::Keys { .. }
-                | Cmd::Lab { .. }
-                | Cmd::LabPrecise { .. }
-                | Cmd::LabCalibrate { .. }
-                | Cmd::LabDiff { .. } => Ok(()),
+    if let Cmd::Analyze { analysis } = &command {
+        print!("{}", run_analysis(analysis)?);
+        return Ok(());
+    }
+    cli::run_until_stopped(async {
+        match command {
+            Cmd::Compare {
+                fleet,
+                workload,
+                routers,
+                out,
+                repeat,
+                compare_wasm,
+                envoy_workers,
+            } => {
+                let b = compare_wasm.as_deref();
+                let n = repeat as usize;
+                run_compare(fleet, workload, routers, out, n, b, envoy_workers).await
             }
-        };
-        // Stopped by a signal, the run's future is dropped, and with it the Envoys, sims and peer
-        // routers it started (each kills its process on drop); a bare exit would leave them running.
-        tokio::select! {
-            outcome = work => outcome,
-            signal = stop_signal() => Err(format!("stopped by {signal}")),
+            Cmd::Demo { precise, epp } => demo::demo(precise, epp).await,
+            Cmd::Summary {
+                results,
+                workloads,
+                readme,
+            } => {
+                let table = report::summary(&results, &workloads)?;
+                write_summary(&results, &table, "results", readme.as_slice())
+            }
+            Cmd::PreciseSummary { results, readme } => {
+                let table = targets::repeats::summary(&results)?;
+                write_summary(&results, &table, "precise", &readme)
+            }
+            Cmd::Keys { .. }
+            | Cmd::Analyze { .. }
+            | Cmd::Lab { .. }
+            | Cmd::LabPrecise { .. }
+            | Cmd::LabCalibrate { .. }
+            | Cmd::LabDiff { .. } => Ok(()),
         }
-    });
-    // Tasks the run spawned hold processes too: end them before exiting.
-    rt.shutdown_timeout(std::time::Duration::from_secs(5));
-    if let Err(e) = outcome {
-        fail(e);
-    }
+    })
 }
 
 /// The lab's commands, which run on threads of their own rather than on the tokio runtime;
@@ -385,7 +328,7 @@ fn run_lab(cmd: &Cmd) -> Option<Result<(), String>> {
             seeds,
             knobs,
         } => (|| {
-            let table = lab::calibrate(&lab::calibration_sources(results), *seeds, knobs)?;
+            let table = lab::calibrate(&lab::calibration_sources(results)?, *seeds, knobs)?;
             write_summary(
                 &results.join("lab/calibration"),
                 &table,
@@ -395,6 +338,24 @@ fn run_lab(cmd: &Cmd) -> Option<Result<(), String>> {
         })(),
         Cmd::LabDiff { before, after } => lab::diff(before, after).map(|t| print!("{t}")),
         _ => return None,
+    })
+}
+
+/// The text of `analysis`.
+fn run_analysis(analysis: &Analysis) -> Result<String, String> {
+    Ok(match analysis {
+        Analysis::Ceiling { run } => analyze::ceiling(&run.run)? + "\n",
+        Analysis::Misses { run } => {
+            let table = analyze::misses::table(&analyze::samples(&run.run)?);
+            match table.is_empty() {
+                true => "no request of the run reported usage\n".into(),
+                false => table.trim_start().to_string(),
+            }
+        }
+        Analysis::Crowding { run } => analyze::crowding::table(&analyze::samples(&run.run)?),
+        Analysis::Placement { run, setup } => {
+            analyze::placement::report(&analyze::samples(&run.run)?, setup)
+        }
     })
 }
 
@@ -417,26 +378,6 @@ fn write_summary(
     }
     print!("{table}");
     Ok(())
-}
-
-/// `--plugin-config`: a JSON object laid over the shipped plugin config.
-fn parse_plugin_config(text: &str) -> Result<serde_json::Value, String> {
-    serde_json::from_str(text).map_err(|e| format!("--plugin-config: {e}"))
-}
-
-/// The first SIGINT or SIGTERM, by name; never, where signals cannot be watched.
-async fn stop_signal() -> &'static str {
-    use tokio::signal::unix::{signal, SignalKind};
-    match (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-    ) {
-        (Ok(mut int), Ok(mut term)) => tokio::select! {
-            _ = int.recv() => "SIGINT",
-            _ = term.recv() => "SIGTERM",
-        },
-        _ => std::future::pending().await,
-    }
 }
 
 async fn run_compare(
@@ -477,9 +418,4 @@ async fn run_compare(
     println!("{}", results.markdown());
     eprintln!("wrote {}/results.json, results.md, ttft.svg", out.display());
     Ok(())
-}
-
-fn fail(msg: String) -> ! {
-    eprintln!("kvroute-bench: {msg}");
-    std::process::exit(1)
 }

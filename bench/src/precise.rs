@@ -81,8 +81,16 @@ pub fn with_tokenizer(spec: &Value) -> Result<(Value, Value, Option<TempFile>), 
     let mut run = spec.clone();
     run["tokenizer"] = json!(file.0.to_string_lossy());
     let mut shown = spec.clone();
-    shown["tokenizer"] = json!("kvroute-sim tokenizer (byte-level BPE)");
+    shown["tokenizer"] = json!(SIM_TOKENIZER);
     Ok((run, shown, Some(file)))
+}
+
+/// How a reported fleet spec names the simulator's BPE tokenizer ([`with_tokenizer`]).
+const SIM_TOKENIZER: &str = "kvroute-sim tokenizer (byte-level BPE)";
+
+/// Whether the reported fleet spec `shown` tokenized with the simulator's BPE ([`with_tokenizer`]).
+pub fn is_sim_tokenizer(shown: &Value) -> bool {
+    shown["tokenizer"] == SIM_TOKENIZER
 }
 
 /// A kvroute-indexer process subscribed to every replica of a fleet; killed when dropped.

@@ -1,7 +1,7 @@
 //! The comparison's outputs: results.json (the contract), results.md (table) and ttft.svg (bars).
 
+use crate::analyze::misses;
 use crate::driver::{RunOutcome, Sample};
-use crate::misses::{self, Misses};
 use crate::precise::IndexFreshness;
 use crate::sim_process::FleetState;
 use crate::stamp::Stamp;
@@ -28,7 +28,7 @@ pub struct Results {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ceiling_hit_rate: Option<f64>,
     /// The hit rate with the fleet's KV capacity as one cache that evicts what is needed furthest
-    /// in the future: no router can beat it on this fleet ([`crate::ceiling::Bounds`]).
+    /// in the future: no router can beat it on this fleet ([`crate::analyze::ceiling::Bounds`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity_bound_hit_rate: Option<f64>,
     /// The hit rate with the fleet's KV capacity as one LRU cache: a reference, not a bound.
@@ -238,16 +238,10 @@ impl Results {
             self.capacity_bound_hit_rate,
             self.fleet_lru_hit_rate,
         ) {
-            let _ = writeln!(
-                s,
-                "\nWhat the workload allows: {:.1}% with an unbounded cache (the ceiling), {:.1}% with the fleet's KV blocks and the best eviction (the capacity bound), {:.1}% with the fleet's KV blocks as one LRU cache.",
-                c * 100.0,
-                b * 100.0,
-                l * 100.0
-            );
+            let _ = writeln!(s, "\n{}", crate::analyze::ceiling::describe(c, b, l));
         }
         s += &self.freshness_markdown();
-        s += &self.misses_markdown();
+        s += &misses::table(&self.samples);
         let Some(rr) = self.measured().find(|m| m.router == "round_robin") else {
             return s;
         };
@@ -290,38 +284,6 @@ impl Results {
                 f.polls_answered * 100.0,
                 f.fresh * 100.0
             );
-        }
-        s
-    }
-
-    /// Where each router's uncached prompt tokens were ([`crate::misses`]), when its requests
-    /// reported usage.
-    fn misses_markdown(&self) -> String {
-        let rows: Vec<(&str, Misses)> = self
-            .samples
-            .iter()
-            .filter_map(|(router, samples)| Some((router.as_str(), misses::misses(samples)?)))
-            .collect();
-        if rows.is_empty() {
-            return String::new();
-        }
-        let mut s = "\nWhere the uncached prompt tokens were, in points of each router's prompt \
-            tokens (requests): a group's first request, a conversation's first request on another \
-            replica than its group's last one or on the same, a later turn on another replica than \
-            its conversation's last one or on the same\n\n| router |"
-            .to_string();
-        for kind in misses::KINDS {
-            let _ = write!(s, " {kind} |");
-        }
-        s += " all |\n|---|";
-        s += &"---:|".repeat(misses::KINDS.len() + 1);
-        s += "\n";
-        for (router, m) in rows {
-            let _ = write!(s, "| {router} |");
-            for kind in 0..misses::KINDS.len() {
-                let _ = write!(s, " {} |", m.cell(kind));
-            }
-            let _ = writeln!(s, " {} |", m.all());
         }
         s
     }

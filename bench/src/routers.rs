@@ -1,11 +1,13 @@
 //! The routers under comparison: parsing their names and starting each in front of a sim fleet.
 
 use crate::epp;
+use crate::kvroute_stats;
 use crate::oracle::Oracle;
 use crate::peers::{self, PeerProcess};
 use crate::precise::{self, Indexer};
 use crate::sim_process::SimFleet;
 use crate::workload::SESSION_HEADER;
+use kvroute::gateway::stat_names::Counter;
 use kvroute_harness::{Envoy, EnvoyOptions, Lb};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -319,12 +321,13 @@ impl Core<'_> {
     async fn stats(&self) -> Vec<(String, u64)> {
         match self {
             Core::Filter(envoy) => {
-                let stats = envoy.stats("kvroute.").await.unwrap_or_default();
+                let all = kvroute_stats::all();
+                let stats = envoy.stats(all).await.unwrap_or_default();
                 stats
                     .into_iter()
                     .filter_map(|(name, v)| {
-                        let own = &name[name.find("kvroute.")?..];
-                        Some((own.replace('.', "_"), v))
+                        let own = &name[name.find(all)?..];
+                        Some((kvroute_stats::prometheus(own), v))
                     })
                     .collect()
             }
@@ -371,13 +374,12 @@ impl Running {
     /// worker's poll), for 30 s at most: what the indexers hold now is what kvroute routes by.
     pub async fn wait_index_polls(&self, n: u64) {
         for envoy in self.kvroute_envoys() {
-            let before = envoy.stat("kvroute.index.poll_ok").await.ok().flatten();
+            let poll_ok = Counter::IndexPollOk.name();
+            let before = envoy.stat(poll_ok).await.ok().flatten();
             let before = before.unwrap_or(0);
             let applied = |v: u64| v >= before + n;
             let wait = std::time::Duration::from_secs(30);
-            let _ = envoy
-                .wait_for_stat("kvroute.index.poll_ok", applied, wait)
-                .await;
+            let _ = envoy.wait_for_stat(poll_ok, applied, wait).await;
         }
     }
 
@@ -421,9 +423,10 @@ impl Running {
     /// summed over its cores; `None` for other routers.
     pub async fn kvroute_usage(&self) -> Option<(u64, u64)> {
         let stats = self.kvroute_stats().await;
-        let cached = stats.get("kvroute_usage_cached_tokens")?;
-        let prompt = stats.get("kvroute_usage_prompt_tokens").copied();
-        Some((*cached, prompt.unwrap_or(0)))
+        let named = |c: Counter| stats.get(&kvroute_stats::prometheus(c.name())).copied();
+        let cached = named(Counter::UsageCachedTokens)?;
+        let prompt = named(Counter::UsagePromptTokens);
+        Some((cached, prompt.unwrap_or(0)))
     }
 
     /// kvroute's routing decisions so far (`kvroute.routed.<decision>` counters), and the
@@ -431,13 +434,15 @@ impl Running {
     /// kvroute; for `NAME@N` summed over the N instances.
     pub async fn kvroute_decisions(&self) -> Vec<(String, u64)> {
         let stats = self.kvroute_stats().await;
+        let routed = kvroute_stats::prometheus(&kvroute_stats::routed());
+        let fallback = kvroute_stats::prometheus(&kvroute_stats::fallback());
         stats
             .into_iter()
             .filter_map(|(name, v)| {
-                if let Some(decision) = name.strip_prefix("kvroute_routed_") {
+                if let Some(decision) = name.strip_prefix(&routed) {
                     Some((decision.to_string(), v))
                 } else {
-                    let reason = name.strip_prefix("kvroute_fallback_")?;
+                    let reason = name.strip_prefix(&fallback)?;
                     (v > 0).then(|| (format!("fallback:{reason}"), v))
                 }
             })
@@ -446,13 +451,14 @@ impl Running {
             .collect()
     }
 
-    /// The counters `names` (kvroute's stat names), summed over kvroute's cores, each named by
-    /// its last segment; empty if this is not kvroute (kvroute defines them at zero on start).
-    pub async fn kvroute_counters(&self, names: &[&str]) -> Vec<(String, u64)> {
+    /// The `counters` of kvroute, summed over kvroute's cores, each named by the last segment of
+    /// its name; empty if this is not kvroute (kvroute defines them at zero on start).
+    pub async fn kvroute_counters(&self, counters: &[Counter]) -> Vec<(String, u64)> {
         let stats = self.kvroute_stats().await;
+        let names: Vec<&str> = counters.iter().map(|c| c.name()).collect();
         let found: Vec<Option<u64>> = names
             .iter()
-            .map(|n| stats.get(&n.replace('.', "_")).copied())
+            .map(|n| stats.get(&kvroute_stats::prometheus(n)).copied())
             .collect();
         if found.iter().all(Option::is_none) {
             return Vec::new();

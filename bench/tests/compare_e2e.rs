@@ -88,7 +88,48 @@ fn kvroute_beats_round_robin_hit_rate_and_results_file_is_complete() {
             );
         }
     }
+    // `analyze` reads the run again: its tables are results.md's, and its requests replay.
+    let misses = analyze(&["misses"], &out);
+    assert!(
+        misses.starts_with("Where the uncached prompt tokens were"),
+        "{misses}"
+    );
+    assert!(
+        md.contains(&misses),
+        "results.md:\n{md}\nanalyze misses:\n{misses}"
+    );
+    let ceiling = analyze(&["ceiling"], &out);
+    assert!(
+        md.contains(ceiling.trim_end()),
+        "results.md:\n{md}\nanalyze ceiling:\n{ceiling}"
+    );
+    let crowding = analyze(&["crowding"], &out.join("samples.jsonl"));
+    assert!(
+        crowding.contains(&format!("| oracle | {} |", rows[3]["requests"])),
+        "{crowding}"
+    );
+    let placement = analyze(&["placement", "--gateways", "2", "--workers", "2"], &out);
+    let first = format!("{} requests, ", rows[0]["requests"]);
+    assert!(placement.starts_with(&first), "{placement}");
+    assert!(
+        placement.contains("would send to different replicas"),
+        "{placement}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `kvroute-bench analyze ARGS RUN`'s output; fails the test if it fails.
+fn analyze(args: &[&str], run: &std::path::Path) -> String {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute-bench"))
+        .arg("analyze")
+        .args(args)
+        .arg(run)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "analyze {args:?} failed:\n{err}");
+    text
 }
 
 /// Three replicas whose caches each hold about two of [`tiny_workload`]'s six system prompts.

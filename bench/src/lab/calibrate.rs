@@ -3,9 +3,9 @@
 //! table shows each figure side by side with whether it is within the tolerances.
 
 use super::{measure, report, Knobs};
-use crate::precise_lines::table_row;
 use crate::report::{Measured, RouterResult};
 use crate::routers::Router;
+use crate::targets::{self, table_row};
 use crate::workload::Workload;
 use serde_json::Value;
 use std::fmt::Write as _;
@@ -26,7 +26,7 @@ pub const TTFT_SHARE: f64 = 0.2;
 
 /// The wall-clock results the lab is held against, under `results`: each workload's set, and
 /// each precise line's first run.
-pub fn sources(results: &Path) -> Vec<PathBuf> {
+pub fn sources(results: &Path) -> Result<Vec<PathBuf>, String> {
     let sets = [
         "llm-d",
         "zipf-pressure",
@@ -35,15 +35,16 @@ pub fn sources(results: &Path) -> Vec<PathBuf> {
         "multimodal",
         "tenants",
     ];
-    let lines = crate::precise_lines::LINES
-        .iter()
+    let lines = targets::lines()?
+        .into_iter()
         .map(|l| format!("precise/{}/run-1", l.name));
-    sets.iter()
+    Ok(sets
+        .iter()
         .map(|s| s.to_string())
         .chain(lines)
         .map(|d| results.join(d).join("results.json"))
         .filter(|p| p.is_file())
-        .collect()
+        .collect())
 }
 
 /// The calibration table over `files` (each a wall-clock results.json), the lab on `seeds`

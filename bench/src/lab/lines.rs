@@ -5,18 +5,18 @@
 
 use super::stats::{self, Interval};
 use super::{measure, report, Knobs};
-use crate::precise_lines::{table_row, Check, Line, Op, Target, LINES};
 use crate::report::Measured;
 use crate::routers::Router;
+use crate::targets::{self, Cells, Check, Judge, Op, Target};
 use crate::workload::Workload;
 use serde_json::Value;
 use std::path::Path;
 
 /// Runs `names` (every line when empty), each into `dir/<line>/`.
 pub fn run(dir: &Path, names: &[String], seeds: u64, knobs: &Knobs) -> Result<(), String> {
-    for line in LINES
+    for line in targets::lines()?
         .iter()
-        .filter(|l| names.is_empty() || names.iter().any(|n| n == l.name))
+        .filter(|l| names.is_empty() || names.contains(&l.name))
     {
         eprintln!("lab-precise: {}", line.name);
         let root = crate::paths::workspace_root();
@@ -37,72 +37,26 @@ pub fn run(dir: &Path, names: &[String], seeds: u64, knobs: &Knobs) -> Result<()
             baseline: None,
             knobs: *knobs,
         };
-        table.write(&dir.join(line.name))?;
+        table.write(&dir.join(&line.name))?;
     }
     Ok(())
 }
 
-const HEADER: &str = "| line | figure | mean (95%) | against | target | router − target (95%) | result | build, date, seeds |\n\
-                      |---|---|---:|---|---|---:|---|---|\n";
-
 /// The table of every line under `dir` (`dir/<line>/results.json`); a line not run shows as not
 /// measured.
 pub fn summary(dir: &Path) -> Result<String, String> {
-    let mut s = HEADER.to_string();
-    for line in LINES {
-        let path = dir.join(line.name).join("results.json");
-        let results = match std::fs::read_to_string(&path) {
-            Ok(text) => Some(
-                serde_json::from_str::<Value>(&text)
-                    .map_err(|e| format!("{}: {e}", path.display()))?,
-            ),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => return Err(format!("{}: {e}", path.display())),
-        };
-        s += &rows(line, results.as_ref()).map_err(|e| format!("{}: {e}", path.display()))?;
-    }
-    Ok(s)
+    targets::table(dir, &Lab)
 }
 
-/// Each seed's value of `check`'s figure for `router`, from a lab results.json.
-fn per_seed(results: &Value, router: &str, key: &str) -> Result<Vec<f64>, String> {
-    let row = results["results"]
-        .as_array()
-        .and_then(|rows| rows.iter().find(|r| r["router"] == router))
-        .ok_or_else(|| format!("no router {router}"))?;
-    let runs: Vec<Measured> =
-        serde_json::from_value(row["runs"].clone()).map_err(|e| format!("{router}: {e}"))?;
-    report::per_seed(&runs, key).ok_or_else(|| format!("{router}: {key} missing in a run"))
-}
+/// Judges each check on its paired interval over the lab's seeds.
+struct Lab;
 
-/// The paired interval of the router's figure minus the target's bound, seed by seed, and the
-/// router's own interval.
-fn against_target(c: &Check, results: &Value) -> Result<(Interval, Option<Interval>), String> {
-    let key = c.metric.key();
-    let values = per_seed(results, c.router, key)?;
-    let own = stats::interval(&values).ok_or("no runs")?;
-    let bounds: Vec<f64> = match &c.target {
-        Target::Relative { times, of, .. } => per_seed(results, of, key)?
-            .iter()
-            .map(|b| times * b)
-            .collect(),
-        Target::Absolute { value, .. } => vec![*value; values.len()],
-        Target::Context { .. } => return Ok((own, None)),
-    };
-    Ok((own, stats::paired(&values, &bounds)))
-}
+impl Judge for Lab {
+    const FILE: &'static str = "results.json";
+    const HEADER: &'static str = "| line | figure | mean (95%) | against | target | router − target (95%) | result | build, date, seeds |\n\
+                      |---|---|---:|---|---|---:|---|---|\n";
 
-/// `line`'s rows, one per check.
-fn rows(line: &Line, results: Option<&Value>) -> Result<String, String> {
-    let mut s = String::new();
-    for (i, c) in line.checks.iter().enumerate() {
-        let name = if i == 0 { line.name } else { "" };
-        let figure = format!("{} {}", c.router, c.metric.name());
-        let target = c.target.text();
-        let Some(results) = results else {
-            s += &table_row(&[name, &figure, "not measured", "", &target, "", "", ""]);
-            continue;
-        };
+    fn cells(&self, c: &Check, results: &Value) -> Result<Cells, String> {
         let (own, diff) = against_target(c, results)?;
         let show = |v: f64| c.metric.show(v);
         let delta = |v: f64| report::delta(c.metric.key(), v);
@@ -121,16 +75,45 @@ fn rows(line: &Line, results: Option<&Value>) -> Result<String, String> {
             }
             _ => (String::new(), ""),
         };
-        let stamp = if i == 0 {
-            stamp_cell(results)
-        } else {
-            String::new()
-        };
-        s += &table_row(&[
-            name, &figure, &mean, &against, &target, &interval, result, &stamp,
-        ]);
+        Ok(Cells {
+            value: mean,
+            against,
+            after_target: vec![interval, result.to_string()],
+        })
     }
-    Ok(s)
+
+    fn stamp(&self, results: &Value) -> String {
+        let n = results["seeds"].as_array().map_or(0, Vec::len);
+        targets::stamp_cell(results, n, "seeds")
+    }
+}
+
+/// Each seed's value of `check`'s figure for `router`, from a lab results.json.
+fn per_seed(results: &Value, router: &str, key: &str) -> Result<Vec<f64>, String> {
+    let row = results["results"]
+        .as_array()
+        .and_then(|rows| rows.iter().find(|r| r["router"] == router))
+        .ok_or_else(|| format!("no router {router}"))?;
+    let runs: Vec<Measured> =
+        serde_json::from_value(row["runs"].clone()).map_err(|e| format!("{router}: {e}"))?;
+    report::per_seed(&runs, key).ok_or_else(|| format!("{router}: {key} missing in a run"))
+}
+
+/// The paired interval of the router's figure minus the target's bound, seed by seed, and the
+/// router's own interval.
+fn against_target(c: &Check, results: &Value) -> Result<(Interval, Option<Interval>), String> {
+    let key = c.metric.key();
+    let values = per_seed(results, &c.router, key)?;
+    let own = stats::interval(&values).ok_or("no runs")?;
+    let bounds: Vec<f64> = match &c.target {
+        Target::Relative { times, of, .. } => per_seed(results, of, key)?
+            .iter()
+            .map(|b| times * b)
+            .collect(),
+        Target::Absolute { value, .. } => vec![*value; values.len()],
+        Target::Context { .. } => return Ok((own, None)),
+    };
+    Ok((own, stats::paired(&values, &bounds)))
 }
 
 /// Met when the whole interval of (figure − bound) is on `op`'s side of 0, missed when it is
@@ -143,17 +126,6 @@ fn decide(op: Op, d: &Interval) -> &'static str {
         Op::AtMost if d.lo > 0.0 => "missed",
         _ => "undecided",
     }
-}
-
-/// `commit, date, N seeds` from a lab results.json.
-fn stamp_cell(results: &Value) -> String {
-    let stamp = &results["stamp"];
-    let build = match (stamp["commit"].as_str(), stamp["date"].as_str()) {
-        (Some(c), Some(d)) => format!("{c}, {d}"),
-        _ => "unstamped".into(),
-    };
-    let n = results["seeds"].as_array().map_or(0, Vec::len);
-    format!("{build}, {n} seeds")
 }
 
 #[cfg(test)]

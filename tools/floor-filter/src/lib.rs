@@ -1,6 +1,6 @@
 //! The floor: a proxy-wasm HTTP filter that pauses every request with a body until the body is
 //! complete, reads it into the VM, and lets it go unchanged. Any body-routing filter pays at least
-//! this; `kvroute-bench overhead` measures kvroute against it (config `floor`).
+//! this; `kvroute-overhead cpu` measures kvroute against it (config `floor`).
 //!
 //! Opt-in, for the `floor+header` config: with a plugin configuration `{"header_values": [..]}`
 //! it also writes `x-gateway-destination-endpoint`, taking the listed values in turn, so a run can

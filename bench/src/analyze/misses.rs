@@ -3,7 +3,9 @@
 //! group moved, or its conversations split), or on the same replica (evicted there since).
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
 
+use super::{group_of, in_send_order};
 use crate::driver::Sample;
 
 /// The kinds of request, in table order.
@@ -27,23 +29,6 @@ pub struct Tally {
 pub struct Misses {
     pub prompt_tokens: u64,
     pub by_kind: [Tally; KINDS.len()],
-}
-
-/// The group of a workload user tag (`u<group>-<member>-<episode>`, `u<group>-t<tenant>-...`,
-/// `a<app>-<slot>-<episode>`): the tag without its member and episode. A unique prompt
-/// (`u-unique-<n>`) is a group of its own.
-pub fn group_of(tag: &str) -> &str {
-    if tag.starts_with("u-unique-") {
-        return tag;
-    }
-    tag.rsplitn(3, '-').nth(2).unwrap_or(tag)
-}
-
-/// `samples`' successful requests in the order they were sent.
-pub fn in_send_order(samples: &[Sample]) -> Vec<&Sample> {
-    let mut sorted: Vec<&Sample> = samples.iter().filter(|s| s.error.is_none()).collect();
-    sorted.sort_by(|a, b| a.sent_ms.total_cmp(&b.sent_ms));
-    sorted
 }
 
 /// Sorts `samples`' answered requests (those with a replica and usage) by kind, in the order
@@ -76,6 +61,37 @@ pub fn misses(samples: &[Sample]) -> Option<Misses> {
         conversation_at.insert(&s.user, replica);
     }
     Some(out)
+}
+
+/// The table of where each router's uncached prompt tokens were (a line of results.md), for the
+/// routers whose requests reported usage; empty when none did.
+pub fn table(runs: &[(String, Vec<Sample>)]) -> String {
+    let rows: Vec<(&str, Misses)> = runs
+        .iter()
+        .filter_map(|(router, samples)| Some((router.as_str(), misses(samples)?)))
+        .collect();
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut s = "\nWhere the uncached prompt tokens were, in points of each router's prompt \
+        tokens (requests): a group's first request, a conversation's first request on another \
+        replica than its group's last one or on the same, a later turn on another replica than \
+        its conversation's last one or on the same\n\n| router |"
+        .to_string();
+    for kind in KINDS {
+        let _ = write!(s, " {kind} |");
+    }
+    s += " all |\n|---|";
+    s += &"---:|".repeat(KINDS.len() + 1);
+    s += "\n";
+    for (router, m) in rows {
+        let _ = write!(s, "| {router} |");
+        for kind in 0..KINDS.len() {
+            let _ = write!(s, " {} |", m.cell(kind));
+        }
+        let _ = writeln!(s, " {} |", m.all());
+    }
+    s
 }
 
 impl Misses {
@@ -137,14 +153,6 @@ mod tests {
         assert_eq!(uncached, [200, 100, 20, 180, 20]);
         assert_eq!(m.cell(3), "22.5 (1)");
         assert_eq!(m.all(), "65.0");
-    }
-
-    #[test]
-    fn groups_come_from_user_tags() {
-        assert_eq!(group_of("u10-3-0"), "u10");
-        assert_eq!(group_of("u1-t2-3-0"), "u1-t2");
-        assert_eq!(group_of("a4-1-7"), "a4");
-        assert_eq!(group_of("u-unique-9"), "u-unique-9");
     }
 
     #[test]

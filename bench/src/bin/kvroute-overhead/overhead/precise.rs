@@ -18,8 +18,11 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvroute::config::Config;
+use kvroute::gateway::stat_names::{self, Counter};
+use kvroute::policy::Decision;
 use kvroute::prefix::PrefixKeys;
 use kvroute::request::Api;
+use kvroute_bench::kvroute_stats;
 use kvroute_harness::mesh::FakeAdmin;
 use kvroute_harness::{Envoy, EnvoyOptions, Lb};
 use serde::Serialize;
@@ -81,7 +84,7 @@ pub(crate) async fn start(
         .map_err(|e| format!("{name}: {e}"))?;
         if let Some(feed) = feed_here {
             envoy
-                .wait_for_stat("kvroute.index.poll_ok", |n| n >= 1, FIRST_POLL)
+                .wait_for_stat(Counter::IndexPollOk.name(), |n| n >= 1, FIRST_POLL)
                 .await
                 .map_err(|e| format!("{name}: the feed's first answer: {e}"))?;
             feed.answer(200, no_change(addrs));
@@ -176,13 +179,13 @@ pub(crate) async fn print_decisions<'a>(
 ) -> Result<Option<Decisions>, String> {
     let mut precise = None;
     for (name, envoy) in envoys {
-        let stats = |prefix| async move {
-            let stats = envoy.stats(prefix).await.map_err(|e| e.to_string())?;
+        let stats = |prefix: String| async move {
+            let stats = envoy.stats(&prefix).await.map_err(|e| e.to_string())?;
             let mut stats: Vec<(String, u64)> = stats.into_iter().filter(|(_, v)| *v > 0).collect();
             stats.sort();
             Ok::<_, String>(stats)
         };
-        let routed = stats("kvroute.routed.").await?;
+        let routed = stats(kvroute_stats::routed()).await?;
         if name != CONFIGS[1] {
             println!("{name} decisions during the run: {routed:?}");
             continue;
@@ -191,10 +194,10 @@ pub(crate) async fn print_decisions<'a>(
             routed: routed.iter().map(|(_, v)| v).sum(),
             engine: routed
                 .iter()
-                .filter(|(k, _)| k.ends_with("kvroute.routed.engine"))
+                .filter(|(k, _)| k.ends_with(&stat_names::routed(Decision::Engine)))
                 .map(|(_, v)| v)
                 .sum(),
-            index: stats("kvroute.index.").await?,
+            index: stats(kvroute_stats::index().to_string()).await?,
         };
         println!(
             "{name}: the engine index decided {} of {} requests; index stats {:?}",

@@ -18,6 +18,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use kvroute_bench::kvroute_stats;
 use kvroute_harness::{Envoy, EnvoyOptions};
 use serde_json::Value;
 use tokio::process::Command;
@@ -260,10 +261,11 @@ fn find_total(dir: &Path, pid: u32, trigger: &str) -> Option<f64> {
 }
 
 async fn report_decisions(name: &str, envoy: &Envoy) {
-    if let Ok(routed) = envoy.stats("kvroute.").await {
+    if let Ok(routed) = envoy.stats(kvroute_stats::all()).await {
+        let (decided, fell_back) = (kvroute_stats::routed(), kvroute_stats::fallback());
         let mut moved: Vec<_> = routed
             .into_iter()
-            .filter(|(k, v)| *v > 0 && (k.contains(".routed.") || k.contains(".fallback.")))
+            .filter(|(k, v)| *v > 0 && (k.contains(&decided) || k.contains(&fell_back)))
             .collect();
         moved.sort();
         eprintln!("instructions: {name} decisions {moved:?}");

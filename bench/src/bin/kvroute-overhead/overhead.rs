@@ -30,8 +30,8 @@ use kvroute_harness::{Envoy, EnvoyOptions, Lb};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::peers::{self, PeerProcess};
-use crate::stats::percentile;
+use kvroute_bench::peers::{self, PeerProcess};
+use kvroute_bench::stats::percentile;
 
 mod epp;
 mod precise;
@@ -102,7 +102,7 @@ enum Process {
     Envoy(Envoy),
     Peer(PeerProcess),
     /// Envoy and the kvroute-epp it asks.
-    Epp(Box<crate::epp::Gateway>),
+    Epp(Box<kvroute_bench::epp::Gateway>),
 }
 
 impl Target {

@@ -9,7 +9,8 @@ use kvroute_harness::EnvoyOptions;
 use serde_json::Value;
 
 use super::Row;
-use crate::epp::{self, Gateway, Picker};
+use kvroute_bench::epp::{self, Gateway, Picker};
+use kvroute_bench::kvroute_stats;
 
 /// The config's name, in table order after the precise ones.
 pub(crate) const CONFIG: &str = "kvroute-epp";
@@ -26,20 +27,17 @@ pub(crate) async fn start(addrs: &[SocketAddr], plugin_config: &Value) -> Result
 /// would then measure Envoy's own balancer.
 pub(crate) async fn print_decisions(name: &str, picker: &Picker) -> Result<(), String> {
     let stats = picker.stats().await?;
+    let decided = kvroute_stats::prometheus(&kvroute_stats::routed());
+    let fell_back = kvroute_stats::prometheus(&kvroute_stats::fallback());
     let mut decisions: Vec<(String, u64)> = stats
         .into_iter()
-        .filter(|(n, v)| {
-            *v > 0
-                && ["kvroute_routed_", "kvroute_fallback_"]
-                    .iter()
-                    .any(|p| n.starts_with(p))
-        })
+        .filter(|(n, v)| *v > 0 && (n.starts_with(&decided) || n.starts_with(&fell_back)))
         .collect();
     decisions.sort();
     println!("{name} decisions during the run: {decisions:?}");
     let routed: u64 = decisions
         .iter()
-        .filter(|(n, _)| n.starts_with("kvroute_routed_"))
+        .filter(|(n, _)| n.starts_with(&decided))
         .map(|(_, v)| v)
         .sum();
     match routed {

@@ -28,6 +28,18 @@ pub struct Bounds {
     pub fleet_lru: f64,
 }
 
+impl Bounds {
+    /// The rates to the five decimals results.json keeps.
+    pub fn rounded(self) -> Bounds {
+        let round = |x: f64| (x * 1e5).round() / 1e5;
+        Bounds {
+            ceiling: round(self.ceiling),
+            capacity: round(self.capacity),
+            fleet_lru: round(self.fleet_lru),
+        }
+    }
+}
+
 /// A prompt as the simulator's cache keys it: its token ids and its `cache_salt`.
 type Prompt = (Vec<u32>, Option<String>);
 
@@ -76,6 +88,16 @@ pub fn bounds(workload: &Workload, fleet_spec: &Value, sent: usize) -> Result<Bo
         capacity: capacity_bound(&hashes, &lens, bs, fleet_blocks),
         fleet_lru: fleet_lru(&prompts, &lens, bs, fleet_blocks * bs),
     })
+}
+
+/// The bounds as results.md says them, in percent.
+pub fn describe(ceiling: f64, capacity: f64, fleet_lru: f64) -> String {
+    format!(
+        "What the workload allows: {:.1}% with an unbounded cache (the ceiling), {:.1}% with the fleet's KV blocks and the best eviction (the capacity bound), {:.1}% with the fleet's KV blocks as one LRU cache.",
+        ceiling * 100.0,
+        capacity * 100.0,
+        fleet_lru * 100.0
+    )
 }
 
 /// Hit tokens over prompt tokens, the first prompt (the probe) not counted.
