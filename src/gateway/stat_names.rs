@@ -85,7 +85,7 @@ impl Counter {
 }
 
 /// kvroute's gauges of fixed name, defined when first written (but for `SlotsUsed`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, IntoStaticStr)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, IntoStaticStr, VariantArray)]
 pub enum Gauge {
     /// Healthy endpoints in the last host snapshot.
     #[strum(serialize = "kvroute.endpoints_known")]
@@ -110,14 +110,25 @@ impl Gauge {
 /// The histogram of the share of a request's prefix found, in percent.
 pub const MATCH_PERCENT: &str = "kvroute.match_percent";
 
+/// What the name of every per-decision counter ([`routed`]) starts with: their sum is the
+/// requests kvroute routed.
+pub const ROUTED_PREFIX: &str = "kvroute.routed.";
+
+/// What the name of every per-reason counter ([`fallback`]) starts with: their sum is the
+/// requests kvroute left to Envoy.
+pub const FALLBACK_PREFIX: &str = "kvroute.fallback.";
+
+/// What the name of every per-endpoint in-flight gauge ([`inflight`]) starts with.
+pub const INFLIGHT_PREFIX: &str = "kvroute.inflight.";
+
 /// Requests routed with `decision`.
 pub fn routed(decision: Decision) -> String {
-    format!("kvroute.routed.{}", decision.name())
+    format!("{ROUTED_PREFIX}{}", decision.name())
 }
 
 /// Requests left to Envoy for `reason`.
 pub fn fallback(reason: Fallback) -> String {
-    format!("kvroute.fallback.{}", reason.name())
+    format!("{FALLBACK_PREFIX}{}", reason.name())
 }
 
 /// Chat requests whose prompt had `outcome` under the templates.
@@ -128,7 +139,7 @@ pub fn template(outcome: Outcome) -> String {
 /// The gauge of kvroute's requests in flight at one endpoint (`seg`, as for
 /// [`Counter::of_endpoint`]).
 pub fn inflight(seg: &str) -> String {
-    format!("kvroute.inflight.{seg}")
+    format!("{INFLIGHT_PREFIX}{seg}")
 }
 
 /// The histogram of one endpoint's measured time to first token, in percent of the expected.
