@@ -5,6 +5,7 @@
 //! [--seconds 30] [--from 10] [--for 10]` after `make build` (Envoy from `.venv`, the filter from
 //! `target/`, or wherever `ENVOY_BIN` and `KVROUTE_WASM` say).
 
+use kvroute::gateway::stat_names::{Counter, Gauge};
 use kvroute_harness::{Envoy, EnvoyOptions, Lb};
 use kvroute_sim::engine::Faults;
 use kvroute_sim::fleet::Fleet;
@@ -149,7 +150,7 @@ async fn run(name: &str, lb: Lb, a: &Args) -> Result<Run, String> {
     .map_err(|e| e.to_string())?;
     if name == "kvroute" {
         let known = envoy.wait_for_stat(
-            "kvroute.endpoints_known",
+            Gauge::EndpointsKnown.name(),
             |v| v == sim.replicas.len() as u64,
             Duration::from_secs(30),
         );
@@ -205,7 +206,7 @@ async fn run(name: &str, lb: Lb, a: &Args) -> Result<Run, String> {
         lost: lost.load(Ordering::Relaxed),
         reached_faulty: reached,
         retries: stat("cluster.inference_pool.upstream_rq_retry").await,
-        marks: stat("kvroute.suspect_marked").await,
+        marks: stat(Counter::SuspectMarked.name()).await,
     })
 }
 

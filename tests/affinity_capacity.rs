@@ -4,6 +4,7 @@
 use crate::common;
 
 use common::{kv_stat, Fleet};
+use kvroute::gateway::stat_names::{self, Gauge};
 use serde_json::json;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -61,13 +62,13 @@ async fn flood_of_unique_prefixes_stays_within_affinity_capacity() {
         fleet.envoy.log_tail()
     );
     let routed = fleet
-        .stat_sum_reaching("kvroute.routed.", (FLOOD * 9 / 10) as u64)
+        .stat_sum_reaching(stat_names::ROUTED_PREFIX, (FLOOD * 9 / 10) as u64)
         .await;
     assert!(
         routed as usize >= FLOOD * 9 / 10,
         "the flood was not routed by kvroute: {routed}"
     );
-    let used = kv_stat(&fleet, "affinity.slots_used").await;
+    let used = kv_stat(&fleet, Gauge::SlotsUsed.name()).await;
     assert!(
         used <= CAPACITY,
         "{used} affinity slots used, capacity {CAPACITY}"

@@ -8,6 +8,7 @@ use crate::common;
 
 use common::load::{assert_none_failed, fleet_under_load, wait_until};
 use common::{kv_stat, pool_stat, Fleet};
+use kvroute::gateway::stat_names::Counter;
 use kvroute::suspects::SUSPECT_MS;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -51,7 +52,9 @@ async fn a_replica_answering_500_under_streamed_load_fails_no_request(failure: F
     let received_at_failure = victim.received();
     let ok_at_failure = load.ok();
     let deadline = Instant::now() + Duration::from_secs(60);
-    while victim.received() == received_at_failure || kv_stat(&fleet, "suspect_marked").await == 0 {
+    while victim.received() == received_at_failure
+        || kv_stat(&fleet, Counter::SuspectMarked.name()).await == 0
+    {
         assert!(
             Instant::now() < deadline,
             "no request reached the failing replica, or kvroute never marked it"
@@ -72,7 +75,7 @@ async fn a_replica_answering_500_under_streamed_load_fails_no_request(failure: F
     .await;
     let failed_there = victim.received() - received_at_failure;
     let ok_while_failing = load.ok() - ok_at_failure;
-    let marks = kv_stat(&fleet, "suspect_marked").await;
+    let marks = kv_stat(&fleet, Counter::SuspectMarked.name()).await;
 
     failure.set(&fleet, false);
     let mark = load.served_len();

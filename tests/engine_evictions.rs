@@ -7,6 +7,7 @@
 
 use crate::common;
 
+use kvroute::gateway::stat_names::{Counter, Gauge};
 use kvroute_sim::fleet::Fleet;
 use kvroute_sim::spec::FleetSpec;
 use serde_json::{json, Value};
@@ -104,7 +105,11 @@ async fn a_replica_that_evicted_stops_drawing_its_old_conversations() {
         }
     }
     envoy
-        .wait_for_stat("kvroute.groups_placed", |v| v >= 1, Duration::from_secs(30))
+        .wait_for_stat(
+            Gauge::GroupsPlaced.name(),
+            |v| v >= 1,
+            Duration::from_secs(30),
+        )
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     common::wait_for_fresh_poll_of(&envoy).await;
@@ -130,7 +135,7 @@ async fn a_replica_that_evicted_stops_drawing_its_old_conversations() {
                // The engine drops it all (every prefix is past the grace: zero here, so nothing counts as
                // still prefilling).
     sim.replicas[home].replica.reset_prefix_cache();
-    assert_eq!(stat(&envoy, "kvroute.affinity.evictions_seen").await, 0);
+    assert_eq!(stat(&envoy, Counter::EvictionsSeen.name()).await, 0);
 
     // Conversation a's third turn still follows its history there, and the engine's report
     // (nothing cached of what the map predicted) shows the eviction.
@@ -142,7 +147,7 @@ async fn a_replica_that_evicted_stops_drawing_its_old_conversations() {
     assert_eq!(send(&sim, &url, &a3).await, ("affinity".into(), home));
     envoy
         .wait_for_stat(
-            "kvroute.affinity.evictions_seen",
+            Counter::EvictionsSeen.name(),
             |v| v == 1,
             Duration::from_secs(10),
         )
@@ -163,14 +168,14 @@ async fn a_replica_that_evicted_stops_drawing_its_old_conversations() {
     sent += 3; // a3, b2, a4
     envoy
         .wait_for_stat(
-            "kvroute.usage.responses",
+            Counter::UsageResponses.name(),
             |v| v == sent,
             Duration::from_secs(10),
         )
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
-        stat(&envoy, "kvroute.affinity.evictions_seen").await,
+        stat(&envoy, Counter::EvictionsSeen.name()).await,
         1,
         "what was recomputed is no eviction"
     );

@@ -4,6 +4,7 @@
 
 use crate::common;
 
+use kvroute::gateway::stat_names::Counter;
 use kvroute_sim::spec::FleetSpec;
 use serde_json::json;
 use std::time::Duration;
@@ -38,13 +39,13 @@ async fn cached_token_stats_match_the_fleets_own_counters() {
     }
     envoy
         .wait_for_stat(
-            "kvroute.usage.responses",
+            Counter::UsageResponses.name(),
             |v| v == sent,
             Duration::from_secs(30),
         )
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let stats = envoy.stats("kvroute.usage.").await.unwrap();
+    let stats = envoy.stats("").await.unwrap();
     let stat = |name: &str| {
         stats
             .iter()
@@ -54,9 +55,9 @@ async fn cached_token_stats_match_the_fleets_own_counters() {
     let (mut fleet_hits, mut fleet_queries) = (0, 0);
     for r in &sim.replicas {
         let s = r.replica.snapshot();
-        let seg = r.addr.to_string().replace(['.', ':'], "_");
-        let prompt = stat(&format!("kvroute.usage.prompt_tokens.{seg}"));
-        let cached = stat(&format!("kvroute.usage.cached_tokens.{seg}"));
+        let seg = common::endpoint_segment(r.addr);
+        let prompt = stat(&Counter::UsagePromptTokens.of_endpoint(&seg));
+        let cached = stat(&Counter::UsageCachedTokens.of_endpoint(&seg));
         assert_eq!(prompt, s.prefix_queries_tokens, "replica {}", r.replica.id);
         let (engine, ours) = (
             s.prefix_hits_tokens as f64 / s.prefix_queries_tokens.max(1) as f64,
@@ -71,8 +72,8 @@ async fn cached_token_stats_match_the_fleets_own_counters() {
         fleet_queries += s.prefix_queries_tokens;
     }
     assert!(fleet_hits > 0, "the workload reuses prefixes");
-    assert_eq!(stat("kvroute.usage.prompt_tokens"), fleet_queries);
-    let total = stat("kvroute.usage.cached_tokens") as f64 / fleet_queries as f64;
+    assert_eq!(stat(Counter::UsagePromptTokens.name()), fleet_queries);
+    let total = stat(Counter::UsageCachedTokens.name()) as f64 / fleet_queries as f64;
     let fleet = fleet_hits as f64 / fleet_queries as f64;
     assert!((total - fleet).abs() <= 0.03, "{total} vs {fleet}");
 }

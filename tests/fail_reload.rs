@@ -8,6 +8,7 @@ use common::{
     ask, chat_body, debug_config, inflight_gauges, kv_stat, served_by, system_prompt,
     wait_for_fresh_poll, wait_for_polls, Fleet,
 };
+use kvroute::gateway::stat_names::{Counter, Gauge};
 use kvroute::policy::cache_aware::HOLD_POLLS;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -122,7 +123,7 @@ async fn counts_a_trapped_vm_left_behind_are_corrected_against_rq_active() {
     // dead VM left are lowered (three polls in a row must show them above `rq_active`).
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut i = 0;
-    while kv_stat(&fleet, "inflight_corrected").await == 0 {
+    while kv_stat(&fleet, Counter::InflightCorrected.name()).await == 0 {
         let _ = fleet.chat(&ask(9, i)).await;
         i += 1;
         assert!(
@@ -184,10 +185,11 @@ async fn a_reloaded_vm_sends_each_group_where_the_gateway_did() {
         }
     }
     // Past the warm-up (10 polls) every group is placed; its home holds 4 polls before it moves.
-    let placed =
-        fleet
-            .envoy
-            .wait_for_stat("kvroute.groups_placed", |v| v == 8, Duration::from_secs(30));
+    let placed = fleet.envoy.wait_for_stat(
+        Gauge::GroupsPlaced.name(),
+        |v| v == 8,
+        Duration::from_secs(30),
+    );
     placed.await.unwrap_or_else(|e| panic!("{e}"));
     // Then until the homes stay put for longer than a home holds before a group moves there.
     let mut before = homes().await;

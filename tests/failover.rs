@@ -8,6 +8,7 @@ use common::{
     ask, debug_config, first_homes, served_by, take_routing_headers, wait_for_fresh_poll,
     wait_for_polls, Fleet,
 };
+use kvroute::gateway::stat_names::Gauge;
 use kvroute::policy::cache_aware::HOLD_POLLS;
 use std::time::Duration;
 
@@ -45,10 +46,11 @@ async fn killed_backend_is_avoided_once_unhealthy_and_no_request_fails() {
     // the assignment gives another home moves there once that has held for `HOLD_POLLS` polls,
     // counted from when the gateway warmed up: wait that out too, or on a slow machine the move
     // could fall inside the loop below.
-    let placed =
-        fleet
-            .envoy
-            .wait_for_stat("kvroute.groups_placed", |v| v >= 4, Duration::from_secs(30));
+    let placed = fleet.envoy.wait_for_stat(
+        Gauge::GroupsPlaced.name(),
+        |v| v >= 4,
+        Duration::from_secs(30),
+    );
     placed.await.unwrap_or_else(|e| panic!("{e}"));
     // (A poll more for the margin.)
     wait_for_polls(&fleet.envoy, HOLD_POLLS + 1).await;

@@ -11,6 +11,8 @@ use common::{
     ask, client_per_request, debug_config, kv_stat, served_by, wait_for_fresh_poll, warm_up, Fleet,
     Reply,
 };
+use kvroute::gateway::stat_names::{self, Counter};
+use kvroute::router::Fallback;
 use kvroute_harness::gate::{Gate, GateMode};
 use kvroute_harness::Lb;
 use std::collections::BTreeMap;
@@ -88,20 +90,23 @@ async fn a_silent_admin_leaves_requests_to_envoy_until_it_answers_again() {
     gate.set_target(fleet.envoy.admin_addr());
     fleet.wait_endpoints_known(3).await;
     assert_routing_again(&fleet, "routing at start").await;
-    assert_eq!(kv_stat(&fleet, "fallback.stale_hosts").await, 0);
+    assert_eq!(
+        kv_stat(&fleet, &stat_names::fallback(Fallback::StaleHosts)).await,
+        0
+    );
 
     // Answering 503, then not answering at all (each poll times out).
     for mode in [GateMode::Failing, GateMode::Jammed] {
-        let failed = kv_stat(&fleet, "stats_poll.failed").await;
-        let stale = kv_stat(&fleet, "fallback.stale_hosts").await;
+        let failed = kv_stat(&fleet, Counter::StatsPollFailed.name()).await;
+        let stale = kv_stat(&fleet, &stat_names::fallback(Fallback::StaleHosts)).await;
         gate.set_mode(mode);
         let what = format!("{mode:?} admin");
         let replies = ask_until(&fleet, &what, |r| is_fallback(r, "stale_hosts")).await;
         assert!(
-            kv_stat(&fleet, "stats_poll.failed").await > failed,
+            kv_stat(&fleet, Counter::StatsPollFailed.name()).await > failed,
             "{what}: the poll failed"
         );
-        let counted = kv_stat(&fleet, "fallback.stale_hosts").await;
+        let counted = kv_stat(&fleet, &stat_names::fallback(Fallback::StaleHosts)).await;
         let seen = replies
             .iter()
             .filter(|r| is_fallback(r, "stale_hosts"))
@@ -157,13 +162,13 @@ async fn an_engine_that_stops_reporting_is_avoided_and_all_silent_fall_back() {
         before.values().any(|&b| b == 0),
         "no group on 0: {before:?}"
     );
-    assert_eq!(kv_stat(&fleet, "engine_poll.stale").await, 0);
+    assert_eq!(kv_stat(&fleet, Counter::EnginePollStale.name()).await, 0);
 
     // Backend 0 serves requests and passes health checks, but its load is no longer known.
     fleet.backends[0].set_metrics_missing(true);
     let stale = fleet
         .envoy
-        .wait_for_stat("kvroute.engine_poll.stale", |v| v > 0, BOUND);
+        .wait_for_stat(Counter::EnginePollStale.name(), |v| v > 0, BOUND);
     stale.await.unwrap_or_else(|e| panic!("{e}"));
     let avoided = homes_until(&fleet, &groups, "backend 0 avoided", |h| {
         h.values().all(|&b| b != 0)
@@ -185,12 +190,12 @@ async fn an_engine_that_stops_reporting_is_avoided_and_all_silent_fall_back() {
     for b in &fleet.backends {
         b.set_metrics_missing(true);
     }
-    let fell_back = kv_stat(&fleet, "fallback.stale_engine_loads").await;
+    let fell_back = kv_stat(&fleet, &stat_names::fallback(Fallback::StaleEngineLoads)).await;
     ask_until(&fleet, "every engine silent", |r| {
         is_fallback(r, "stale_engine_loads")
     })
     .await;
-    assert!(kv_stat(&fleet, "fallback.stale_engine_loads").await > fell_back);
+    assert!(kv_stat(&fleet, &stat_names::fallback(Fallback::StaleEngineLoads)).await > fell_back);
 
     for b in &fleet.backends {
         b.set_metrics_missing(false);

@@ -6,6 +6,7 @@ use crate::common;
 use common::{
     chat_body, debug_config, inflight_gauge_name, inflight_gauges, kv_stat, system_prompt, Fleet,
 };
+use kvroute::gateway::stat_names::{Counter, Gauge};
 use kvroute_harness::Lb;
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,14 +35,14 @@ async fn aborted_streams_are_settled_by_the_filter_not_by_the_correction() {
     .await;
     // The first poll may precede the health checks: then the second, 20 s on, sees all four.
     let known = fleet.envoy.wait_for_stat(
-        "kvroute.endpoints_known",
+        Gauge::EndpointsKnown.name(),
         |v| v == 4,
         Duration::from_secs(60),
     );
     known.await.unwrap_or_else(|e| panic!("{e}"));
     let fleet = Arc::new(fleet);
     burst_with_aborts_settles(fleet.clone()).await;
-    assert_eq!(kv_stat(&fleet, "inflight_corrected").await, 0);
+    assert_eq!(kv_stat(&fleet, Counter::InflightCorrected.name()).await, 0);
 }
 
 async fn burst_with_aborts_settles(fleet: Arc<Fleet>) {

@@ -12,6 +12,7 @@ use crate::common::istio;
 
 use common::{ask, chat_body, client, reached_since, received, served_by, system_prompt};
 use common::{warm_up, Fleet};
+use kvroute::gateway::stat_names::{self, Gauge};
 use kvroute::hosts::{admin_clusters_path, PolledClusters};
 use kvroute_harness::backend::Backend;
 use kvroute_harness::{paths, Envoy, EnvoyOptions, HarnessError};
@@ -401,14 +402,14 @@ async fn the_gateway_routes_by_prefix_through_the_istio_config() {
         }
     }
     let routed = fleet
-        .stat_sum_reaching("kvroute.routed", (GROUPS * 4) as u64)
+        .stat_sum_reaching(stat_names::ROUTED_PREFIX, (GROUPS * 4) as u64)
         .await;
     assert!(
         routed >= (GROUPS * 4) as u64,
         "only {routed} requests routed by kvroute"
     );
     assert_eq!(
-        fleet.stat_sum("kvroute.fallback").await,
+        fleet.stat_sum(stat_names::FALLBACK_PREFIX).await,
         0,
         "{}",
         fleet.envoy.log_tail()
@@ -479,7 +480,7 @@ async fn the_precise_gateway_sends_a_cached_prompt_to_its_engine_and_its_indexer
     .unwrap_or_else(|e| panic!("{e}"));
     envoy
         .wait_for_stat(
-            "kvroute.endpoints_known",
+            Gauge::EndpointsKnown.name(),
             |v| v == addrs.len() as u64,
             std::time::Duration::from_secs(30),
         )

@@ -6,6 +6,7 @@
 use crate::common;
 
 use common::{ask, client, debug_config, kv_stat, served_by, warm_up, Fleet};
+use kvroute::gateway::stat_names::{Counter, Gauge};
 use kvroute_harness::backend::Backend;
 use kvroute_harness::mesh::{clusters_json, FakeAdmin};
 use kvroute_harness::{bootstrap::POOL_CLUSTER, Envoy, EnvoyOptions, Lb};
@@ -56,7 +57,7 @@ async fn a_2000_cluster_admin_keeps_routing_right_while_polls_run() {
     };
     // Keep asking until several more polls of the big document have run under the traffic.
     let polls_before = admin.served();
-    let ok_before = kv_stat(&fleet, "stats_poll.ok").await;
+    let ok_before = kv_stat(&fleet, Counter::StatsPollOk.name()).await;
     let mut latencies = Vec::new();
     let mut round = 1;
     while admin.served() < polls_before + 5 || round <= 3 {
@@ -78,7 +79,7 @@ async fn a_2000_cluster_admin_keeps_routing_right_while_polls_run() {
                 *home,
                 "group {g} left its home in round {round} ({decision}, suspects marked: {}, \
                  Envoy retries: {:?})",
-                kv_stat(&fleet, "suspect_marked").await,
+                kv_stat(&fleet, Counter::SuspectMarked.name()).await,
                 fleet.envoy.stat("upstream_rq_retry").await
             );
             assert!(
@@ -88,7 +89,7 @@ async fn a_2000_cluster_admin_keeps_routing_right_while_polls_run() {
         }
         round += 1;
     }
-    let polled_ok = kv_stat(&fleet, "stats_poll.ok").await - ok_before;
+    let polled_ok = kv_stat(&fleet, Counter::StatsPollOk.name()).await - ok_before;
     assert!(
         polled_ok >= 3,
         "only {polled_ok} polls parsed under traffic"
@@ -100,7 +101,10 @@ async fn a_2000_cluster_admin_keeps_routing_right_while_polls_run() {
         "a /clusters answer did not parse:\n{}",
         fleet.envoy.log_tail()
     );
-    assert_eq!(kv_stat(&fleet, "endpoints_known").await, BACKENDS as u64);
+    assert_eq!(
+        kv_stat(&fleet, Gauge::EndpointsKnown.name()).await,
+        BACKENDS as u64
+    );
     // It asked for the pool alone; this admin, like an Envoy without `filter`, sent everything.
     let asked = admin.last_path();
     assert!(

@@ -5,6 +5,8 @@
 use crate::common;
 
 use common::{chat_body, debug_config, kv_stat, served_by, system_prompt, Fleet};
+use kvroute::gateway::stat_names;
+use kvroute::router::Fallback;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -147,7 +149,10 @@ async fn without_the_stop_iteration_flag_every_post_answers() {
     assert_eq!(session_backends.len(), 1, "{session_backends:?}");
 
     let posts = 1 + 12 + 1 + 8;
-    assert_eq!(kv_stat(&fleet, "fallback.no_body_access").await, posts);
+    assert_eq!(
+        kv_stat(&fleet, &stat_names::fallback(Fallback::NoBodyAccess)).await,
+        posts
+    );
     let errors = flag_errors_by_thread(&fleet.envoy.log());
     let threads: HashSet<&String> = errors.iter().collect();
     assert!(!errors.is_empty(), "{}", fleet.envoy.log_tail());
@@ -188,7 +193,10 @@ async fn a_slow_client_with_the_flag_is_routed_on_its_body() {
         .await;
     served_by(&fleet, &reply);
     assert_eq!(reply.decision.as_deref(), Some("home"));
-    assert_eq!(kv_stat(&fleet, "fallback.no_body_access").await, 0);
+    assert_eq!(
+        kv_stat(&fleet, &stat_names::fallback(Fallback::NoBodyAccess)).await,
+        0
+    );
     let log = fleet.envoy.log();
     assert!(!log.contains(FLAG), "nothing about the flag: {log}");
 }

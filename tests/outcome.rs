@@ -4,6 +4,7 @@
 
 use crate::common;
 
+use kvroute::gateway::stat_names::Counter;
 use kvroute_sim::engine::Faults;
 use kvroute_sim::spec::FleetSpec;
 use std::time::Duration;
@@ -21,7 +22,7 @@ async fn successes_keep_their_affinity_and_a_failure_withdraws_it() {
     let body = |q, stream| common::sim_question(&sim.spec.model, q, 4, stream);
     let withdrawn = || async {
         envoy
-            .stat("kvroute.affinity.withdrawn")
+            .stat(Counter::AffinityWithdrawn.name())
             .await
             .unwrap()
             .unwrap_or(0)
@@ -63,7 +64,7 @@ async fn successes_keep_their_affinity_and_a_failure_withdraws_it() {
     resp.bytes().await.unwrap();
     envoy
         .wait_for_stat(
-            "kvroute.affinity.withdrawn",
+            Counter::AffinityWithdrawn.name(),
             |v| v >= 1,
             Duration::from_secs(10),
         )

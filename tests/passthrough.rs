@@ -4,12 +4,15 @@
 use crate::common;
 
 use common::{chat_body, debug_config, kv_stat, served_by, system_prompt, Fleet};
+use kvroute::gateway::stat_names;
+use kvroute::router::Fallback;
 use kvroute_harness::backend;
 
 /// Sends `body` to `path` and checks it arrived unchanged, was answered in full, and was
-/// counted as `fallback.<reason>` (and reported so in the debug header).
-async fn assert_passes_through(fleet: &Fleet, path: &str, body: Vec<u8>, reason: &str) {
-    let before = kv_stat(fleet, &format!("fallback.{reason}")).await;
+/// counted as a fallback for `reason` (and reported so in the debug header).
+async fn assert_passes_through(fleet: &Fleet, path: &str, body: Vec<u8>, reason: Fallback) {
+    let counter = stat_names::fallback(reason);
+    let before = kv_stat(fleet, &counter).await;
     let reply = fleet
         .post(path, body.clone(), &[("content-type", "application/json")])
         .await;
@@ -28,34 +31,43 @@ async fn assert_passes_through(fleet: &Fleet, path: &str, body: Vec<u8>, reason:
     assert!(got.body == body, "body bytes changed on the way");
     assert_eq!(
         reply.decision.as_deref(),
-        Some(format!("fallback:{reason}").as_str())
+        Some(format!("fallback:{}", reason.name()).as_str())
     );
-    assert_eq!(
-        kv_stat(fleet, &format!("fallback.{reason}")).await,
-        before + 1
-    );
+    assert_eq!(kv_stat(fleet, &counter).await, before + 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unparseable_bodies_pass_through_unchanged() {
     let fleet = Fleet::kvroute(2, debug_config(), |_| {}).await;
     let chat = "/v1/chat/completions";
-    assert_passes_through(&fleet, chat, b"this is not json".to_vec(), "bad_json").await;
+    assert_passes_through(
+        &fleet,
+        chat,
+        b"this is not json".to_vec(),
+        Fallback::BadJson,
+    )
+    .await;
     // Invalid UTF-8 where kvroute reads a name is no JSON string kvroute can read.
     let body = b"{\"model\":\"\xff\",\"prompt\":\"p\"}".to_vec();
-    assert_passes_through(&fleet, "/v1/completions", body, "bad_json").await;
+    assert_passes_through(&fleet, "/v1/completions", body, Fallback::BadJson).await;
     let deep = format!(
         "{{\"model\":\"m\",\"messages\":{}{}}}",
         "[".repeat(100_000),
         "]".repeat(100_000)
     );
-    assert_passes_through(&fleet, chat, deep.into_bytes(), "bad_json").await;
-    assert_passes_through(&fleet, chat, br#"{"model":"m"}"#.to_vec(), "no_prompt").await;
+    assert_passes_through(&fleet, chat, deep.into_bytes(), Fallback::BadJson).await;
+    assert_passes_through(
+        &fleet,
+        chat,
+        br#"{"model":"m"}"#.to_vec(),
+        Fallback::NoPrompt,
+    )
+    .await;
     assert_passes_through(
         &fleet,
         "/v1/completions",
         br#"{"prompt":"no model here"}"#.to_vec(),
-        "no_model",
+        Fallback::NoModel,
     )
     .await;
 }
@@ -96,7 +108,13 @@ async fn invalid_utf8_in_a_prompt_is_routed_and_arrives_unchanged() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn empty_body_passes_through() {
     let fleet = Fleet::kvroute(2, debug_config(), |_| {}).await;
-    assert_passes_through(&fleet, "/v1/chat/completions", Vec::new(), "empty_body").await;
+    assert_passes_through(
+        &fleet,
+        "/v1/chat/completions",
+        Vec::new(),
+        Fallback::EmptyBody,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -113,7 +131,7 @@ async fn ten_megabyte_body_passes_through_unrouted() {
             &fleet,
             "/v1/chat/completions",
             body.clone(),
-            "body_too_large",
+            Fallback::BodyTooLarge,
         )
         .await;
     }
@@ -122,7 +140,7 @@ async fn ten_megabyte_body_passes_through_unrouted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn get_and_other_paths_pass_through() {
     let fleet = Fleet::kvroute(2, debug_config(), |_| {}).await;
-    let before = kv_stat(&fleet, "fallback.method").await;
+    let before = kv_stat(&fleet, &stat_names::fallback(Fallback::Method)).await;
     let reply = fleet.get("/v1/models?x=1", &[]).await;
     let index = served_by(&fleet, &reply);
     assert_eq!(reply.body, br#"{"data":[{"id":"test"}]}"#);
@@ -132,15 +150,21 @@ async fn get_and_other_paths_pass_through() {
         (got.method.as_str(), got.path.as_str()),
         ("GET", "/v1/models?x=1")
     );
-    assert_eq!(kv_stat(&fleet, "fallback.method").await, before + 1);
+    assert_eq!(
+        kv_stat(&fleet, &stat_names::fallback(Fallback::Method)).await,
+        before + 1
+    );
 
-    let before = kv_stat(&fleet, "fallback.path").await;
+    let before = kv_stat(&fleet, &stat_names::fallback(Fallback::Path)).await;
     let reply = fleet
         .post("/v1/embeddings", r#"{"model":"m","input":"hi"}"#, &[])
         .await;
     assert_eq!(reply.status, 404, "the backend's own answer must come back");
     assert_eq!(reply.decision.as_deref(), Some("fallback:path"));
-    assert_eq!(kv_stat(&fleet, "fallback.path").await, before + 1);
+    assert_eq!(
+        kv_stat(&fleet, &stat_names::fallback(Fallback::Path)).await,
+        before + 1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,6 +9,7 @@
 use crate::common;
 
 use common::precise::{body, eventually, keys_held, post, BpeFleet, IndexerProcess};
+use kvroute::gateway::stat_names::Counter;
 use kvroute_harness::paths::precise_bootstrap;
 use kvroute_harness::Envoy;
 use serde_json::json;
@@ -150,7 +151,7 @@ async fn a_killed_indexer_leaves_routing_as_without_one_and_no_request_fails() {
 
     // The indexer dies mid-run, and nothing listens at its address any more.
     let failed = envoy
-        .stat("kvroute.index.poll_failed")
+        .stat(Counter::IndexPollFailed.name())
         .await
         .ok()
         .flatten()
@@ -160,7 +161,11 @@ async fn a_killed_indexer_leaves_routing_as_without_one_and_no_request_fails() {
     // Requests keep being answered while kvroute notices (each one bounded by the client's 60 s
     // timeout: a hang fails the test); `decided` asserts every status is 200.
     let polls_failed = || async {
-        let now = envoy.stat("kvroute.index.poll_failed").await.ok().flatten();
+        let now = envoy
+            .stat(Counter::IndexPollFailed.name())
+            .await
+            .ok()
+            .flatten();
         now.unwrap_or(0) >= failed + 5
     };
     let mut answered = 0;

@@ -5,6 +5,7 @@
 
 use crate::common;
 
+use kvroute::gateway::stat_names::Counter;
 use kvroute::prefix::{PrefixKeys, Shape};
 use kvroute::request::{self, Api};
 use kvroute_harness::mesh::FakeAdmin;
@@ -91,7 +92,7 @@ async fn the_engine_that_holds_the_prefix_draws_the_request_until_it_drops_it() 
     );
     assert!(
         envoy
-            .stat("kvroute.index.resyncs")
+            .stat(Counter::IndexResyncs.name())
             .await
             .ok()
             .flatten()
@@ -112,7 +113,7 @@ async fn the_engine_that_holds_the_prefix_draws_the_request_until_it_drops_it() 
     common::index_applied(&envoy, 3).await;
     assert_eq!(common::decided(&envoy, &body).await.0, "engine");
     let failed = envoy
-        .stat("kvroute.index.poll_failed")
+        .stat(Counter::IndexPollFailed.name())
         .await
         .ok()
         .flatten()
@@ -120,7 +121,7 @@ async fn the_engine_that_holds_the_prefix_draws_the_request_until_it_drops_it() 
     indexer.answer(503, String::new());
     envoy
         .wait_for_stat(
-            "kvroute.index.poll_failed",
+            Counter::IndexPollFailed.name(),
             |v| v >= failed + 5,
             Duration::from_secs(30),
         )

@@ -7,6 +7,7 @@
 use crate::common;
 
 use common::precise::{body, cached_then_decided, health, BpeFleet, CHATML};
+use kvroute::gateway::stat_names::Counter;
 use kvroute_sim::spec::{EngineKind, EngineKinds};
 use serde_json::json;
 use std::time::Duration;
@@ -51,7 +52,7 @@ async fn a_mixed_fleets_vllm_and_sglang_replicas_each_draw_the_prompts_they_cach
     // Both SGLang replicas' load snapshots answered, in two poll rounds at least.
     envoy
         .wait_for_stat(
-            "kvroute.engine_poll.loads_ok",
+            Counter::LoadsPollOk.name(),
             |v| v >= 4,
             Duration::from_secs(30),
         )

@@ -23,6 +23,7 @@ mod precise;
 #[path = "real_vllm/templates.rs"]
 mod templates;
 
+use kvroute::gateway::stat_names::Counter;
 use kvroute_harness::vllm::{gauge, vllm_missing, VllmFleet, VllmOptions, SERVED_MODEL};
 use kvroute_harness::Envoy;
 use serde_json::{json, Value};
@@ -580,17 +581,17 @@ async fn usage_equals_engines(fleet: &VllmFleet, envoy: &Envoy) -> Check {
         counters(fleet, names[0]).await?,
         counters(fleet, names[1]).await?,
     ];
-    let responses = stat(envoy, "kvroute.usage.responses").await;
+    let responses = stat(envoy, Counter::UsageResponses.name()).await;
     let (p0, c0) = (
-        stat(envoy, "kvroute.usage.prompt_tokens").await,
-        stat(envoy, "kvroute.usage.cached_tokens").await,
+        stat(envoy, Counter::UsagePromptTokens.name()).await,
+        stat(envoy, Counter::UsageCachedTokens.name()).await,
     );
     let mut per_endpoint_before = Vec::new();
     for e in &fleet.engines {
         let key = kvroute::usage::stat_segment(e.url.trim_start_matches("http://"));
         per_endpoint_before.push((
-            stat(envoy, &format!("kvroute.usage.prompt_tokens.{key}")).await,
-            stat(envoy, &format!("kvroute.usage.cached_tokens.{key}")).await,
+            stat(envoy, &Counter::UsagePromptTokens.of_endpoint(&key)).await,
+            stat(envoy, &Counter::UsageCachedTokens.of_endpoint(&key)).await,
         ));
     }
     let url = envoy.url();
@@ -605,7 +606,7 @@ async fn usage_equals_engines(fleet: &VllmFleet, envoy: &Envoy) -> Check {
     }
     envoy
         .wait_for_stat(
-            "kvroute.usage.responses",
+            Counter::UsageResponses.name(),
             |v| v >= responses + sent,
             Duration::from_secs(10),
         )
@@ -619,8 +620,8 @@ async fn usage_equals_engines(fleet: &VllmFleet, envoy: &Envoy) -> Check {
     let n = fleet.engines.len();
     let engines_prompt: u64 = (0..n).map(|i| grew(0, i)).sum();
     let engines_cached: u64 = (0..n).map(|i| grew(1, i)).sum();
-    let prompt = stat(envoy, "kvroute.usage.prompt_tokens").await - p0;
-    let cached = stat(envoy, "kvroute.usage.cached_tokens").await - c0;
+    let prompt = stat(envoy, Counter::UsagePromptTokens.name()).await - p0;
+    let cached = stat(envoy, Counter::UsageCachedTokens.name()).await - c0;
     ensure(prompt == engines_prompt && cached == engines_cached, || {
         format!(
             "kvroute counted {prompt} prompt / {cached} cached tokens, the engines {engines_prompt} / {engines_cached}"
@@ -629,8 +630,8 @@ async fn usage_equals_engines(fleet: &VllmFleet, envoy: &Envoy) -> Check {
     ensure(cached > 0, || "nothing was cached".into())?;
     for (i, e) in fleet.engines.iter().enumerate() {
         let key = kvroute::usage::stat_segment(e.url.trim_start_matches("http://"));
-        let p = stat(envoy, &format!("kvroute.usage.prompt_tokens.{key}")).await;
-        let c = stat(envoy, &format!("kvroute.usage.cached_tokens.{key}")).await;
+        let p = stat(envoy, &Counter::UsagePromptTokens.of_endpoint(&key)).await;
+        let c = stat(envoy, &Counter::UsageCachedTokens.of_endpoint(&key)).await;
         let (p, c) = (p - per_endpoint_before[i].0, c - per_endpoint_before[i].1);
         ensure(p == grew(0, i) && c == grew(1, i), || {
             format!(
@@ -669,7 +670,7 @@ async fn group_stays(fleet: &VllmFleet, envoy: &Envoy) -> Check {
 async fn eviction_noticed(fleet: &VllmFleet, envoy: &Envoy) -> Check {
     reset(fleet).await?;
     let url = envoy.url();
-    let seen = stat(envoy, "kvroute.affinity.evictions_seen").await;
+    let seen = stat(envoy, Counter::EvictionsSeen.name()).await;
     let system = system(30, 500);
     let first = chat(&system, &"my order has not arrived. ".repeat(60), false);
     let before = counters(fleet, "vllm:request_success_total").await?;
@@ -718,7 +719,7 @@ async fn eviction_noticed(fleet: &VllmFleet, envoy: &Envoy) -> Check {
     })?;
     envoy
         .wait_for_stat(
-            "kvroute.affinity.evictions_seen",
+            Counter::EvictionsSeen.name(),
             |v| v > seen,
             Duration::from_secs(10),
         )

@@ -4,6 +4,7 @@
 
 use crate::common;
 
+use kvroute::gateway::stat_names::{self, Counter};
 use kvroute_sim::engine::Faults;
 use kvroute_sim::spec::FleetSpec;
 use std::time::Duration;
@@ -37,7 +38,7 @@ async fn a_retry_to_the_fallback_host_moves_the_in_flight_count() {
     let home = replica(&first);
     first.bytes().await.unwrap();
     assert_eq!(
-        envoy.stat("kvroute.served_elsewhere").await.unwrap(),
+        envoy.stat(Counter::ServedElsewhere.name()).await.unwrap(),
         Some(0)
     );
     // The group's home stops listening (refused connections) before Envoy's health check or
@@ -71,7 +72,7 @@ async fn a_retry_to_the_fallback_host_moves_the_in_flight_count() {
     // gauges show it from the next tick (every 100 ms at most) while the stream lasts.
     let mut during = (u64::MAX, u64::MAX);
     for _ in 0..20 {
-        let stats = envoy.stats("kvroute.inflight.").await.unwrap();
+        let stats = envoy.stats(stat_names::INFLIGHT_PREFIX).await.unwrap();
         during = (
             gauge(&stats, sim.replicas[home].addr),
             gauge(&stats, sim.replicas[other].addr),
@@ -85,20 +86,20 @@ async fn a_retry_to_the_fallback_host_moves_the_in_flight_count() {
     assert_eq!(during, (0, 1), "in flight (home, fallback) while streaming");
     envoy
         .wait_for_stat(
-            "kvroute.served_elsewhere",
+            Counter::ServedElsewhere.name(),
             |v| v == 1,
             Duration::from_secs(10),
         )
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     // The gauges follow on the next tick.
-    let mut after = envoy.stats("kvroute.inflight.").await.unwrap();
+    let mut after = envoy.stats(stat_names::INFLIGHT_PREFIX).await.unwrap();
     for _ in 0..100 {
         if after.values().all(|v| *v == 0) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
-        after = envoy.stats("kvroute.inflight.").await.unwrap();
+        after = envoy.stats(stat_names::INFLIGHT_PREFIX).await.unwrap();
     }
     assert!(
         after.values().all(|v| *v == 0),

@@ -10,6 +10,7 @@ use common::{
     ask, chat_body, debug_config, kv_stat, served_by, system_prompt, take_routing_headers,
 };
 use common::{pool_stat, reached_since, received, Fleet, Reply};
+use kvroute::gateway::stat_names::Counter;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
@@ -129,7 +130,7 @@ async fn a_client_error_goes_back_unretried_and_blames_no_replica() {
     // The last 400's end was settled when the request after it was routed, before its answer
     // came back, and a mark is counted as it is made: there is nothing more to wait for.
     assert_eq!(
-        kv_stat(&fleet, "suspect_marked").await,
+        kv_stat(&fleet, Counter::SuspectMarked.name()).await,
         0,
         "a 400 marked a replica"
     );
@@ -151,7 +152,7 @@ async fn a_server_error_the_retry_does_not_replay_still_marks_the_replica() {
     let first = named[0].split(',').next().unwrap_or_default().trim();
     assert_eq!(first, fleet.backends[reached[0]].addr().to_string());
     let marked = fleet.envoy.wait_for_stat(
-        "kvroute.suspect_marked",
+        Counter::SuspectMarked.name(),
         |v| v >= 1,
         Duration::from_secs(10),
     );

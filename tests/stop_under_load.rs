@@ -6,6 +6,7 @@ use crate::common;
 
 use common::load::{assert_none_failed, fleet_under_load, wait_until};
 use common::{kv_stat, pool_stat};
+use kvroute::gateway::stat_names::Counter;
 use std::time::{Duration, Instant};
 
 const CLIENTS: usize = 8;
@@ -20,7 +21,7 @@ async fn a_replica_stopped_under_streamed_load_fails_no_request_and_comes_back()
     victim.stop().await;
     let retries = || pool_stat(&fleet, "upstream_rq_retry");
     let deadline = Instant::now() + Duration::from_secs(60);
-    while retries().await == 0 || kv_stat(&fleet, "suspect_marked").await == 0 {
+    while retries().await == 0 || kv_stat(&fleet, Counter::SuspectMarked.name()).await == 0 {
         assert!(
             Instant::now() < deadline,
             "no request reached the stopped replica"

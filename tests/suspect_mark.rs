@@ -9,6 +9,7 @@ use common::{
     ask, client_per_request, first_homes, first_named, kv_stat, served_by, take_routing_headers,
     Fleet,
 };
+use kvroute::gateway::stat_names::Counter;
 use serde_json::json;
 use std::time::Duration;
 
@@ -62,11 +63,11 @@ async fn failed_replica_is_not_named_again_before_the_next_poll(failure: Failure
         listed.get(1).copied(),
         "{named:?}"
     );
-    assert_eq!(kv_stat(&fleet, "suspect_marked").await, 1);
+    assert_eq!(kv_stat(&fleet, Counter::SuspectMarked.name()).await, 1);
     // The worker that saw the failure avoids the replica at once; every other VM (the other
     // worker's and the main thread's) takes in its mark on its next tick.
     let learned = fleet.envoy.wait_for_stat(
-        "kvroute.suspect_learned",
+        Counter::SuspectLearned.name(),
         |v| v >= WORKERS as u64,
         Duration::from_secs(30),
     );
@@ -97,7 +98,7 @@ async fn failed_replica_is_not_named_again_before_the_next_poll(failure: Failure
         "kvroute named the failed replica {dead} first in {named_dead} of {asked} requests after \
          every worker knew it failed: {named:?}"
     );
-    assert_eq!(kv_stat(&fleet, "suspect_marked").await, 1);
+    assert_eq!(kv_stat(&fleet, Counter::SuspectMarked.name()).await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,6 +11,8 @@
 
 use crate::common;
 
+use kvroute::gateway::stat_names;
+use kvroute::template::Outcome;
 use std::path::PathBuf;
 
 use common::{debug_config, Fleet};
@@ -83,7 +85,7 @@ async fn decision_of_last_turn(cache_threshold: f64) -> (String, u64) {
     let reply = fleet.chat(&c).await;
     assert_eq!(reply.status, 200);
     let rendered = fleet
-        .stat_sum_reaching("kvroute.template.rendered", 3)
+        .stat_sum_reaching(&stat_names::template(Outcome::Rendered), 3)
         .await;
     (reply.decision.unwrap_or_default(), rendered)
 }

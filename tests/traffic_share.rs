@@ -4,6 +4,7 @@
 
 use crate::common;
 
+use kvroute::gateway::stat_names::{Counter, Gauge};
 use kvroute_sim::spec::FleetSpec;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -34,7 +35,7 @@ async fn gateways_that_each_see_a_third_count_a_group_from_its_first_request_the
         // The engines' counters are known (the baseline) before any traffic.
         envoy
             .wait_for_stat(
-                "kvroute.engine_poll.ok",
+                Counter::EnginePollOk.name(),
                 |v| v >= 8,
                 Duration::from_secs(30),
             )
@@ -64,7 +65,7 @@ async fn gateways_that_each_see_a_third_count_a_group_from_its_first_request_the
     for envoy in &gateways {
         envoy
             .wait_for_stat(
-                "kvroute.groups_placed",
+                Gauge::GroupsPlaced.name(),
                 |v| v == GROUPS as u64,
                 Duration::from_secs(30),
             )

@@ -116,17 +116,21 @@ fn prometheus_name(name: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use kvroute::gateway::stat_names;
+    use kvroute::policy::Decision;
+
     use super::*;
 
     #[test]
     fn one_name_is_one_stat_whoever_defines_it() {
         let stats = Stats::default();
-        let a = stats.define(MetricKind::Counter, "kvroute.routed.affinity");
-        let b = stats.define(MetricKind::Counter, "kvroute.routed.affinity");
+        let name = stat_names::routed(Decision::Affinity);
+        let a = stats.define(MetricKind::Counter, &name);
+        let b = stats.define(MetricKind::Counter, &name);
         assert_eq!(a, b);
         stats.increment(a, 2);
         stats.increment(b, 3);
-        assert_eq!(stats.value("kvroute.routed.affinity"), 5);
+        assert_eq!(stats.value(&name), 5);
         let text = stats.render();
         assert!(
             text.contains("# TYPE kvroute_routed_affinity counter\nkvroute_routed_affinity 5\n")
@@ -136,8 +140,9 @@ mod tests {
     #[test]
     fn gauges_are_set_and_histograms_summed() {
         let stats = Stats::default();
-        let g = stats.define(MetricKind::Gauge, "kvroute.inflight.127.0.0.1_8001");
-        let h = stats.define(MetricKind::Histogram, "kvroute.match_percent");
+        // A segment with dots, which Prometheus names do not allow.
+        let g = stats.define(MetricKind::Gauge, &stat_names::inflight("127.0.0.1_8001"));
+        let h = stats.define(MetricKind::Histogram, stat_names::MATCH_PERCENT);
         assert!(stats.record(g, 7) && stats.record(g, 3));
         assert!(stats.record(h, 40) && stats.record(h, 60));
         assert!(!stats.record(99, 1));

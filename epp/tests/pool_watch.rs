@@ -9,6 +9,7 @@
 
 use crate::common;
 
+use kvroute::gateway::stat_names::{Counter, Gauge};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -301,7 +302,8 @@ async fn the_picker_is_not_ready_until_the_pods_are_listed() {
     wait_for("the picker's pod list", asked).await;
     // The gateway polls on (a poll's snapshot is published before the next poll is counted)
     // and publishes nothing: the pool has not been read.
-    let polls = || epp.stats.total("kvroute.stats_poll.");
+    let polled = [Counter::StatsPollOk, Counter::StatsPollFailed];
+    let polls = || -> i64 { polled.iter().map(|c| epp.stats.value(c.name())).sum() };
     let before = polls();
     wait_for("two polls while the pods are not listed", || {
         polls() >= before + 2
@@ -326,7 +328,7 @@ async fn the_picker_picks_only_the_pools_members() {
     objects.push(pod("stranger", &[OTHER], Some("10.0.0.9"), true));
     let api = KubeApi::start(objects, true).await;
     let epp = start_picker(&api).await;
-    let known = || epp.stats.value("kvroute.endpoints_known");
+    let known = || epp.stats.value(Gauge::EndpointsKnown.name());
     wait_for("three endpoints known", || known() == 3).await;
     let members: Vec<SocketAddr> = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
         .iter()

@@ -7,6 +7,8 @@
 use crate::common;
 
 use common::{start_envoy_over, start_epp_with, wait_for_stat, wait_ready, Shape};
+use kvroute::gateway::stat_names::{self, Counter};
+use kvroute::policy::Decision;
 use kvroute_harness::precise::{body, eventually, keys_held, post, BpeFleet, CHATML};
 use serde_json::{json, Value};
 
@@ -44,9 +46,9 @@ async fn a_prompt_an_engine_cached_is_picked_there_from_events_followed_in_proce
         })
         .await;
         // Two of the gateway's index polls since: every worker has read it.
-        let polled = epp.stats.value("kvroute.index.poll_ok");
-        wait_for_stat(&epp, "kvroute.index.poll_ok", |v| v >= polled + 2).await;
-        let engine = epp.stats.value("kvroute.routed.engine");
+        let polled = epp.stats.value(Counter::IndexPollOk.name());
+        wait_for_stat(&epp, Counter::IndexPollOk.name(), |v| v >= polled + 2).await;
+        let engine = epp.stats.value(&stat_names::routed(Decision::Engine));
         let response = client
             .post(format!("{}/v1/chat/completions", envoy.url()))
             .json(&body)
@@ -65,9 +67,12 @@ async fn a_prompt_an_engine_cached_is_picked_there_from_events_followed_in_proce
             answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0),
             "no cache hit: {answer}"
         );
-        wait_for_stat(&epp, "kvroute.routed.engine", |v| v == engine + 1).await;
+        wait_for_stat(&epp, &stat_names::routed(Decision::Engine), |v| {
+            v == engine + 1
+        })
+        .await;
     }
-    assert_eq!(epp.stats.value("kvroute.index.poll_failed"), 0);
+    assert_eq!(epp.stats.value(Counter::IndexPollFailed.name()), 0);
 
     // The index's own metrics beside the gateway's.
     let text = client

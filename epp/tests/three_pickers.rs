@@ -4,6 +4,7 @@
 
 use crate::common;
 
+use kvroute::gateway::stat_names::{Counter, Gauge};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -33,7 +34,7 @@ async fn gateway(backends: &[Backend]) -> (Running, Envoy) {
             assert_eq!(post(&envoy, ask(group, round)).await.status, 200);
         }
     }
-    wait_for_stat(&epp, "kvroute.groups_placed", |n| n >= GROUPS as i64).await;
+    wait_for_stat(&epp, Gauge::GroupsPlaced.name(), |n| n >= GROUPS as i64).await;
     // One worker placed them; the other reads the groups table on its tick, once a `FLUSH_MS`.
     // Then the homes hold (`HOLD_POLLS`) before groups leave their first rendezvous choice for
     // them: six more polls.
@@ -49,8 +50,8 @@ async fn gateway(backends: &[Backend]) -> (Running, Envoy) {
 
 /// Waits for two more of the picker's polls of the pool.
 async fn fresh_poll(epp: &Running) {
-    let now = epp.stats.value("kvroute.stats_poll.ok");
-    wait_for_stat(epp, "kvroute.stats_poll.ok", |n| n >= now + 2).await;
+    let now = epp.stats.value(Counter::StatsPollOk.name());
+    wait_for_stat(epp, Counter::StatsPollOk.name(), |n| n >= now + 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

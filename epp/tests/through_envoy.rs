@@ -5,6 +5,8 @@
 
 use crate::common;
 
+use kvroute::gateway::stat_names::{self, Counter};
+use kvroute::router::Fallback;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 
@@ -59,11 +61,11 @@ async fn requests_of_one_prefix_go_to_the_backend_the_picker_names() {
     }
     let used: BTreeSet<_> = homes.values().flatten().collect();
     assert!(used.len() > 1, "8 groups all on one backend: {used:?}");
-    let routed = || epp.stats.total("kvroute.routed.");
+    let routed = || epp.stats.total(stat_names::ROUTED_PREFIX);
     wait_until("requests counted routed", routed, |n| n == 24).await;
     // The engines' own /metrics, polled at each endpoint's address.
-    wait_for_stat(&epp, "kvroute.engine_poll.ok", |n| n >= 4).await;
-    assert_eq!(epp.stats.value("kvroute.engine_poll.failed"), 0);
+    wait_for_stat(&epp, Counter::EnginePollOk.name(), |n| n >= 4).await;
+    assert_eq!(epp.stats.value(Counter::EnginePollFailed.name()), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -118,7 +120,12 @@ async fn a_subset_with_nothing_eligible_is_answered_503() {
     assert_eq!(reply.status, 503, "{}", reply.body);
     assert!(reply.body.contains("subset"), "{}", reply.body);
     assert_eq!(backends[0].received() + backends[1].received(), 0);
-    wait_for_stat(&epp, "kvroute.fallback.no_healthy_endpoint", |n| n == 1).await;
+    wait_for_stat(
+        &epp,
+        &stat_names::fallback(Fallback::NoHealthyEndpoint),
+        |n| n == 1,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -143,8 +150,8 @@ async fn a_pick_that_refuses_is_retried_on_its_fallback_and_the_picker_learns_it
         rescued >= 1,
         "no request was placed on the dead backend first"
     );
-    wait_for_stat(&epp, "kvroute.suspect_marked", |n| n >= 1).await;
-    wait_for_stat(&epp, "kvroute.served_elsewhere", |n| n >= 1).await;
+    wait_for_stat(&epp, Counter::SuspectMarked.name(), |n| n >= 1).await;
+    wait_for_stat(&epp, Counter::ServedElsewhere.name(), |n| n >= 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -200,5 +207,5 @@ async fn a_body_the_core_cannot_read_goes_on_unchanged_to_envoys_balancer() {
         got.header_values(HEADER).is_empty(),
         "a bad body was routed"
     );
-    wait_for_stat(&epp, "kvroute.fallback.bad_json", |n| n == 1).await;
+    wait_for_stat(&epp, &stat_names::fallback(Fallback::BadJson), |n| n == 1).await;
 }

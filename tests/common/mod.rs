@@ -8,6 +8,7 @@ pub mod load;
 pub mod precise;
 pub mod template_corpus;
 
+use kvroute::gateway::stat_names::{self, Counter, Gauge};
 use kvroute_harness::backend::Backend;
 use kvroute_harness::{Envoy, EnvoyOptions, Lb};
 use serde_json::{json, Value};
@@ -65,7 +66,7 @@ impl Fleet {
     /// up: workers re-read the poller's snapshot on their own tick, so wait two more polls.
     pub async fn wait_endpoints_known(&self, n: usize) {
         let known = self.envoy.wait_for_stat(
-            "kvroute.endpoints_known",
+            Gauge::EndpointsKnown.name(),
             |v| v == n as u64,
             Duration::from_secs(30),
         );
@@ -135,7 +136,7 @@ impl Fleet {
     }
 
     /// [`stat_sum`](Self::stat_sum) once it reaches `at_least`, or as it is after a few seconds:
-    /// for counters kvroute writes on its tick (`kvroute.routed.*`, `kvroute.usage.*`).
+    /// for counters kvroute writes on its tick (the routed and usage counters).
     pub async fn stat_sum_reaching(&self, filter: &str, at_least: u64) -> u64 {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         loop {
@@ -227,9 +228,10 @@ pub fn debug_config() -> Value {
     json!({ "debug_header": true, "stats_interval_ms": 200 })
 }
 
-/// `kvroute.<name>` (a counter or gauge), 0 when Envoy has not created it.
+/// kvroute's stat `name` (a counter or gauge, named by [`stat_names`]), 0 when Envoy has not
+/// created it.
 pub async fn kv_stat(fleet: &Fleet, name: &str) -> u64 {
-    stat_or_zero(fleet, &format!("kvroute.{name}")).await
+    stat_or_zero(fleet, name).await
 }
 
 /// The stat whose name ends in `suffix`, 0 when Envoy has not created it.
@@ -247,11 +249,11 @@ pub async fn pool_stat(fleet: &Fleet, name: &str) -> u64 {
     stat_or_zero(fleet, &format!("cluster.inference_pool.{name}")).await
 }
 
-/// Every `kvroute.inflight.<ip>_<port>` gauge.
+/// Every per-endpoint in-flight gauge ([`stat_names::inflight`]).
 pub async fn inflight_gauges(fleet: &Fleet) -> std::collections::BTreeMap<String, u64> {
     let stats = fleet
         .envoy
-        .stats("kvroute.inflight.")
+        .stats(stat_names::INFLIGHT_PREFIX)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     stats.into_iter().collect()
@@ -259,10 +261,12 @@ pub async fn inflight_gauges(fleet: &Fleet) -> std::collections::BTreeMap<String
 
 /// The gauge name kvroute uses for backend `addr`: dots and colon become `_`.
 pub fn inflight_gauge_name(addr: std::net::SocketAddr) -> String {
-    format!(
-        "kvroute.inflight.{}",
-        addr.to_string().replace(['.', ':'], "_")
-    )
+    stat_names::inflight(&endpoint_segment(addr))
+}
+
+/// Backend `addr` as kvroute's per-endpoint stats name it (`127_0_0_1_8001`).
+pub fn endpoint_segment(addr: std::net::SocketAddr) -> String {
+    kvroute::usage::stat_segment(&addr.to_string())
 }
 
 /// The backend index serving `reply`, with the Envoy log in the panic message when absent.
@@ -292,13 +296,13 @@ pub async fn wait_for_fresh_poll_of(envoy: &Envoy) {
 /// Waits until kvroute has finished `n` more polls of Envoy's `/clusters`.
 pub async fn wait_for_polls(envoy: &Envoy, n: u64) {
     let now = envoy
-        .stat("kvroute.stats_poll.ok")
+        .stat(Counter::StatsPollOk.name())
         .await
         .ok()
         .flatten()
         .unwrap_or(0);
     let polled = envoy.wait_for_stat(
-        "kvroute.stats_poll.ok",
+        Counter::StatsPollOk.name(),
         |v| v >= now + n,
         Duration::from_secs(30),
     );
@@ -330,10 +334,11 @@ pub async fn warm_up_with(fleet: &Fleet, groups: &[Vec<Value>]) {
         }
     }
     let n = groups.len() as u64;
-    let placed =
-        fleet
-            .envoy
-            .wait_for_stat("kvroute.groups_placed", |v| v >= n, Duration::from_secs(30));
+    let placed = fleet.envoy.wait_for_stat(
+        Gauge::GroupsPlaced.name(),
+        |v| v >= n,
+        Duration::from_secs(30),
+    );
     placed.await.unwrap_or_else(|e| panic!("{e}"));
     // The gauge is the last writer's: one worker has placed them. Another reads the groups table
     // once a `FLUSH_MS` on its tick, so it has them within a `FLUSH_MS` of that, and a request the
@@ -446,7 +451,7 @@ pub async fn kvroute_envoy_with(
         .unwrap_or_else(|e| panic!("{e}"));
     envoy
         .wait_for_stat(
-            "kvroute.endpoints_known",
+            Gauge::EndpointsKnown.name(),
             |v| v == n,
             Duration::from_secs(30),
         )
@@ -502,14 +507,11 @@ pub async fn kvroute_with_indexer_from(
 
 /// Waits until kvroute has applied `n` more of the indexer's answers than it had.
 pub async fn index_applied(envoy: &Envoy, n: u64) {
-    let before = envoy.stat("kvroute.index.poll_ok").await.ok().flatten();
+    let polled = Counter::IndexPollOk.name();
+    let before = envoy.stat(polled).await.ok().flatten();
     let before = before.unwrap_or(0);
     envoy
-        .wait_for_stat(
-            "kvroute.index.poll_ok",
-            |v| v >= before + n,
-            Duration::from_secs(30),
-        )
+        .wait_for_stat(polled, |v| v >= before + n, Duration::from_secs(30))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
 }

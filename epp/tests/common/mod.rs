@@ -7,6 +7,7 @@
 pub mod driven;
 pub mod kube_api;
 
+use kvroute::gateway::stat_names::Counter;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -150,7 +151,7 @@ pub async fn wait_until(what: &str, value: impl Fn() -> i64, ok: impl Fn(i64) ->
 /// Waits until the picker's readiness: its first poll has shown it the pool.
 pub async fn wait_ready(epp: &Running) {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while epp.stats.value("kvroute.stats_poll.ok") == 0 {
+    while epp.stats.value(Counter::StatsPollOk.name()) == 0 {
         assert!(
             Instant::now() < deadline,
             "the picker never polled its pool"
