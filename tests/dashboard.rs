@@ -1,14 +1,20 @@
 //! The Grafana dashboard (`deploy/grafana/kvroute.json`) asks only for metrics that exist: every
 //! metric its queries name is one a real Envoy running the built filter exposes on
 //! `/stats/prometheus` after routing requests to a simulated vLLM fleet, or one the simulator's
-//! `/metrics` exposes (it mirrors vLLM's names). A misspelled name in the dashboard fails here.
+//! `/metrics` exposes (it mirrors vLLM's names), and every kvroute metric it names is one
+//! `kvroute::gateway::stat_names` defines. A misspelled name in the dashboard fails here.
 
 use crate::common;
 
+use kvroute::gateway::stat_names::{self, Counter, Gauge};
+use kvroute::policy::Decision;
+use kvroute::router::Fallback;
+use kvroute::template::Outcome;
 use kvroute_sim::spec::FleetSpec;
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
 use std::time::Duration;
+use strum::VariantArray;
 
 const DASHBOARD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/grafana/kvroute.json");
 
@@ -269,6 +275,62 @@ fn a_misspelled_metric_fails_the_check() {
     assert!(found[0].contains("vllm:num_request_running"), "{found:?}");
 }
 
+/// Every stat name `stat_names` defines as Envoy's `/stats/prometheus` names it (dots as `_`; a
+/// histogram as its `_bucket`, `_sum` and `_count`), the per-endpoint ones for endpoint `seg`.
+fn defined_prometheus_names(seg: &str) -> BTreeSet<String> {
+    let mut names: Vec<String> = Counter::VARIANTS.iter().map(|c| c.name().into()).collect();
+    names.extend(Gauge::VARIANTS.iter().map(|g| g.name().to_string()));
+    names.extend(Decision::VARIANTS.iter().map(|&d| stat_names::routed(d)));
+    names.extend(Fallback::VARIANTS.iter().map(|&f| stat_names::fallback(f)));
+    names.extend(Outcome::VARIANTS.iter().map(|&o| stat_names::template(o)));
+    names.extend(
+        [Counter::UsagePromptTokens, Counter::UsageCachedTokens].map(|c| c.of_endpoint(seg)),
+    );
+    names.push(stat_names::inflight(seg));
+    for histogram in [
+        stat_names::MATCH_PERCENT.into(),
+        stat_names::ttft_estimate(seg),
+    ] {
+        names.extend(["_bucket", "_sum", "_count"].map(|end| format!("{histogram}{end}")));
+    }
+    names.iter().map(|n| n.replace('.', "_")).collect()
+}
+
+/// Without an Envoy: every `kvroute_*` metric the dashboard names (exactly, or as a per-endpoint
+/// or per-decision prefix) is one kvroute defines, so renaming a stat in `stat_names` without
+/// the dashboard, or the other way round, fails here.
+#[test]
+fn every_kvroute_metric_the_dashboard_names_is_one_stat_names_defines() {
+    let defined = defined_prometheus_names("127_0_0_1_8000");
+    let mut checked = 0;
+    let mut unknown = Vec::new();
+    for q in queries(&dashboard()) {
+        for r in metric_refs(&q).unwrap_or_else(|e| panic!("{e}")) {
+            let (MetricRef::Name(n) | MetricRef::Prefix(n)) = &r;
+            if !n.starts_with("kvroute_") {
+                continue;
+            }
+            checked += 1;
+            if !r.found_in(&defined) {
+                unknown.push(format!("{r:?} (in: {q})"));
+            }
+        }
+    }
+    assert!(
+        unknown.is_empty(),
+        "the dashboard names kvroute metrics stat_names does not define:\n{}",
+        unknown.join("\n")
+    );
+    assert!(
+        checked >= 20,
+        "only {checked} kvroute metrics in the dashboard"
+    );
+    // The check can fail: a name one letter off, and a prefix of nothing kvroute defines.
+    let typo = MetricRef::Name("kvroute_served_elsewher".into());
+    assert!(!typo.found_in(&defined));
+    assert!(!MetricRef::Prefix("kvroute_routes_".into()).found_in(&defined));
+}
+
 /// Routes a few requests through a real Envoy with the built filter to a simulated fleet, scrapes
 /// both, and checks every query of the shipped dashboard against what they expose; then checks
 /// that the same dashboard with one name misspelled, in each query in turn, fails.
@@ -292,7 +354,7 @@ async fn every_dashboard_query_names_a_metric_kvroute_or_vllm_exposes() {
     }
     envoy
         .wait_for_stat(
-            "kvroute.usage.responses",
+            Counter::UsageResponses.name(),
             |v| v == 6,
             Duration::from_secs(30),
         )
