@@ -5,22 +5,24 @@
 
 use crate::common;
 
-use common::{fast_fleet, field, next_message, post, replay_from, subscribed, tokens_of};
+use common::{fast_fleet, field, joined, next_message, post, replay_from, tokens_of};
 use kvroute_sim::fleet::ReplicaHandle;
 use rmpv::Value;
 use serde_json::json;
 use std::path::PathBuf;
 use zeromq::SubSocket;
 
-/// A subscriber to `replica`'s KV events, joined before anything is published.
-async fn subscriber(replica: &ReplicaHandle) -> SubSocket {
-    subscribed(replica.kv_events_addr, "kv-events").await
+/// A subscriber that has joined `replica`'s KV events (each probe a reset of its empty prefix
+/// cache, which publishes one `AllBlocksCleared`), and the number of the next message.
+async fn subscriber(replica: &ReplicaHandle) -> (SubSocket, u64) {
+    let probe = |_| replica.replica.reset_prefix_cache();
+    joined(replica.kv_events_addr, "kv-events", probe).await
 }
 
 #[tokio::test]
 async fn request_publishes_block_stored_with_the_prompt_tokens() {
     let fleet = fast_fleet(1).await;
-    let mut sub = subscriber(&fleet.replicas[0]).await;
+    let (mut sub, next) = subscriber(&fleet.replicas[0]).await;
 
     let base = fleet.replicas[0].url();
     let prompt = "alpha beta gamma delta ".repeat(10);
@@ -33,7 +35,7 @@ async fn request_publishes_block_stored_with_the_prompt_tokens() {
 
     let frames = next_message(&mut sub).await;
     assert_eq!(frames[0], b"kv-events");
-    assert_eq!(frames[1], 0u64.to_be_bytes());
+    assert_eq!(frames[1], next.to_be_bytes());
     let batch = rmpv::decode::read_value(&mut &frames[2][..]).unwrap();
     let event = &batch.as_array().unwrap()[1].as_array().unwrap()[0];
     assert_eq!(field(event, "type").as_str(), Some("BlockStored"));
@@ -56,7 +58,7 @@ async fn request_publishes_block_stored_with_the_prompt_tokens() {
 async fn a_message_dropped_from_the_stream_is_resent_by_the_replay_socket() {
     let fleet = fast_fleet(1).await;
     let replica = &fleet.replicas[0];
-    let mut sub = subscriber(replica).await;
+    let (mut sub, next) = subscriber(replica).await;
     let faults = format!("http://{}/fleet/replica/0", fleet.control_addr);
     let set = post(&faults, r#"{"drop_kv_events": 1}"#).await.json();
     assert_eq!(set["drop_kv_events"], 1);
@@ -67,20 +69,24 @@ async fn a_message_dropped_from_the_stream_is_resent_by_the_replay_socket() {
         post(&url, &body.to_string()).await;
     }
     let frames = next_message(&mut sub).await;
-    assert_eq!(frames[1], 1u64.to_be_bytes(), "message 0 was dropped");
+    assert_eq!(
+        frames[1],
+        (next + 1).to_be_bytes(),
+        "message {next} was dropped"
+    );
     let second = first_event(&frames[2]);
 
     let replay = replica.kv_events_replay_addr.expect("a replay socket");
     let mut replayed = Vec::new();
-    for frames in replay_from(replay, 0).await {
+    for frames in replay_from(replay, next).await {
         assert_eq!((&frames[0], &frames[1]), (&vec![], &b"kv-events".to_vec()));
         replayed.push((frames[2].clone(), first_event(&frames[3])));
     }
     assert_eq!(replayed.len(), 2, "both messages: {replayed:?}");
-    assert_eq!(replayed[0].0, 0u64.to_be_bytes());
+    assert_eq!(replayed[0].0, next.to_be_bytes());
     assert_eq!(field(&replayed[0].1, "type").as_str(), Some("BlockStored"));
     assert_ne!(replayed[0].1, second);
-    assert_eq!(replayed[1], (1u64.to_be_bytes().to_vec(), second));
+    assert_eq!(replayed[1], ((next + 1).to_be_bytes().to_vec(), second));
 }
 
 /// The payload of the next message on `sub`.
@@ -157,7 +163,7 @@ async fn vllm_agrees(
 #[tokio::test]
 async fn a_salted_prompt_publishes_its_salt_as_the_first_blocks_extra_key() {
     let fleet = fast_fleet(1).await;
-    let mut sub = subscriber(&fleet.replicas[0]).await;
+    let (mut sub, _) = subscriber(&fleet.replicas[0]).await;
 
     let base = fleet.replicas[0].url();
     let prompt = "alpha beta gamma delta ".repeat(10);
@@ -225,7 +231,7 @@ async fn the_replay_socket_answers_a_libzmq_dealer_as_vllms_does() {
     };
     let fleet = fast_fleet(1).await;
     let replica = &fleet.replicas[0];
-    let mut sub = subscriber(replica).await;
+    let (mut sub, _) = subscriber(replica).await;
     let body = json!({"prompt": "replayed prompt ".repeat(20), "max_tokens": 1});
     post(
         &format!("{}/v1/completions", replica.url()),

@@ -5,8 +5,8 @@
 
 use crate::common;
 
-use common::{fast_fleet, field, next_message, post, replay_from, subscribed};
-use kvroute_sim::kv_events::{start_publisher, Format, Options, Published};
+use common::{fast_fleet, field, joined, next_message, post, replay_from, seq_of};
+use kvroute_sim::kv_events::{start_publisher, Format, Options, Published, Publisher};
 use kvroute_sim::prefix_cache::CacheEvent;
 use rmpv::Value;
 use serde_json::json;
@@ -15,6 +15,7 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout, Command};
+use zeromq::SubSocket;
 
 fn options(buffer_steps: usize) -> Options {
     Options {
@@ -33,8 +34,14 @@ fn localhost() -> SocketAddr {
     "127.0.0.1:0".parse().unwrap()
 }
 
-fn seq_of(frame: &[u8]) -> u64 {
-    u64::from_be_bytes(frame.try_into().expect("8 bytes"))
+/// A subscriber that has joined `publisher`'s stream (each probe a batch removing one block),
+/// and the number of the next message.
+async fn subscriber(publisher: &Publisher) -> (SubSocket, u64) {
+    let probe = |n| {
+        let removed = CacheEvent::Removed { hashes: vec![n] };
+        publisher.events.send(batch(vec![removed], false)).unwrap();
+    };
+    joined(publisher.addr, "", probe).await
 }
 
 /// The events of a `KVEventBatch` payload.
@@ -51,7 +58,7 @@ async fn a_publisher_sends_topic_big_endian_seq_and_payload() {
         .await
         .unwrap();
     assert!(publisher.replay.is_none());
-    let mut sub = subscribed(publisher.addr, "").await;
+    let (mut sub, next) = subscriber(&publisher).await;
     let stored = CacheEvent::Stored {
         hashes: vec![u64::MAX - 1, 7],
         parent: Some(3),
@@ -61,7 +68,7 @@ async fn a_publisher_sends_topic_big_endian_seq_and_payload() {
     let tx = publisher.events;
     tx.send(batch(vec![stored], false)).unwrap();
     tx.send(batch(vec![CacheEvent::AllCleared], false)).unwrap();
-    for (expected_seq, tag) in [(0u64, "BlockStored"), (1, "AllBlocksCleared")] {
+    for (expected_seq, tag) in [(next, "BlockStored"), (next + 1, "AllBlocksCleared")] {
         let frames = next_message(&mut sub).await;
         assert_eq!(frames.len(), 3);
         assert_eq!(frames[0], b"kv-events");
@@ -77,20 +84,25 @@ async fn the_replay_socket_resends_the_last_buffer_steps_messages_from_the_start
         .unwrap();
     let replay = publisher.replay.unwrap();
     assert!(replay_from(replay, 0).await.is_empty());
-    let mut sub = subscribed(publisher.addr, "").await;
+    // The probes are messages 0 to `n - 1`; the test's five are `n` to `n + 4`.
+    let (mut sub, n) = subscriber(&publisher).await;
     for i in 0..5u64 {
         let removed = CacheEvent::Removed { hashes: vec![i] };
         publisher.events.send(batch(vec![removed], i == 3)).unwrap();
     }
     let mut heard = Vec::new();
     while heard.last() != Some(&4) {
-        heard.push(seq_of(&next_message(&mut sub).await[1]));
+        heard.push(seq_of(&next_message(&mut sub).await[1]) - n);
     }
-    assert_eq!(heard, [0, 1, 2, 4], "message 3 is dropped from the stream");
+    assert_eq!(
+        heard,
+        [0, 1, 2, 4],
+        "message n + 3 is dropped from the stream"
+    );
 
     // Two DEALERs at once: each gets the answer to its own request.
-    let (from_0, from_4) = tokio::join!(replay_from(replay, 0), replay_from(replay, 4));
-    let seqs: Vec<u64> = from_0.iter().map(|m| seq_of(&m[2])).collect();
+    let (from_0, from_4) = tokio::join!(replay_from(replay, 0), replay_from(replay, n + 4));
+    let seqs: Vec<u64> = from_0.iter().map(|m| seq_of(&m[2]) - n).collect();
     assert_eq!(seqs, [2, 3, 4], "the last three, the dropped one too");
     assert!(from_0
         .iter()
@@ -100,9 +112,9 @@ async fn the_replay_socket_resends_the_last_buffer_steps_messages_from_the_start
         field(removed, "block_hashes").as_array().unwrap()[0].as_u64(),
         Some(3)
     );
-    let seqs: Vec<u64> = from_4.iter().map(|m| seq_of(&m[2])).collect();
+    let seqs: Vec<u64> = from_4.iter().map(|m| seq_of(&m[2]) - n).collect();
     assert_eq!(seqs, [4]);
-    assert!(replay_from(replay, 5).await.is_empty());
+    assert!(replay_from(replay, n + 5).await.is_empty());
 }
 
 /// A Python with pyzmq: $KVROUTE_SGLANG_PYTHON, the SGLang venv's (`make sglang-deps`, which

@@ -109,17 +109,47 @@ pub async fn tokens_of(base: &str, prompt: &str) -> Vec<u64> {
         .collect()
 }
 
-/// A ZeroMQ SUB socket on the KV events at `addr`, subscribed to `topic`, given a moment to
-/// join: a PUB tells no one when a subscription has reached it, and sends a message only to the
-/// subscriptions it has by then.
-pub async fn subscribed(addr: SocketAddr, topic: &str) -> SubSocket {
+/// A ZeroMQ SUB socket on the KV events at `addr`, subscribed to `topic`, once it has joined the
+/// stream, and the number the stream's next message gets.
+///
+/// A PUB tells no one when a subscription has reached it, and sends a message only to the
+/// subscriptions it has by then, so `probe(n)` runs for n = 0, 1, ... until the subscriber hears
+/// one; it then reads on to the last probe's message. Each probe must publish exactly one
+/// message, on a stream nothing else publishes to meanwhile: the last probe's number is then
+/// the count of probes less one, which this checks (the stream numbers its messages from 0).
+pub async fn joined(addr: SocketAddr, topic: &str, mut probe: impl FnMut(u64)) -> (SubSocket, u64) {
     let mut sub = SubSocket::new();
     sub.subscribe(topic).await.expect("subscribed");
     sub.connect(&format!("tcp://{addr}"))
         .await
         .expect("connected");
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    sub
+    let mut sent = 0;
+    let first = {
+        let mut heard = std::pin::pin!(sub.recv());
+        loop {
+            assert!(sent < 100, "the subscriber heard none of {sent} probes");
+            probe(sent);
+            sent += 1;
+            let wait = Duration::from_millis(100);
+            if let Ok(message) = tokio::time::timeout(wait, heard.as_mut()).await {
+                break message.expect("a well-formed message");
+            }
+        }
+    };
+    let frames = first.into_vec();
+    let mut seq = seq_of(&frames[1]);
+    assert!(seq < sent, "heard message {seq} after {sent} probes");
+    while seq + 1 < sent {
+        let next = seq_of(&next_message(&mut sub).await[1]);
+        assert_eq!(next, seq + 1, "messages numbered one by one");
+        seq = next;
+    }
+    (sub, sent)
+}
+
+/// A message's number, from its 8 big-endian bytes.
+pub fn seq_of(frame: &[u8]) -> u64 {
+    u64::from_be_bytes(frame.try_into().expect("8 bytes"))
 }
 
 /// The next message on `socket`, each frame as bytes.
