@@ -44,6 +44,16 @@ async fn successes_keep_their_affinity_and_a_failure_withdraws_it() {
             "only the whole answers report usage"
         );
     }
+    // Every success has settled once the whole answers' usage is counted (the last request is
+    // one): each request's end, on the one connection's worker, came before the next was routed.
+    envoy
+        .wait_for_stat(
+            Counter::UsageResponses.name(),
+            |v| v == successes as u64 / 2,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(withdrawn().await, 0, "a success withdrew its affinity");
 
     // Every answer now fails (500: Envoy retries it once, on the other replica, which fails too):
