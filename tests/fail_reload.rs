@@ -24,8 +24,8 @@ async fn a_trapped_vm_is_reloaded_and_routes_again() {
     let before = fleet.chat(&ask(0, 0)).await;
     assert_eq!(before.status, 200);
     assert!(
-        before.decision.is_some(),
-        "routed by kvroute before the trap"
+        routed(&before),
+        "routed by kvroute before the trap: {before:?}"
     );
 
     let trapped = trap(&fleet).await;
@@ -36,10 +36,10 @@ async fn a_trapped_vm_is_reloaded_and_routes_again() {
     }
 
     // Envoy reloads the VM on a later request once the shipped backoff (from 0.1 s) allows; until
-    // then it answers 503. Wait for a request that kvroute routes again.
+    // then it answers 503. Wait for a request the reloaded VM answers (its decision header).
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut i = 1;
-    let routed = loop {
+    let answered = loop {
         let reply = fleet
             .client
             .post(format!("{}/v1/chat/completions", fleet.envoy.url()))
@@ -60,15 +60,23 @@ async fn a_trapped_vm_is_reloaded_and_routes_again() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     assert!(
-        routed,
-        "kvroute never routed again after its VM trapped:\n{}",
+        answered,
+        "kvroute never answered again after its VM trapped:\n{}",
         fleet.envoy.log_tail()
     );
     // The reloaded VM rediscovers the endpoints and routes on.
     fleet.wait_endpoints_known(2).await;
     let after = fleet.chat(&ask(1, 0)).await;
     assert_eq!(after.status, 200);
-    assert!(after.decision.is_some());
+    assert!(routed(&after), "routed by the reloaded VM: {after:?}");
+}
+
+/// Whether kvroute routed `reply`'s request: a decision, not a fallback to Envoy's balancer.
+fn routed(reply: &common::Reply) -> bool {
+    reply
+        .decision
+        .as_deref()
+        .is_some_and(|d| !d.starts_with("fallback"))
 }
 
 /// Streams in flight when a VM traps are never settled by it (shared data outlives the VM, the

@@ -105,6 +105,16 @@ async fn failing_backend_answers_500_and_fails_health_checks() {
     .await;
     fleet.backends[0].set_failing(true);
     let sick = fleet.backends[0].addr();
+    // Asked directly (through Envoy a 500 is retried on the other backend), it answers 500.
+    let direct = fleet
+        .client
+        .post(format!("http://{sick}/v1/chat/completions"))
+        .json(&chat_body("sys", "direct", false))
+        .send()
+        .await
+        .expect("the failing backend answers");
+    assert_eq!(direct.status(), 500);
+    assert_eq!(direct.text().await.expect("body"), "failing");
     let wait = fleet
         .envoy
         .wait_for_pool(|h| h.get(&sick) == Some(&false), Duration::from_secs(20));
