@@ -404,12 +404,17 @@ async fn sim_usage_matches(fleet: &VllmFleet) -> Check {
     ensure(diffs.is_empty(), || diffs.join("; "))
 }
 
-/// A subscriber to one KV event endpoint, and what it printed.
-type Subscriber = (std::process::Child, std::thread::JoinHandle<Vec<String>>);
+/// A subscriber to one KV event endpoint (tools/real/kv-events.py): the lines it printed that
+/// were read, and the rest as they come.
+struct Subscriber {
+    child: std::process::Child,
+    read: Vec<String>,
+    lines: tokio::sync::mpsc::UnboundedReceiver<String>,
+}
 
 /// Subscribes to `endpoint` for `seconds` at most (tools/real/kv-events.py, with the vLLM venv's
-/// pyzmq), returning once the script says it has subscribed: Python starts slowly on a loaded
-/// machine, and a ZMQ subscriber misses what was published before it joined.
+/// pyzmq), returning once the script says it has connected: Python starts slowly on a loaded
+/// machine. The subscription has yet to reach the publisher: [`joined`] waits for that.
 fn subscribe(endpoint: &str, seconds: u64) -> Result<Subscriber, String> {
     use std::io::BufRead;
     let python = kvroute_harness::vllm::vllm_venv().join("bin/python");
@@ -427,16 +432,55 @@ fn subscribe(endpoint: &str, seconds: u64) -> Result<Subscriber, String> {
     if !first.contains("subscribed") {
         return Err(format!("kv-events.py: {first:?}"));
     }
-    let reader = std::thread::spawn(move || lines.map_while(Result::ok).collect());
-    // The subscription travels to the publisher after the connect.
-    std::thread::sleep(Duration::from_secs(1));
-    Ok((child, reader))
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    Ok(Subscriber {
+        child,
+        read: Vec::new(),
+        lines: rx,
+    })
 }
 
-fn messages((mut child, reader): Subscriber) -> Result<Vec<Value>, String> {
-    child.wait().map_err(|e| e.to_string())?;
-    let lines = reader.join().map_err(|_| "kv-events.py reader panicked")?;
-    Ok(lines
+/// Sends distinct prompts to the engine at `base` until `sub` has printed one of its messages:
+/// a PUB tells no one when a subscription has reached it, and sends a message only to the
+/// subscriptions it has by then.
+async fn joined(sub: &mut Subscriber, base: &str) -> Check {
+    const PROBES: usize = 30;
+    for probe in 0..PROBES {
+        let (status, text) = post(base, &chat(&system(700 + probe, 300), "probe", false)).await?;
+        ensure(status == 200, || format!("probe: {status}: {text}"))?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        loop {
+            match tokio::time::timeout_at(deadline, sub.lines.recv()).await {
+                Ok(Some(line)) => {
+                    let message = line.contains("\"frames\"");
+                    sub.read.push(line);
+                    if message {
+                        return Ok(());
+                    }
+                }
+                Ok(None) => return Err("kv-events.py ended before it heard a message".into()),
+                Err(_) => break,
+            }
+        }
+    }
+    Err(format!("kv-events.py heard none of {PROBES} probes"))
+}
+
+/// Every message `sub` printed, once it has ended.
+fn messages(mut sub: Subscriber) -> Result<Vec<Value>, String> {
+    sub.child.wait().map_err(|e| e.to_string())?;
+    while let Some(line) = sub.lines.blocking_recv() {
+        sub.read.push(line);
+    }
+    Ok(sub
+        .read
         .iter()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter(|v| v.get("frames").is_some())
@@ -509,8 +553,10 @@ async fn sim_kv_events_match(fleet: &VllmFleet) -> Check {
     let sim = sim().await?;
     // Each subscriber stops at the reset that ends what is sent, 3 minutes at most.
     let seconds = 180;
-    let real_sub = subscribe(&fleet.engines[0].kv_events, seconds)?;
-    let sim_sub = subscribe(&sim.replicas[0].kv_events_endpoint(), seconds)?;
+    let mut real_sub = subscribe(&fleet.engines[0].kv_events, seconds)?;
+    let mut sim_sub = subscribe(&sim.replicas[0].kv_events_endpoint(), seconds)?;
+    joined(&mut sim_sub, &sim.replicas[0].url()).await?;
+    joined(&mut real_sub, &fleet.engines[0].url).await?;
     provoke_events(&sim.replicas[0].url()).await?;
     provoke_events(&fleet.engines[0].url).await?;
     let (real, simulated) = tokio::task::spawn_blocking(move || {
@@ -687,8 +733,10 @@ async fn eviction_noticed(fleet: &VllmFleet, envoy: &Envoy) -> Check {
         m.push(json!({"role": "assistant", "content": reply}));
         m.push(json!({"role": "user", "content": "any news?"}));
     }
-    tokio::time::sleep(Duration::from_millis(600)).await; // past the eviction grace
-                                                          // 10 distinct prompts of ~900 tokens: more than the engine's 6144-token cache.
+    // The scenario itself, not a wait for an event: the second turn is routed more than the
+    // eviction grace (300 ms) after the first, so what its engine reports counts.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    // 10 distinct prompts of ~900 tokens: more than the engine's 6144-token cache.
     for i in 0..10 {
         let body = chat(&self::system(200 + i, 900), "flood", false);
         post(&fleet.engines[home].url, &body).await?;
