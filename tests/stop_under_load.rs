@@ -21,10 +21,16 @@ async fn a_replica_stopped_under_streamed_load_fails_no_request_and_comes_back()
     victim.stop().await;
     let retries = || pool_stat(&fleet, "upstream_rq_retry");
     let deadline = Instant::now() + Duration::from_secs(60);
-    while retries().await == 0 || kv_stat(&fleet, Counter::SuspectMarked.name()).await == 0 {
+    let marks = || kv_stat(&fleet, Counter::SuspectMarked.name());
+    while retries().await == 0 || marks().await == 0 {
         assert!(
             Instant::now() < deadline,
-            "no request reached the stopped replica"
+            "no request reached the stopped replica: {} retries, {} suspect marks, {} requests \
+             completed\n{}",
+            retries().await,
+            marks().await,
+            load.ok(),
+            fleet.envoy.log_tail()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
