@@ -4,8 +4,6 @@
 //! written in one place.
 
 use kvroute::gateway::stat_names::{self, Counter};
-use kvroute::policy::Decision;
-use kvroute::router::Fallback;
 
 /// The prefix of `name`'s family: `name` up to and including its last dot.
 fn family(name: &str) -> &str {
@@ -24,13 +22,13 @@ pub fn all() -> &'static str {
 }
 
 /// The per-decision counters' prefix (`kvroute.routed.`).
-pub fn routed() -> String {
-    family(&stat_names::routed(Decision::Home)).to_string()
+pub fn routed() -> &'static str {
+    stat_names::ROUTED_PREFIX
 }
 
 /// The per-reason fallback counters' prefix (`kvroute.fallback.`).
-pub fn fallback() -> String {
-    family(&stat_names::fallback(Fallback::Method)).to_string()
+pub fn fallback() -> &'static str {
+    stat_names::FALLBACK_PREFIX
 }
 
 /// The counters of kvroute's polls of its indexer (`kvroute.index.`).
@@ -41,14 +39,16 @@ pub fn index() -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvroute::policy::Decision;
+    use kvroute::router::Fallback;
 
     #[test]
     fn each_family_is_the_prefix_of_its_members() {
         assert!(Counter::UsageResponses.name().starts_with(all()));
-        assert!(stat_names::routed(Decision::Engine).starts_with(&routed()));
-        assert!(stat_names::fallback(Fallback::NoModel).starts_with(&fallback()));
+        assert!(stat_names::routed(Decision::Engine).starts_with(routed()));
+        assert!(stat_names::fallback(Fallback::NoModel).starts_with(fallback()));
         assert!(Counter::IndexResyncs.name().starts_with(index()));
-        for family in [all(), &routed(), &fallback(), index()] {
+        for family in [all(), routed(), fallback(), index()] {
             assert!(
                 family.ends_with('.') && family.starts_with(all()),
                 "{family}"

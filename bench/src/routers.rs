@@ -434,8 +434,8 @@ impl Running {
     /// kvroute; for `NAME@N` summed over the N instances.
     pub async fn kvroute_decisions(&self) -> Vec<(String, u64)> {
         let stats = self.kvroute_stats().await;
-        let routed = kvroute_stats::prometheus(&kvroute_stats::routed());
-        let fallback = kvroute_stats::prometheus(&kvroute_stats::fallback());
+        let routed = kvroute_stats::prometheus(kvroute_stats::routed());
+        let fallback = kvroute_stats::prometheus(kvroute_stats::fallback());
         stats
             .into_iter()
             .filter_map(|(name, v)| {

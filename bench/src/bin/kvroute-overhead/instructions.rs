@@ -265,7 +265,7 @@ async fn report_decisions(name: &str, envoy: &Envoy) {
         let (decided, fell_back) = (kvroute_stats::routed(), kvroute_stats::fallback());
         let mut moved: Vec<_> = routed
             .into_iter()
-            .filter(|(k, v)| *v > 0 && (k.contains(&decided) || k.contains(&fell_back)))
+            .filter(|(k, v)| *v > 0 && (k.contains(decided) || k.contains(fell_back)))
             .collect();
         moved.sort();
         eprintln!("instructions: {name} decisions {moved:?}");

@@ -27,8 +27,8 @@ pub(crate) async fn start(addrs: &[SocketAddr], plugin_config: &Value) -> Result
 /// would then measure Envoy's own balancer.
 pub(crate) async fn print_decisions(name: &str, picker: &Picker) -> Result<(), String> {
     let stats = picker.stats().await?;
-    let decided = kvroute_stats::prometheus(&kvroute_stats::routed());
-    let fell_back = kvroute_stats::prometheus(&kvroute_stats::fallback());
+    let decided = kvroute_stats::prometheus(kvroute_stats::routed());
+    let fell_back = kvroute_stats::prometheus(kvroute_stats::fallback());
     let mut decisions: Vec<(String, u64)> = stats
         .into_iter()
         .filter(|(n, v)| *v > 0 && (n.starts_with(&decided) || n.starts_with(&fell_back)))

@@ -185,7 +185,7 @@ pub(crate) async fn print_decisions<'a>(
             stats.sort();
             Ok::<_, String>(stats)
         };
-        let routed = stats(kvroute_stats::routed()).await?;
+        let routed = stats(kvroute_stats::routed().to_string()).await?;
         if name != CONFIGS[1] {
             println!("{name} decisions during the run: {routed:?}");
             continue;
