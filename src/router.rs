@@ -124,7 +124,9 @@ pub struct Routed {
     pub match_fraction: Option<f64>,
     /// Affinity slots this request wrote for the first time.
     pub slots_created: usize,
-    /// What the policy keeps of the request: hand it to [`Router::answered`] with its answer.
+    /// The request's prefix keys, and what the policy keeps of it: hand both to
+    /// [`Router::answered`] with its answer.
+    pub keys: Vec<u64>,
     pub ticket: Ticket,
     /// Whether the response will carry `usage` ([`Prompt::usage`](crate::request::Prompt)).
     pub usage: bool,
@@ -239,6 +241,7 @@ impl Router {
             decision: pick.decision,
             match_fraction: pick.match_fraction,
             slots_created,
+            keys: keys.keys,
             ticket: pick.ticket,
             usage: prompt.usage,
             streams: prompt.streams,

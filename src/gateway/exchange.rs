@@ -56,10 +56,11 @@ pub(super) struct Prefilling {
     pub first_byte_ms: Option<u64>,
 }
 
-/// The endpoint a routed request was sent to, and the policy's ticket: what to settle once the
-/// response says who served it.
+/// The endpoint a routed request was sent to, its prefix keys and the policy's ticket: what to
+/// settle once the response says who served it.
 pub(super) struct Chosen {
     pub addr: String,
+    pub keys: Vec<u64>,
     pub ticket: Ticket,
 }
 
@@ -279,6 +280,7 @@ impl<H: HostApi> Gateway<H> {
         let primary = routed.endpoints.first().cloned().unwrap_or_default();
         ex.chosen = Some(Chosen {
             addr: primary.clone(),
+            keys: routed.keys,
             ticket: routed.ticket,
         });
         let m = &mut self.stats;

@@ -211,6 +211,7 @@ impl<H: HostApi> Gateway<H> {
             served: ex.served.as_deref(),
             ok,
             usage,
+            keys: &chosen.keys,
             now_ms: &|| host.now_ms(),
         };
         let settled = self.router.answered(host, chosen.ticket, &answer);

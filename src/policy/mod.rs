@@ -139,6 +139,8 @@ pub struct Answer<'a> {
     pub ok: bool,
     /// What the engine reported using (successful responses only).
     pub usage: Option<Usage>,
+    /// The request's prefix keys.
+    pub keys: &'a [u64],
     /// The time, read only when something is recorded (a host call).
     pub now_ms: &'a dyn Fn() -> u64,
 }

@@ -39,7 +39,7 @@ mod tests;
 
 pub use engine_prefix::EngineHolders;
 pub use group_home::GroupHomes;
-pub use prefix_index::{AffinityIndex, Found, PrefixIndex, Recorded, REFRESH_MS};
+pub use prefix_index::{AffinityIndex, Found, PrefixIndex, REFRESH_MS};
 
 use super::load::{least_loaded, mean_load, rendezvous_order, OverloadBound};
 use super::pipeline::{self, Filter, Reviser, Scorer, Scoring};
@@ -68,11 +68,11 @@ pub struct CacheAware {
 }
 
 /// What cache_aware keeps of a request in its [`Ticket`]: what its lookup found, for
-/// [`Policy::routed`], and what it records, for [`Policy::answered`].
+/// [`Policy::routed`], and what it predicted the chosen endpoint held, for [`Policy::answered`].
 #[derive(Debug)]
 pub struct Pending {
     found: Found,
-    recorded: Recorded,
+    predicted: Predicted,
 }
 
 impl CacheAware {
@@ -116,9 +116,8 @@ impl CacheAware {
 }
 
 /// Leading chunks of the request `c` is known to hold: the affinity map's longest match if it
-/// served it, the engines' longest held prefix if its engine reports it, the deeper.
-fn held_chunks(c: &Candidate, matched: Option<&Held>, engine: Option<&Held>) -> usize {
-    let served = matched.filter(|m| m.holders.contains(&c.id));
+/// served it (`served`), the engines' longest held prefix if its engine reports it, the deeper.
+fn held_chunks(c: &Candidate, served: Option<&Held>, engine: Option<&Held>) -> usize {
     let reported = engine.filter(|e| e.holders.contains(&c.id));
     served
         .map_or(0, |m| m.depth)
@@ -150,8 +149,8 @@ impl Policy for CacheAware {
             .unwrap_or_else(|| (least_loaded(candidates, group), Decision::Balance));
         let (index, decision) = pipeline::revise(&scoring, placed, &self.revisers);
         let chosen = &candidates[index];
-        let chunks = held_chunks(chosen, matched, held.as_ref());
         let served = matched.filter(|m| m.holders.contains(&chosen.id));
+        let chunks = held_chunks(chosen, served, held.as_ref());
         let predicted = Predicted {
             held: served.map_or(0, |m| m.depth),
             stamp_ms: served.and_then(|m| m.stamp_ms).unwrap_or(0),
@@ -159,18 +158,14 @@ impl Policy for CacheAware {
             chunk_size: input.chunk_size,
             routed_ms: input.now_ms,
         };
-        let keys = &input.keys.keys;
-        let match_fraction = matched.map(|m| m.depth as f64 / keys.len().max(1) as f64);
-        let recorded = Recorded {
-            keys: keys.clone(),
-            predicted,
-        };
+        let chunks_total = input.keys.keys.len().max(1);
+        let match_fraction = matched.map(|m| m.depth as f64 / chunks_total as f64);
         Some(Pick {
             index,
             decision,
             held_bytes: (chunks * input.chunk_size).min(input.prompt_bytes),
             match_fraction,
-            ticket: Ticket(Some(Pending { found, recorded })),
+            ticket: Ticket(Some(Pending { found, predicted })),
         })
     }
 
@@ -190,7 +185,7 @@ impl Policy for CacheAware {
 
     fn answered(&self, store: &dyn SharedStore, ticket: Ticket, answer: &Answer) -> Settled {
         match ticket.0 {
-            Some(pending) => self.index.answered(store, &pending.recorded, answer),
+            Some(pending) => self.index.answered(store, &pending.predicted, answer),
             None => Settled::default(),
         }
     }

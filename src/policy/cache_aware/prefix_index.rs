@@ -23,14 +23,6 @@ pub struct Found {
     horizons: HashMap<u32, u64>,
 }
 
-/// What a request routed to an endpoint is to settle once answered: its keys, and what the index
-/// said that endpoint held of them.
-#[derive(Debug)]
-pub struct Recorded {
-    pub keys: Vec<u64>,
-    pub predicted: Predicted,
-}
-
 /// Where a request's prefixes are held.
 pub trait PrefixIndex {
     /// The longest prefix of the request past its head that some endpoint holds, with the holders
@@ -40,7 +32,8 @@ pub trait PrefixIndex {
     /// the shared-data keys written for the first time.
     fn routed(&self, input: &Input, found: &Found, endpoint: u32) -> usize;
     /// The request was answered: settles what [`routed`](Self::routed) recorded.
-    fn answered(&self, store: &dyn SharedStore, recorded: &Recorded, answer: &Answer) -> Settled;
+    /// `predicted` is what the index said the chosen endpoint held of the request's keys.
+    fn answered(&self, store: &dyn SharedStore, predicted: &Predicted, answer: &Answer) -> Settled;
 }
 
 /// The affinity map ([`AffinityMap`]) with the engines' eviction horizons ([`eviction`]).
@@ -91,16 +84,15 @@ impl PrefixIndex for AffinityIndex {
         )
     }
 
-    fn answered(&self, store: &dyn SharedStore, recorded: &Recorded, answer: &Answer) -> Settled {
+    fn answered(&self, store: &dyn SharedStore, predicted: &Predicted, answer: &Answer) -> Settled {
         let now_ms = answer.now_ms;
         let mut settled = Settled::default();
-        let keys = &recorded.keys;
+        let keys = answer.keys;
         if keys.is_empty() {
             return settled;
         }
         let map = AffinityMap::new(store, self.capacity);
         let chosen = crate::rendezvous::endpoint_id(answer.chosen);
-        let predicted = &recorded.predicted;
         let held = predicted.held.min(keys.len());
         if answer.ok && answer.served == Some(answer.chosen) {
             // The engine says what it had cached: less than the map predicted is an eviction.
